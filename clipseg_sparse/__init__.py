@@ -1,0 +1,34 @@
+"""clipseg-sparse: training-free open-vocabulary segmentation with a frozen CLIP and sparse attention.
+
+    from clipseg_sparse import load_clip, AttentionSpec
+    clip = load_clip("ViT-B-16", pretrained="openai")
+    feats = clip.encode_dense(pixels, "qq/entmax:1.5")   # B x h x w x D
+
+Names are imported lazily so that `import clipseg_sparse` (and `clipseg-sparse --help`) stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "AttentionSpec": "attention",
+    "PRESETS": "attention",
+    "list_presets": "attention",
+    "Normalizer": "normalizers",
+    "normalize": "normalizers",
+    "entmax": "normalizers",
+    "load_clip": "model",
+    "DenseCLIP": "model",
+    "WeightsUnavailableError": "model",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

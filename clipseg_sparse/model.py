@@ -1,0 +1,237 @@
+"""Loading a frozen open_clip ViT and reading dense patch features through an attention spec.
+
+`load_clip` is the one entry point (open_clip's `create_model` underneath): it accepts a pretrained tag,
+a local checkpoint or no weights at all, and turns every way of failing to get weights into one
+`WeightsUnavailableError` that says what to do. `DenseCLIP.encode_dense` runs the untouched model up to
+the last `spec.layers` blocks, then runs those blocks itself from their own weights (no fork of
+open_clip's code, nothing patched in place), so one loaded model serves any number of specs.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .attention import AttentionSpec, edited_block_forward, resolve_spec
+
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+
+
+class WeightsUnavailableError(RuntimeError):
+    """CLIP weights could not be found locally nor downloaded."""
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """`auto` picks CUDA, then Apple MPS, then CPU."""
+    if device is None or str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def _is_torchscript_archive(path: Path) -> bool:
+    """OpenAI's own releases (ViT-B-16.pt, ...) are TorchScript zips; those models use QuickGELU."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("constants.pkl") for n in z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def _weights_help(model_name: str, pretrained: str) -> str:
+    return (
+        f"could not obtain weights {pretrained!r} for {model_name}. Model weights are downloaded from the "
+        f"Hugging Face Hub on first use and then read from its cache ($HF_HOME, default ~/.cache/huggingface). "
+        f"Offline, either pass a local checkpoint (--pretrained /path/to/model.pt|.bin|.safetensors), copy "
+        f"the cache from a machine that has it, or set HF_HUB_OFFLINE=1 to fail fast. "
+        f"Use --pretrained none for random weights (testing only)."
+    )
+
+
+def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool | None, cache_dir: str | None):
+    import open_clip
+
+    name = model_name
+    if name.endswith(".json"):  # a custom architecture, e.g. a tiny ViT for tests
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"{name}: model config file not found")
+        open_clip.add_model_config(path)
+        name = path.stem
+    elif open_clip.get_model_config(name.replace("/", "-")) is None:
+        vits = [m for m in open_clip.list_models() if m.startswith("ViT")]
+        raise ValueError(f"unknown model {model_name!r}; open_clip ViTs include: {', '.join(vits[:12])}, ...")
+    name = name.replace("/", "-")
+
+    if pretrained is None:
+        return open_clip.create_model(name, pretrained=None, force_quick_gelu=bool(quick_gelu)), name, None
+    path = Path(pretrained).expanduser()
+    if path.suffix in CHECKPOINT_SUFFIXES or os.sep in pretrained:
+        if not path.is_file():
+            raise WeightsUnavailableError(f"{pretrained}: checkpoint file not found. " + _weights_help(name, pretrained))
+        gelu = _is_torchscript_archive(path) if quick_gelu is None else quick_gelu
+        try:
+            model = open_clip.create_model(name, pretrained=str(path), force_quick_gelu=gelu)
+        except Exception as e:  # wrong architecture, truncated file, ...
+            raise WeightsUnavailableError(f"{pretrained}: cannot load as {name} weights: {e}") from e
+        return model, name, str(path)
+    cfg = open_clip.get_pretrained_cfg(name, pretrained)
+    if not cfg:
+        tags = open_clip.list_pretrained_tags_by_model(name)
+        raise ValueError(
+            f"unknown pretrained tag {pretrained!r} for {name}; tags: {', '.join(tags) or '(none)'}; "
+            f"or give a checkpoint path, or 'none'"
+        )
+    gelu = cfg.get("quick_gelu", False) if quick_gelu is None else quick_gelu
+    try:
+        model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=gelu, cache_dir=cache_dir)
+    except Exception as e:
+        raise WeightsUnavailableError(_weights_help(name, pretrained)) from e
+    return model, name, pretrained
+
+
+def load_clip(
+    model_name: str = "ViT-B-16",
+    pretrained: str | None = "openai",
+    device: str | torch.device | None = "auto",
+    precision: str = "fp32",
+    quick_gelu: bool | None = None,
+    cache_dir: str | None = None,
+) -> "DenseCLIP":
+    """Load a frozen open_clip ViT for dense prediction.
+
+    model_name: an open_clip name (`ViT-B-16`, `ViT-L-14`, ...) or a path to an open_clip model-config
+        JSON file. pretrained: an open_clip tag (default `openai`), a local checkpoint file
+        (.pt / .pth / .bin / .safetensors), or None / "none" for random weights.
+    quick_gelu: None = what the weights were trained with (the tag's setting; True for OpenAI's own
+        TorchScript checkpoints). precision: fp32, fp16 or bf16 (the model is cast; use fp16/bf16 on GPU).
+    Raises WeightsUnavailableError with instructions when weights cannot be had (offline, missing file).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
+    if isinstance(pretrained, str) and pretrained.lower() in ("", "none"):
+        pretrained = None
+    model, name, weights = _create_open_clip(model_name, pretrained, quick_gelu, cache_dir)
+    import open_clip
+
+    dev = resolve_device(device)
+    model = model.to(device=dev, dtype=PRECISIONS[precision]).eval().requires_grad_(False)
+    return DenseCLIP(
+        model=model,
+        tokenizer=open_clip.get_tokenizer(name),
+        model_name=name,
+        pretrained=weights or "none",
+        precision=precision,
+    )
+
+
+@dataclass
+class DenseCLIP:
+    """A frozen CLIP with text embeddings and dense (per-patch) image embeddings.
+
+    `model` is the open_clip model with its weights untouched; specs are applied per call.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    model_name: str
+    pretrained: str
+    precision: str = "fp32"
+    _pos_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def visual(self) -> torch.nn.Module:
+        return self.model.visual
+
+    @property
+    def device(self) -> torch.device:
+        return self.visual.proj.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.visual.proj.dtype
+
+    @property
+    def patch_size(self) -> int:
+        return int(self.visual.patch_size[0])
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.visual.proj.shape[1])
+
+    @property
+    def mean(self) -> tuple[float, float, float]:
+        return tuple(self.visual.preprocess_cfg["mean"])
+
+    @property
+    def std(self) -> tuple[float, float, float]:
+        return tuple(self.visual.preprocess_cfg["std"])
+
+    @property
+    def logit_scale(self) -> float:
+        return float(self.model.logit_scale.exp())
+
+    @torch.inference_mode()
+    def encode_text(self, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+        """L2-normalised text embeddings, T x D (fp32)."""
+        feats = []
+        for i in range(0, len(texts), batch_size):
+            tokens = self.tokenizer(list(texts[i : i + batch_size])).to(self.device)
+            feats.append(F.normalize(self.model.encode_text(tokens).float(), dim=-1))
+        return torch.cat(feats) if feats else torch.zeros(0, self.embed_dim)
+
+    def positional_embedding(self, grid: tuple[int, int]) -> torch.Tensor:
+        """Positional embeddings (1 + h*w) x C, bicubically interpolated from the native grid."""
+        pos = self.visual.positional_embedding
+        native = tuple(self.visual.grid_size)
+        if tuple(grid) == native:
+            return pos
+        key = (grid, pos.dtype, pos.device)
+        if key not in self._pos_cache:
+            cls, patches = pos[:1], pos[1:]
+            patches = patches.reshape(1, *native, -1).permute(0, 3, 1, 2).float()
+            patches = F.interpolate(patches, size=grid, mode="bicubic", align_corners=False)
+            patches = patches.permute(0, 2, 3, 1).reshape(grid[0] * grid[1], -1).to(pos.dtype)
+            self._pos_cache[key] = torch.cat([cls, patches])
+        return self._pos_cache[key]
+
+    @torch.inference_mode()
+    def encode_dense(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:
+        """Dense features B x h x w x D, after ln_post and proj, L2-normalised, CLS dropped.
+
+        pixels: B x 3 x H x W CLIP-normalised, H and W multiples of the patch size; h = H / patch.
+        spec: AttentionSpec, its text form or a preset name (None = unmodified CLIP).
+        """
+        spec = resolve_spec(spec)
+        v = self.visual
+        ps = self.patch_size
+        B, _, H, W = pixels.shape
+        if H % ps or W % ps:
+            raise ValueError(f"input {H}x{W} is not a multiple of the patch size {ps}")
+        grid = (H // ps, W // ps)
+        blocks = v.transformer.resblocks
+        if spec.layers > len(blocks):
+            raise ValueError(f"spec edits {spec.layers} blocks but the model has {len(blocks)}")
+        x = v.conv1(pixels.to(device=self.device, dtype=self.dtype)).flatten(2).transpose(1, 2)
+        cls = v.class_embedding.to(x.dtype).view(1, 1, -1).expand(B, -1, -1)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding(grid).to(x.dtype)
+        x = v.ln_pre(v.patch_dropout(x))
+        if not v.transformer.batch_first:
+            raise ValueError("only batch-first open_clip transformers are supported (open_clip >= 2.24 default)")
+        n_plain = len(blocks) if spec.is_identity else len(blocks) - spec.layers
+        for blk in blocks[:n_plain]:
+            x = blk(x)
+        for blk in blocks[n_plain:]:
+            x = edited_block_forward(blk, x, spec, grid)
+        x = v.ln_post(x[:, 1:]) @ v.proj
+        return F.normalize(x.float(), dim=-1).reshape(B, *grid, -1)

@@ -1,0 +1,32 @@
+"""Shared fixtures: small random-init open_clip models (no weights can be downloaded in CI)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Never let a test wait on the network for weights.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DATA = Path(__file__).parent / "data"
+TINY_CONFIG = str(DATA / "tiny-vit.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_clip():
+    """A 3-block, width-96 ViT/16 with a 64x64 native grid of 4x4 patches, random weights."""
+    from clipseg_sparse import load_clip
+
+    torch.manual_seed(0)
+    return load_clip(TINY_CONFIG, pretrained=None, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def vit_b16():
+    from clipseg_sparse import load_clip
+
+    torch.manual_seed(0)
+    return load_clip("ViT-B-16", pretrained=None, device="cpu")

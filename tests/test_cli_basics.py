@@ -1,0 +1,26 @@
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from clipseg_sparse.cli import app
+
+runner = CliRunner()
+
+
+def test_ls_presets_lists_every_registered_preset():
+    from clipseg_sparse.attention import PRESETS
+
+    result = runner.invoke(app, ["ls", "presets"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for name in PRESETS:
+        assert name in result.output
+    assert "qq+kk/softmax/noffn" in result.output
+
+
+def test_version_and_help_are_fast_and_do_not_import_torch():
+    code = "import sys; from clipseg_sparse.cli import app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.startswith("clipseg-sparse ")

@@ -1,0 +1,109 @@
+import entmax as entmax_pkg
+import pytest
+import torch
+
+from clipseg_sparse.normalizers import Normalizer, entmax, normalize, random_mask_softmax
+
+ALPHAS = [1.1, 1.25, 1.5, 1.75, 2.0]
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    random = torch.randn(64, 197, generator=g) * 3
+    peaked = torch.randn(64, 197, generator=g) * 0.5
+    peaked[:, :3] += 8.0
+    flat = torch.randn(64, 197, generator=g) * 0.05
+    return {"random": random, "peaked": peaked, "flat": flat}
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("kind", ["random", "peaked", "flat"])
+def test_entmax_matches_package(alpha, kind):
+    x = _inputs()[kind]
+    ref = entmax_pkg.entmax_bisect(x.double(), alpha=alpha, n_iter=200).float()
+    out = normalize(x, f"entmax:{alpha}")
+    assert (out - ref).abs().max() <= 1e-5
+    assert torch.allclose(out.sum(-1), torch.ones(64), atol=1e-5)
+
+
+def test_entmax_k_independent_when_support_is_large():
+    # flat rows have supports far larger than k, which forces the full-row fallback
+    x = _inputs()["flat"]
+    for k in (2, 8, 197):
+        assert torch.allclose(entmax(x, 1.75, k=k), entmax(x, 1.75, k=300), atol=1e-6)
+
+
+def test_closed_forms():
+    x = _inputs()["random"]
+    assert (normalize(x, "entmax:2") - entmax_pkg.sparsemax(x, dim=-1)).abs().max() <= 1e-6
+    assert (normalize(x, "sparsemax") - entmax_pkg.sparsemax(x, dim=-1)).abs().max() <= 1e-6
+    assert (normalize(x, "entmax:1.5") - entmax_pkg.entmax15(x, dim=-1)).abs().max() <= 1e-6
+
+
+def test_alpha_to_one_is_softmax():
+    x = _inputs()["random"]
+    assert torch.equal(normalize(x, "entmax:1"), torch.softmax(x, -1))
+    near = normalize(x, "entmax:1.001")
+    assert (near - torch.softmax(x, -1)).abs().max() < 5e-3
+    # sparsity grows with alpha
+    nnz = [(normalize(x, f"entmax:{a}") > 0).sum().item() for a in ALPHAS]
+    assert nnz == sorted(nnz, reverse=True) and nnz[0] > nnz[-1]
+
+
+def test_neg_inf_and_equal_rows():
+    x = torch.randn(4, 10)
+    x[:, 3:7] = float("-inf")
+    for name in ["softmax", "entmax:1.3", "entmax:1.5", "sparsemax"]:
+        p = normalize(x, name)
+        assert not torch.isnan(p).any()
+        assert torch.all(p[:, 3:7] == 0)
+        assert torch.allclose(p.sum(-1), torch.ones(4), atol=1e-6)
+    eq = torch.full((3, 7), 2.5)
+    for name in ["entmax:1.25", "entmax:1.5", "sparsemax"]:
+        assert torch.allclose(normalize(eq, name), torch.full((3, 7), 1 / 7), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    x = _inputs()["random"]
+    for name in ["softmax", "entmax:1.5", "entmax:1.25", "sparsemax"]:
+        p = normalize(x.to(dtype), name)
+        assert p.dtype == dtype
+        assert not torch.isnan(p).any()
+        # same rows as the fp32 solve of the rounded input, up to output rounding
+        assert (p.float() - normalize(x.to(dtype).float(), name)).abs().max() < 1e-2
+
+
+def test_dim_argument():
+    x = torch.randn(5, 9, 4)
+    assert torch.allclose(normalize(x, "entmax:1.5", dim=1), normalize(x.transpose(1, 2), "entmax:1.5").transpose(1, 2))
+
+
+def test_gradients_fall_back_to_package():
+    x = torch.randn(3, 6, requires_grad=True)
+    normalize(x, "entmax:1.3").pow(2).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_randmask_matches_entmax_sparsity():
+    x = _inputs()["random"]
+    g = torch.Generator().manual_seed(1)
+    p = random_mask_softmax(x, 1.5, generator=g)
+    assert torch.equal((p > 0).sum(-1), (entmax(x, 1.5) > 0).sum(-1))
+    assert torch.all(p.gather(-1, x.argmax(-1, keepdim=True)) > 0)
+    assert torch.allclose(p.sum(-1), torch.ones(64), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "text,canonical",
+    [("softmax", "softmax"), ("entmax:1.5", "entmax:1.5"), ("entmax:2", "sparsemax"), ("entmax:1.0", "softmax"),
+     ("SPARSEMAX", "sparsemax"), ("randmask:1.25", "randmask:1.25")],
+)
+def test_parse(text, canonical):
+    assert str(Normalizer.parse(text)) == canonical
+
+
+@pytest.mark.parametrize("bad", ["entmax", "entmax:0.5", "entmax:2.5", "entmax:x", "gumbel", "softmax:2", "randmask:1"])
+def test_parse_errors(bad):
+    with pytest.raises(ValueError):
+        Normalizer.parse(bad)
