@@ -23,6 +23,12 @@ _EXPORTS = {
     "load_clip": "model",
     "DenseCLIP": "model",
     "WeightsUnavailableError": "model",
+    "Vocabulary": "text",
+    "embed_names": "text",
+    "Segmenter": "inference",
+    "InferenceSettings": "inference",
+    "SegmentationResult": "inference",
+    "load_image": "images",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,0 +1,71 @@
+"""Options and helpers shared by the commands that run a model (segment, eval, fgovd, sweep).
+
+The library owns defaults: an option left unset on the command line is None here and is dropped
+before the library is called, so precedence is command line > preset/protocol > library default.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, NoReturn, Optional
+
+import typer
+from rich.console import Console
+
+err_console = Console(stderr=True)
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="open_clip model name (ViT-B-16, ViT-L-14, ...) or a model-config JSON.")]
+PretrainedOpt = Annotated[
+    str, typer.Option("--pretrained", help="open_clip tag (openai), a checkpoint file (.pt/.bin/.safetensors), or 'none' (random weights).")
+]
+DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run; auto picks cuda, then mps, then cpu.")]
+PrecisionOpt = Annotated[Precision, typer.Option("--precision", help="Model precision; fp16/bf16 are for GPUs.")]
+PresetOpt = Annotated[
+    Optional[str], typer.Option("--preset", help="Attention preset: clip, maskclip, sclip, clearclip, naclip, *-entmax (see `ls presets`).")
+]
+AttnOpt = Annotated[
+    Optional[str],
+    typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER[/OPTION...], e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
+]
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """One-line error on stderr and a non-zero exit (2 = bad usage or input)."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def resolve_attention(preset: str | None, attn: str | None, default: str = "sclip"):
+    """--attn wins over --preset, which wins over the command's default preset."""
+    from .attention import AttentionSpec
+
+    text = attn or preset or default
+    try:
+        return AttentionSpec.parse(text)
+    except ValueError as e:
+        fail(str(e))
+
+
+def load_model(model: str, pretrained: str, device: Device, precision: Precision):
+    """load_clip with user errors turned into one-line messages."""
+    from .model import WeightsUnavailableError, load_clip
+
+    try:
+        with err_console.status(f"loading {model} ({pretrained})"):
+            return load_clip(model, pretrained=pretrained, device=device.value, precision=precision.value)
+    except (WeightsUnavailableError, ValueError, FileNotFoundError) as e:
+        fail(str(e))

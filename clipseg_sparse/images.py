@@ -1,0 +1,57 @@
+"""Reading user images into RGB uint8 arrays, whatever their mode, bit depth or EXIF orientation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm")
+
+
+class ImageReadError(ValueError):
+    """An image file that cannot be decoded; the message names the file and the reason."""
+
+
+def is_image_path(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_SUFFIXES
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """EXIF-rotate, then convert L, LA, P, RGBA, CMYK, I;16 and I modes to 8-bit RGB."""
+    img = ImageOps.exif_transpose(img)
+    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        arr = np.asarray(img, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        scale = 255.0 / (hi - lo) if hi > lo else 0.0
+        img = Image.fromarray(((arr - lo) * scale).round().astype(np.uint8), "L")
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(background, rgba)
+    return img.convert("RGB")
+
+
+def load_image(image: str | Path | Image.Image | np.ndarray) -> np.ndarray:
+    """H x W x 3 uint8 RGB from a path, a PIL image or an array (H x W, H x W x 3/4; uint8 or float 0..1)."""
+    if isinstance(image, (str, Path)):
+        path = Path(image)
+        try:
+            with Image.open(path) as img:
+                img.load()
+                return np.asarray(to_rgb(img))
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # truncated, not an image, unsupported mode
+            raise ImageReadError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
+    if isinstance(image, Image.Image):
+        return np.asarray(to_rgb(image))
+    arr = np.asarray(image)
+    if arr.dtype != np.uint8:
+        arr = np.clip(arr * 255.0 if arr.max() <= 1.0 else arr, 0, 255).round().astype(np.uint8)
+    if arr.ndim == 2:
+        arr = np.repeat(arr[..., None], 3, axis=-1)
+    if arr.ndim != 3 or arr.shape[-1] not in (3, 4):
+        raise ValueError(f"expected an H x W (x 3|4) image array, got shape {arr.shape}")
+    return np.ascontiguousarray(arr[..., :3])

@@ -1,0 +1,238 @@
+"""From an image to a label map: resize, sliding windows, text matching, background rule.
+
+The steps and their defaults follow the published training-free code (SCLIP / mmseg): keep-ratio resize
+so the short side is `resolution` (long side capped at 2048), 224 x 224 windows with stride 112 and the
+last window shifted back inside the image, cosine maps upsampled bilinearly to each window and averaged
+where windows overlap, then upsampled to the original size; probabilities are
+softmax(logit_scale * cosine) over all names, then the max over each class's synonyms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .attention import AttentionSpec, resolve_spec
+from .images import load_image
+from .model import DenseCLIP
+from .text import Vocabulary, embed_names, resolve_templates
+
+
+@dataclass(frozen=True)
+class InferenceSettings:
+    """Every knob between pixels and labels. 0 disables resolution (keep size) and window (whole image)."""
+
+    resolution: int = 336
+    max_long_side: int = 2048
+    window: int = 224
+    stride: int = 112
+    logit_scale: float = 40.0
+    bg_threshold: float = 0.0
+    area_threshold: float = 0.0
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("resolution", "window", "max_long_side"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
+        if self.window and not 0 < self.stride <= self.window:
+            raise ValueError(f"stride must be in (0, window] (got stride {self.stride}, window {self.window})")
+        if not 0.0 <= self.bg_threshold <= 1.0 or not 0.0 <= self.area_threshold <= 1.0:
+            raise ValueError("bg_threshold and area_threshold must be in [0, 1]")
+        if self.batch_size < 1 or self.logit_scale <= 0:
+            raise ValueError("batch_size must be >= 1 and logit_scale > 0")
+
+    def replace(self, **changes) -> "InferenceSettings":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def resized_shape(height: int, width: int, short_side: int, long_cap: int = 2048) -> tuple[int, int]:
+    """mmcv's keep-ratio rescale to (long_cap, short_side): scale = min(long_cap/long, short/short)."""
+    if not short_side:
+        return height, width
+    scale = min(short_side / min(height, width), (long_cap or math.inf) / max(height, width))
+    return int(height * scale + 0.5), int(width * scale + 0.5)
+
+
+def window_boxes(height: int, width: int, window: int, stride: int) -> list[tuple[int, int, int, int]]:
+    """(y1, y2, x1, x2) of mmseg's sliding windows; the last one is shifted back inside the image."""
+    if not window:
+        return [(0, height, 0, width)]
+    rows = max(height - window + stride - 1, 0) // stride + 1
+    cols = max(width - window + stride - 1, 0) // stride + 1
+    boxes = []
+    for r in range(rows):
+        for c in range(cols):
+            y2, x2 = min(r * stride + window, height), min(c * stride + window, width)
+            boxes.append((max(y2 - window, 0), y2, max(x2 - window, 0), x2))
+    return boxes
+
+
+def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 H x W x 3 -> 1 x 3 x size CLIP-normalised fp32 (bilinear resize, as mmcv does)."""
+    x = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float()
+    if tuple(x.shape[-2:]) != tuple(size):
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False).clamp(0, 255)
+    mean = torch.tensor(clip.mean).view(1, 3, 1, 1) * 255
+    std = torch.tensor(clip.std).view(1, 3, 1, 1) * 255
+    return (x - mean) / std
+
+
+def dense_cosine(
+    clip: DenseCLIP,
+    pixels: torch.Tensor,
+    text: torch.Tensor,
+    spec: AttentionSpec,
+    window: int = 224,
+    stride: int = 112,
+    batch_size: int = 16,
+) -> torch.Tensor:
+    """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size.
+
+    Windows run as batches; each window's patch map is upsampled bilinearly to the window and the
+    overlaps are averaged. Windows whose sides are not multiples of the patch size are zero-padded.
+    """
+    _, _, H, W = pixels.shape
+    boxes = window_boxes(H, W, window, stride)
+    wh, ww = boxes[0][1] - boxes[0][0], boxes[0][3] - boxes[0][2]
+    ps = clip.patch_size
+    pad_h, pad_w = -wh % ps, -ww % ps
+    text = text.to(clip.device)
+    total = torch.zeros(text.shape[0], H, W, device=clip.device)
+    count = torch.zeros(1, H, W, device=clip.device)
+    for i in range(0, len(boxes), batch_size):
+        chunk = boxes[i : i + batch_size]
+        crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
+        crops = F.pad(crops, (0, pad_w, 0, pad_h))
+        feats = clip.encode_dense(crops, spec)  # B x h x w x D
+        cos = torch.einsum("bhwd,nd->bnhw", feats, text)
+        cos = F.interpolate(cos, size=(wh + pad_h, ww + pad_w), mode="bilinear", align_corners=False)
+        for (y1, y2, x1, x2), c in zip(chunk, cos[..., :wh, :ww]):
+            total[:, y1:y2, x1:x2] += c
+            count[:, y1:y2, x1:x2] += 1
+    return total / count
+
+
+def class_probabilities(
+    cosine: torch.Tensor, name_to_class: Sequence[int], num_classes: int, logit_scale: float
+) -> torch.Tensor:
+    """softmax(logit_scale * cosine) over all names, then the max over each class's names: C x H x W."""
+    probs = torch.softmax(cosine * logit_scale, dim=0)
+    if len(name_to_class) == num_classes:
+        return probs
+    index = torch.as_tensor(name_to_class, device=probs.device).view(-1, 1, 1).expand_as(probs)
+    out = torch.zeros(num_classes, *probs.shape[1:], device=probs.device, dtype=probs.dtype)
+    return out.scatter_reduce(0, index, probs, reduce="amax", include_self=False)
+
+
+def probabilities_to_labels(probs: torch.Tensor, bg_threshold: float = 0.0, area_threshold: float = 0.0) -> torch.Tensor:
+    """Argmax labels with SCLIP's background rules; class 0 is the background class.
+
+    area_threshold: classes 1.. whose predicted area is at most this fraction of all non-background
+    predicted pixels are dropped (their probabilities zeroed). bg_threshold: pixels whose top probability
+    is below it become class 0.
+    """
+    if area_threshold > 0 and probs.shape[0] > 1:
+        pred = probs.argmax(0)
+        area = torch.bincount(pred.flatten(), minlength=probs.shape[0])[1:].to(probs.dtype)
+        keep = (area > area_threshold * area.sum()).to(probs.dtype)
+        probs = torch.cat([probs[:1], probs[1:] * keep.view(-1, 1, 1)])
+    top, labels = probs.max(0)
+    if bg_threshold > 0:
+        labels[top < bg_threshold] = 0
+    return labels
+
+
+@dataclass
+class SegmentationResult:
+    """labels: H x W int64 at the original size; probs: C x H x W float32 (after the max over synonyms)."""
+
+    labels: np.ndarray
+    probs: np.ndarray
+    class_names: tuple[str, ...]
+    settings: dict = field(default_factory=dict)
+
+    def present(self) -> dict[str, float]:
+        """Pixel fraction of each class present, largest first."""
+        counts = np.bincount(self.labels.ravel(), minlength=len(self.class_names))
+        total = max(int(counts.sum()), 1)
+        order = np.argsort(-counts, kind="stable")
+        return {self.class_names[i]: counts[i] / total for i in order if counts[i] > 0}
+
+
+class Segmenter:
+    """Open-vocabulary segmentation of single images with a fixed model, spec, vocabulary and settings.
+
+        seg = Segmenter(load_clip("ViT-B-16"), "cat,dog,grass", spec="sclip")
+        result = seg.predict("photo.jpg")        # result.labels, result.probs, result.class_names
+
+    The vocabulary is embedded once (and cached on disk) when the segmenter is built.
+    """
+
+    def __init__(
+        self,
+        clip: DenseCLIP,
+        vocabulary: Vocabulary | str | Sequence[str],
+        spec: AttentionSpec | str | None = "sclip",
+        settings: InferenceSettings | None = None,
+        templates: str | Sequence[str] = "openai",
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        if isinstance(vocabulary, str):
+            vocabulary = Vocabulary.parse(vocabulary)
+        elif not isinstance(vocabulary, Vocabulary):
+            vocabulary = Vocabulary.from_names([[n] for n in vocabulary])
+        self.clip = clip
+        self.vocabulary = vocabulary
+        self.spec = resolve_spec(spec)
+        self.settings = settings or InferenceSettings()
+        self.templates = resolve_templates(templates)
+        self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir)
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return self.vocabulary.labels
+
+    def config(self) -> dict:
+        """Everything that changes a prediction, for result files."""
+        return {
+            "model": self.clip.model_name,
+            "pretrained": self.clip.pretrained,
+            "precision": self.clip.precision,
+            "attention": str(self.spec),
+            "templates": len(self.templates) if len(self.templates) > 1 else self.templates[0],
+            "classes": [list(syn) for syn in self.vocabulary.names],
+            **dataclasses.asdict(self.settings),
+        }
+
+    def cosine(self, image: np.ndarray) -> torch.Tensor:
+        """N_names x H x W cosine at the original image size, for an RGB uint8 image."""
+        s = self.settings
+        height, width = image.shape[:2]
+        size = resized_shape(height, width, s.resolution, s.max_long_side)
+        pixels = to_pixels(image, self.clip, size)
+        cos = dense_cosine(self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size)
+        if size != (height, width):
+            cos = F.interpolate(cos[None], size=(height, width), mode="bilinear", align_corners=False)[0]
+        return cos
+
+    @torch.inference_mode()
+    def predict(self, image) -> SegmentationResult:
+        """Segment one image (a path, a PIL image or an H x W x 3 array)."""
+        rgb = load_image(image)
+        s = self.settings
+        probs = class_probabilities(self.cosine(rgb), self.vocabulary.name_to_class, len(self.vocabulary), s.logit_scale)
+        labels = probabilities_to_labels(probs, s.bg_threshold, s.area_threshold)
+        return SegmentationResult(
+            labels=labels.cpu().numpy(),
+            probs=probs.float().cpu().numpy(),
+            class_names=self.class_names,
+            settings=self.config(),
+        )

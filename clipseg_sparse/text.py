@@ -1,0 +1,167 @@
+"""Vocabularies, prompt templates and cached text embeddings.
+
+A vocabulary is a list of classes, each with one or more names (synonyms). Published class files put
+one class per line with synonyms separated by ", "; on the command line `|` joins synonyms and `,`
+separates classes. Each name is embedded with every template; the template embeddings are
+L2-normalised, averaged and re-normalised (the CLIP zero-shot recipe). Embeddings are cached on disk,
+keyed by model, weights, names and templates, so a vocabulary is embedded once per model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from .model import DenseCLIP
+
+SINGLE_TEMPLATE = ("a photo of a {}.",)
+
+
+def openai_imagenet_templates() -> tuple[str, ...]:
+    """The 80 prompt templates of CLIP's ImageNet zero-shot evaluation (taken from open_clip)."""
+    from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
+
+    return tuple(t("{}") for t in OPENAI_IMAGENET_TEMPLATES)
+
+
+def resolve_templates(templates: str | Sequence[str] = "openai") -> tuple[str, ...]:
+    """`openai` (80 templates), `single` ("a photo of a {}."), `none` ("{}"), a file, or a list."""
+    if not isinstance(templates, str):
+        out = tuple(templates)
+    elif templates == "openai":
+        return openai_imagenet_templates()
+    elif templates == "single":
+        return SINGLE_TEMPLATE
+    elif templates == "none":
+        return ("{}",)
+    else:
+        path = Path(templates)
+        if not path.is_file():
+            raise ValueError(f"templates {templates!r}: not 'openai', 'single', 'none' or an existing file")
+        out = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    bad = [t for t in out if "{}" not in t]
+    if not out or bad:
+        raise ValueError(f"every template needs a '{{}}' placeholder for the class name (bad: {bad[:3] or 'none given'})")
+    return out
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """Classes to segment. `names[i]` are the synonyms of class i; `labels[i]` its display name."""
+
+    names: tuple[tuple[str, ...], ...]
+    labels: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ValueError("the vocabulary is empty: give at least one class")
+        if len(self.names) != len(self.labels):
+            raise ValueError("one label per class is needed")
+        for syn in self.names:
+            if not syn or any(not n for n in syn):
+                raise ValueError("every class needs at least one non-empty name")
+
+    @classmethod
+    def from_names(cls, names: Sequence[Sequence[str]], labels: Sequence[str] | None = None) -> "Vocabulary":
+        names = tuple(tuple(n.strip() for n in syn if n.strip()) for syn in names)
+        labels = tuple(labels) if labels is not None else tuple(syn[0] if syn else "" for syn in names)
+        return cls(names, labels)
+
+    @classmethod
+    def parse(cls, text: str) -> "Vocabulary":
+        """`"cat,dog|puppy,sky"`: commas separate classes, `|` joins synonyms of one class."""
+        classes = [c for c in text.split(",") if c.strip()]
+        return cls.from_names([c.split("|") for c in classes])
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Vocabulary":
+        """One class per line, synonyms separated by ", " (the format of the published class files)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: class-names file not found")
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"{path}: class-names file is empty")
+        return cls.from_names([line.split(",") for line in lines])
+
+    def with_background(self, names: Sequence[str], label: str = "background") -> "Vocabulary":
+        """Prepend a background class (index 0) named by `names`, e.g. stuff words such as sky, wall."""
+        names = tuple(n.strip() for n in names if n.strip())
+        if not names:
+            raise ValueError("background needs at least one name")
+        return Vocabulary(((*names,), *self.names), (label, *self.labels))
+
+    @property
+    def flat_names(self) -> tuple[str, ...]:
+        return tuple(n for syn in self.names for n in syn)
+
+    @property
+    def name_to_class(self) -> list[int]:
+        return [i for i, syn in enumerate(self.names) for _ in syn]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def default_cache_dir() -> Path:
+    """`$CLIPSEG_SPARSE_CACHE`, else `$XDG_CACHE_HOME/clipseg-sparse`, else `~/.cache/clipseg-sparse`."""
+    if os.environ.get("CLIPSEG_SPARSE_CACHE"):
+        return Path(os.environ["CLIPSEG_SPARSE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "clipseg-sparse"
+
+
+def _weights_key(clip: "DenseCLIP") -> str | None:
+    """What identifies the weights; None for random weights, which must never be cached."""
+    if clip.pretrained == "none":
+        return None
+    path = Path(clip.pretrained)
+    if path.is_file():
+        st = path.stat()
+        return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return clip.pretrained
+
+
+def text_cache_key(clip: "DenseCLIP", names: Sequence[str], templates: Sequence[str]) -> str | None:
+    weights = _weights_key(clip)
+    if weights is None:
+        return None
+    blob = json.dumps([clip.model_name, weights, clip.precision, list(names), list(templates)])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def embed_names(
+    clip: "DenseCLIP",
+    names: Sequence[str],
+    templates: str | Sequence[str] = "openai",
+    cache_dir: str | Path | None = None,
+    use_cache: bool = True,
+) -> "torch.Tensor":
+    """Text embeddings for `names` (N x D, fp32, L2-normalised), averaged over templates."""
+    import torch
+    import torch.nn.functional as F
+
+    templates = resolve_templates(templates)
+    key = text_cache_key(clip, names, templates) if use_cache else None
+    cache_file = Path(cache_dir or default_cache_dir()) / "text" / f"{key}.pt" if key else None
+    if cache_file is not None and cache_file.is_file():
+        try:
+            return torch.load(cache_file, map_location=clip.device, weights_only=True)
+        except Exception:  # a torn write from an interrupted run: recompute
+            cache_file.unlink(missing_ok=True)
+    prompts = [t.format(n) for n in names for t in templates]
+    emb = clip.encode_text(prompts).reshape(len(names), len(templates), -1)
+    emb = F.normalize(F.normalize(emb, dim=-1).mean(1), dim=-1)
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+        torch.save(emb.cpu(), tmp)
+        tmp.replace(cache_file)
+    return emb

@@ -1,0 +1,158 @@
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clipseg_sparse import InferenceSettings, Segmenter, Vocabulary
+from clipseg_sparse.inference import (
+    class_probabilities,
+    probabilities_to_labels,
+    resized_shape,
+    to_pixels,
+    window_boxes,
+)
+from clipseg_sparse.text import embed_names, openai_imagenet_templates, resolve_templates
+
+
+def test_vocabulary_parsing(tmp_path):
+    v = Vocabulary.parse("cat, dog|puppy ,sky")
+    assert v.names == (("cat",), ("dog", "puppy"), ("sky",))
+    assert v.labels == ("cat", "dog", "sky")
+    assert v.flat_names == ("cat", "dog", "puppy", "sky")
+    assert v.name_to_class == [0, 1, 1, 2]
+    f = tmp_path / "cls.txt"
+    f.write_text("sky, wall, tree\naeroplane\nperson, person in shirt\n")
+    v = Vocabulary.from_file(f)
+    assert v.names[0] == ("sky", "wall", "tree") and v.names[2] == ("person", "person in shirt")
+    bg = Vocabulary.parse("cat").with_background(["sky", "wall"])
+    assert bg.labels == ("background", "cat") and bg.names[0] == ("sky", "wall")
+    with pytest.raises(ValueError, match="empty"):
+        Vocabulary.parse(" , ")
+
+
+def test_templates(tmp_path):
+    assert len(openai_imagenet_templates()) == 80
+    assert all("{}" in t for t in openai_imagenet_templates())
+    assert resolve_templates("single") == ("a photo of a {}.",)
+    f = tmp_path / "t.txt"
+    f.write_text("a {} here\n\nthe {}\n")
+    assert resolve_templates(str(f)) == ("a {} here", "the {}")
+    f.write_text("no placeholder\n")
+    with pytest.raises(ValueError, match="placeholder"):
+        resolve_templates(str(f))
+
+
+def test_text_embedding_is_mean_of_normalised_templates(tiny_clip):
+    templates = ("a photo of a {}.", "a drawing of a {}.")
+    emb = embed_names(tiny_clip, ["cat", "dog"], templates, use_cache=False)
+    per = F.normalize(tiny_clip.encode_text([t.format(n) for n in ["cat", "dog"] for t in templates]), dim=-1)
+    ref = F.normalize(per.view(2, 2, -1).mean(1), dim=-1)
+    assert torch.allclose(emb, ref, atol=1e-6)
+
+
+def test_text_cache(tiny_clip, tmp_path):
+    from safetensors.torch import save_file
+
+    from clipseg_sparse import load_clip
+    from conftest import TINY_CONFIG
+
+    ckpt = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in tiny_clip.model.state_dict().items()}, ckpt)
+    clip = load_clip(TINY_CONFIG, pretrained=str(ckpt))
+    cache = tmp_path / "cache"
+    first = embed_names(clip, ["cat", "dog"], "single", cache_dir=cache)
+    files = list((cache / "text").glob("*.pt"))
+    assert len(files) == 1
+    calls = []
+    original = clip.encode_text
+    clip.encode_text = lambda texts, **kw: calls.append(texts) or original(texts)
+    again = embed_names(clip, ["cat", "dog"], "single", cache_dir=cache)
+    assert calls == [] and torch.equal(first, again)
+    embed_names(clip, ["cat", "bird"], "single", cache_dir=cache)  # new vocabulary: new entry
+    assert len(calls) == 1 and len(list((cache / "text").glob("*.pt"))) == 2
+    # random weights are never cached: their embeddings change with every initialisation
+    embed_names(tiny_clip, ["cat"], "single", cache_dir=tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+
+
+def test_resized_shape_follows_mmcv_rescale():
+    assert resized_shape(500, 375, 336) == (448, 336)
+    assert resized_shape(336, 5000, 336) == (138, 2048)  # long side capped
+    assert resized_shape(100, 200, 0) == (100, 200)
+
+
+def test_window_boxes_cover_image_and_stay_inside():
+    boxes = window_boxes(336, 500, 224, 112)
+    assert len(boxes) == 2 * 4
+    assert all(y2 - y1 == 224 and x2 - x1 == 224 for y1, y2, x1, x2 in boxes)
+    assert max(x2 for *_, x2 in boxes) == 500 and min(x1 for _, _, x1, _ in boxes) == 0
+    cover = np.zeros((336, 500), int)
+    for y1, y2, x1, x2 in boxes:
+        cover[y1:y2, x1:x2] += 1
+    assert cover.min() >= 1
+    assert window_boxes(100, 150, 224, 112) == [(0, 100, 0, 150)]
+    assert window_boxes(100, 150, 0, 0) == [(0, 100, 0, 150)]
+
+
+def test_class_probabilities_max_over_synonyms():
+    cos = torch.tensor([[0.1, 0.9], [0.5, 0.2], [0.3, 0.1]]).view(3, 1, 2)
+    probs = class_probabilities(cos, [0, 1, 1], 2, logit_scale=10.0)
+    names = torch.softmax(cos * 10, dim=0)
+    assert torch.allclose(probs[0], names[0])
+    assert torch.allclose(probs[1], torch.maximum(names[1], names[2]))
+
+
+def test_background_rules():
+    probs = torch.tensor([[0.2, 0.1, 0.5, 0.1], [0.3, 0.85, 0.25, 0.1], [0.5, 0.05, 0.25, 0.8]]).view(3, 1, 4)
+    assert probabilities_to_labels(probs).flatten().tolist() == [2, 1, 0, 2]
+    assert probabilities_to_labels(probs, bg_threshold=0.6).flatten().tolist() == [0, 1, 0, 2]
+    # class 1 covers 1 of 3 non-background pixels: an area threshold of 0.4 drops it
+    assert probabilities_to_labels(probs, area_threshold=0.4).flatten().tolist() == [2, 0, 0, 2]
+
+
+def test_predict_whole_image_equals_direct_computation(tiny_clip):
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)
+    settings = InferenceSettings(resolution=0, window=0, logit_scale=40.0)
+    seg = Segmenter(tiny_clip, "cat,dog|puppy,sky", spec="clearclip-entmax", settings=settings, templates="single")
+    result = seg.predict(image)
+    # by hand: encode_dense, cosine with each name, upsample, softmax * 40, max over synonyms, argmax
+    pixels = (torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255 - torch.tensor(tiny_clip.mean).view(1, 3, 1, 1)) / torch.tensor(
+        tiny_clip.std
+    ).view(1, 3, 1, 1)
+    feats = tiny_clip.encode_dense(pixels, "qq/entmax:1.5/nores/noffn")[0]
+    text = embed_names(tiny_clip, ["cat", "dog", "puppy", "sky"], ("a photo of a {}.",), use_cache=False)
+    cos = F.interpolate((feats @ text.T).permute(2, 0, 1)[None], size=(64, 96), mode="bilinear", align_corners=False)[0]
+    p = torch.softmax(40 * cos, dim=0)
+    probs = torch.stack([p[0], torch.maximum(p[1], p[2]), p[3]])
+    assert np.allclose(result.probs, probs.numpy(), atol=1e-5)
+    assert np.array_equal(result.labels, probs.argmax(0).numpy())
+    assert result.class_names == ("cat", "dog", "sky")
+    assert result.settings["attention"] == "qq/entmax:1.5/nores/noffn"
+
+
+def test_sliding_windows_are_batched_and_average_overlaps(tiny_clip):
+    image = np.random.default_rng(1).integers(0, 255, (80, 120, 3), dtype=np.uint8)
+    base = dict(resolution=0, window=64, stride=32, logit_scale=40.0)
+    seg1 = Segmenter(tiny_clip, "a,b", spec="sclip", settings=InferenceSettings(**base, batch_size=1), templates="single")
+    seg8 = Segmenter(tiny_clip, "a,b", spec="sclip", settings=InferenceSettings(**base, batch_size=8), templates="single")
+    assert np.allclose(seg1.predict(image).probs, seg8.predict(image).probs, atol=1e-5)
+    # a single window covering the whole image equals whole-image inference
+    whole = Segmenter(tiny_clip, "a,b", spec="sclip", settings=InferenceSettings(resolution=0, window=0), templates="single")
+    one = Segmenter(tiny_clip, "a,b", spec="sclip", settings=InferenceSettings(resolution=0, window=128, stride=64), templates="single")
+    assert np.allclose(whole.predict(image).probs, one.predict(image).probs, atol=1e-5)
+
+
+def test_predict_resizes_back_to_original(tiny_clip):
+    image = np.random.default_rng(2).integers(0, 255, (90, 130, 3), dtype=np.uint8)
+    seg = Segmenter(tiny_clip, "a,b,c", settings=InferenceSettings(resolution=64, window=64, stride=32), templates="single")
+    r = seg.predict(image)
+    assert r.labels.shape == (90, 130) and r.probs.shape == (3, 90, 130)
+    assert sum(r.present().values()) == pytest.approx(1.0)
+
+
+def test_to_pixels_normalises(tiny_clip):
+    img = np.full((4, 4, 3), 255, np.uint8)
+    px = to_pixels(img, tiny_clip, (4, 4))
+    expected = (1 - torch.tensor(tiny_clip.mean)) / torch.tensor(tiny_clip.std)
+    assert torch.allclose(px[0, :, 0, 0], expected, atol=1e-5)
