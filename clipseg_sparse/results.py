@@ -1,0 +1,113 @@
+"""Result files and resumable progress, shared by `eval`, `fgovd` and `sweep`.
+
+A run writes one JSON result file holding its metrics next to its full resolved configuration, the
+package versions and timings (lm-evaluation-harness style). Long runs also keep an append-only JSONL
+*item log* beside it (one line per finished image or annotation); an interrupted run reads the log back
+and continues where it stopped, and the final metrics are recomputed from the log, so a resumed run
+gives the same numbers as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+RESULT_SCHEMA = 1
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON via a temporary file and rename, so a kill never leaves a half-written result."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):  # numpy / torch scalars and arrays
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def config_hash(config: dict) -> str:
+    """A short stable hash of a configuration (keys sorted), used to key result files and logs."""
+    blob = json.dumps(config, sort_keys=True, default=_jsonable)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in ("clipseg-sparse", "torch", "open_clip_torch", "entmax", "numpy", "pillow"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+class ConfigMismatchError(ValueError):
+    """An existing log or result was made with a different configuration."""
+
+
+class ItemLog:
+    """Append-only JSONL of finished items, headed by the configuration that produced them.
+
+    The first line is {"config": ..., "hash": ...}; each further line is {"id": ..., **record}. A line
+    torn by a kill is ignored on reading. Opening a log whose header hash differs raises
+    ConfigMismatchError rather than mixing results of two configurations.
+    """
+
+    def __init__(self, path: str | Path, config: dict) -> None:
+        self.path = Path(path)
+        self.config = config
+        self.hash = config_hash(config)
+        self._done: dict[str, dict] = {}
+        if self.path.exists() and self.path.stat().st_size > 0:
+            self._read()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("w", encoding="utf-8") as f:
+                f.write(json.dumps({"config": config, "hash": self.hash}, default=_jsonable) + "\n")
+
+    def _lines(self) -> Iterator[dict]:
+        with self.path.open(encoding="utf-8") as f:
+            for line in f:
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # torn final line of an interrupted run
+
+    def _read(self) -> None:
+        data = self.path.read_bytes()
+        if not data.endswith(b"\n"):  # drop a torn final line so the next append starts cleanly
+            with self.path.open("r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+        lines = self._lines()
+        header = next(lines, None)
+        if not header or header.get("hash") != self.hash:
+            raise ConfigMismatchError(
+                f"{self.path}: progress log of a different configuration; use another output or --overwrite"
+            )
+        for rec in lines:
+            if "id" in rec:
+                self._done[str(rec["id"])] = rec
+
+    @property
+    def done(self) -> dict[str, dict]:
+        return self._done
+
+    def append(self, item_id: str, record: dict) -> None:
+        rec = {"id": str(item_id), **record}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, default=_jsonable) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._done[str(item_id)] = rec
