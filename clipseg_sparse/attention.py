@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .accel import adasplash_entmax_attention, can_use_adasplash
 from .normalizers import Normalizer, normalize
 from .registry import Registry
 
@@ -242,6 +243,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSp
         a, b = proj[term[0]], proj[term[1]]
         if norm.kind == "softmax":  # fused kernel, no N x N matrix kept around
             out = out + F.scaled_dot_product_attention(a, b, v, attn_mask=prior, scale=scale)
+        elif norm.kind in ("entmax", "sparsemax") and can_use_adasplash(a, prior is not None):
+            out = out + adasplash_entmax_attention(a, b, v, norm.alpha, scale)
         else:
             scores = (a @ b.transpose(-2, -1)) * scale
             if prior is not None:

@@ -2,7 +2,7 @@ import entmax as entmax_pkg
 import pytest
 import torch
 
-from clipseg_sparse.normalizers import Normalizer, entmax, normalize, random_mask_softmax
+from clipseg_sparse.normalizers import Normalizer, entmax, entmax_shift, normalize, random_mask_softmax
 
 ALPHAS = [1.1, 1.25, 1.5, 1.75, 2.0]
 
@@ -107,3 +107,53 @@ def test_parse(text, canonical):
 def test_parse_errors(bad):
     with pytest.raises(ValueError):
         Normalizer.parse(bad)
+
+
+def _attention_like(seed=0, n=785):
+    """Rows as wide as ViT-B/16 at 448 px: a mix of spread rows and rows peaked on a few tokens."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(24, n, generator=g) * 3
+    x[12:] = torch.randn(12, n, generator=g) * 0.5
+    x[12:, :4] += torch.tensor([9.0, 8.5, 8.0, 2.0])
+    return x
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("k", [1, 4, 64, 1000])
+def test_entmax_exact_whatever_k(alpha, k):
+    # small k pushes rows whose candidate set exceeds k onto the whole-row path, in the same call as the
+    # rows that fit; the answer must not change
+    x = _attention_like()
+    ref = entmax_pkg.entmax_bisect(x.double(), alpha=alpha, n_iter=200).float()
+    out = entmax(x, alpha, k=k)
+    assert (out - ref).abs().max() <= 1e-5
+    support = (ref > 0).sum(-1)
+    if k == 4 and alpha <= 1.5:
+        assert (support > k).any()  # the case this test exists for really happens
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_matches_package(alpha, dtype):
+    x = _attention_like(1).to(dtype)
+    ref = entmax_pkg.entmax_bisect(x.double(), alpha=alpha, n_iter=200)
+    out = entmax(x, alpha)
+    assert out.dtype == dtype
+    # exact up to rounding the output to the half type (relative 2^-11 for fp16, 2^-8 for bf16)
+    assert ((out.double() - ref).abs() <= 1e-5 + ref.abs() * torch.finfo(dtype).eps).all()
+
+
+def test_shift_solves_the_normalisation_equation():
+    x = _attention_like(2)
+    for alpha in ALPHAS:
+        c = entmax_shift(x, alpha)
+        mass = torch.clamp(1 + (alpha - 1) * (x.double() - c.double()), min=0).pow(1 / (alpha - 1)).sum(-1)
+        assert torch.allclose(mass, torch.ones(24, dtype=torch.float64), atol=1e-5)
+
+
+def test_row_without_finite_scores_is_nan_like_softmax():
+    x = torch.randn(3, 8)
+    x[1] = float("-inf")
+    for name in ["softmax", "entmax:1.5", "entmax:1.2", "sparsemax"]:
+        p = normalize(x, name)
+        assert torch.isnan(p[1]).all() and not torch.isnan(p[[0, 2]]).any()
