@@ -7,9 +7,11 @@ Progress and logs go to stderr; tables and JSON to stdout.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
+
+from .cli_common import Device, DeviceOpt, Precision, PrecisionOpt, fail
 
 app = typer.Typer(
     name="clipseg-sparse",
@@ -70,6 +72,28 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
             if name.startswith("ViT"):
                 table.add_row(name, ", ".join(open_clip.list_pretrained_tags_by_model(name)))
     console.print(table)
+
+
+@app.command("bench")
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="ViT-B/16 at 224 px only, without the slow package solvers (seconds).")] = False,
+    device: DeviceOpt = Device.cpu,
+    precision: PrecisionOpt = Precision.fp32,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Benchmark only this model (name or config JSON).")] = None,
+) -> None:
+    """Time fast entmax vs the entmax package vs softmax, the patched forward, and segmentation overhead."""
+    from rich.console import Console
+
+    from .bench import run_all, rich_tables
+    from .model import resolve_device
+
+    try:
+        rows = run_all(quick=quick, device=str(resolve_device(device.value)), precision=precision.value, model=model)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    console = Console()
+    for table in rich_tables(rows):
+        console.print(table)
 
 
 def main() -> None:

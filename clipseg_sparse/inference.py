@@ -93,11 +93,17 @@ def dense_cosine(
     window: int = 224,
     stride: int = 112,
     batch_size: int = 16,
+    out_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size.
+    """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size
+    (or at `out_size`, as if that map were then resized bilinearly).
 
-    Windows run as batches; each window's patch map is upsampled bilinearly to the window and the
-    overlaps are averaged. Windows whose sides are not multiples of the patch size are zero-padded.
+    Windows run as batches of `batch_size` through the model; each window's patch map is upsampled
+    bilinearly to the window (zero-padded up to a multiple of the patch size, then cropped) and the
+    overlaps are averaged. Bilinear resizing is separable and linear, and the windows form a grid of row
+    and column intervals, so upsample -> place -> average -> resize is one product per name,
+    Ly @ G @ Lx^T, with G the grid of all windows' patch maps (N_names x rows*h x cols*w) and Ly, Lx
+    small interpolation matrices: no per-window work or window-sized temporaries beyond the model call.
     """
     _, _, H, W = pixels.shape
     boxes = window_boxes(H, W, window, stride)
@@ -105,19 +111,38 @@ def dense_cosine(
     ps = clip.patch_size
     pad_h, pad_w = -wh % ps, -ww % ps
     text = text.to(clip.device)
-    total = torch.zeros(text.shape[0], H, W, device=clip.device)
-    count = torch.zeros(1, H, W, device=clip.device)
+    cos = []
     for i in range(0, len(boxes), batch_size):
-        chunk = boxes[i : i + batch_size]
-        crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
-        crops = F.pad(crops, (0, pad_w, 0, pad_h))
-        feats = clip.encode_dense(crops, spec)  # B x h x w x D
-        cos = torch.einsum("bhwd,nd->bnhw", feats, text)
-        cos = F.interpolate(cos, size=(wh + pad_h, ww + pad_w), mode="bilinear", align_corners=False)
-        for (y1, y2, x1, x2), c in zip(chunk, cos[..., :wh, :ww]):
-            total[:, y1:y2, x1:x2] += c
-            count[:, y1:y2, x1:x2] += 1
-    return total / count
+        crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in boxes[i : i + batch_size]])
+        feats = clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec)  # B x h x w x D
+        cos.append(torch.einsum("bhwd,nd->bnhw", feats, text))
+    cos = torch.cat(cos)  # windows row-major over the grid of row and column intervals
+    rows = sorted({(y1, y2) for y1, y2, _, _ in boxes})
+    cols = sorted({(x1, x2) for _, _, x1, x2 in boxes})
+    _, n, h, w = cos.shape
+    grid = cos.view(len(rows), len(cols), n, h, w).permute(2, 0, 3, 1, 4).reshape(n, len(rows) * h, len(cols) * w)
+    out_h, out_w = out_size or (H, W)
+    ly = _window_interpolation(rows, H, h, wh + pad_h, out_h).to(clip.device)
+    lx = _window_interpolation(cols, W, w, ww + pad_w, out_w).to(clip.device)
+    return ly @ (grid @ lx.T)
+
+
+def _resize_matrix(src: int, dst: int) -> torch.Tensor:
+    """dst x src weights of 1-D linear resizing (align_corners=False), the per-axis part of bilinear."""
+    return F.interpolate(torch.eye(src)[None], size=dst, mode="linear", align_corners=False)[0].T
+
+
+def _window_interpolation(spans: list[tuple[int, int]], size: int, patches: int, padded: int, out: int) -> torch.Tensor:
+    """out x (len(spans) * patches): upsample each window's `patches` to `padded` pixels, crop to its
+    span, place it, average where spans overlap, then resize `size` -> `out` (all along one axis)."""
+    up = _resize_matrix(patches, padded)
+    place = torch.zeros(size, len(spans) * patches)
+    coverage = torch.zeros(size, 1)
+    for i, (a, b) in enumerate(spans):
+        place[a:b, i * patches : (i + 1) * patches] = up[: b - a]
+        coverage[a:b] += 1
+    place /= coverage
+    return place if out == size else _resize_matrix(size, out) @ place
 
 
 def class_probabilities(
@@ -218,10 +243,7 @@ class Segmenter:
         height, width = image.shape[:2]
         size = resized_shape(height, width, s.resolution, s.max_long_side)
         pixels = to_pixels(image, self.clip, size)
-        cos = dense_cosine(self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size)
-        if size != (height, width):
-            cos = F.interpolate(cos[None], size=(height, width), mode="bilinear", align_corners=False)[0]
-        return cos
+        return dense_cosine(self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width))
 
     @torch.inference_mode()
     def predict(self, image) -> SegmentationResult:

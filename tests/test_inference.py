@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipseg_sparse import InferenceSettings, Segmenter, Vocabulary
+from clipseg_sparse import AttentionSpec, InferenceSettings, Segmenter, Vocabulary
 from clipseg_sparse.inference import (
     class_probabilities,
     probabilities_to_labels,
@@ -156,3 +156,28 @@ def test_to_pixels_normalises(tiny_clip):
     px = to_pixels(img, tiny_clip, (4, 4))
     expected = (1 - torch.tensor(tiny_clip.mean)) / torch.tensor(tiny_clip.std)
     assert torch.allclose(px[0, :, 0, 0], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,stride,out_size", [(48, 20, None), (40, 24, (131, 77)), (0, 0, (50, 90))])
+def test_dense_cosine_equals_per_window_upsample_and_average(tiny_clip, window, stride, out_size):
+    # the reference does it the slow, obvious way: each window upsampled (padded to the patch grid,
+    # then cropped), added into place, divided by the overlap count, then resized to out_size
+    from clipseg_sparse.inference import dense_cosine
+
+    torch.manual_seed(3)
+    pixels = torch.randn(1, 3, 70, 101)
+    text = F.normalize(torch.randn(5, tiny_clip.embed_dim), dim=-1)
+    spec = AttentionSpec.parse("qq/entmax:1.5/nores/noffn")
+    total, count = torch.zeros(5, 70, 101), torch.zeros(1, 70, 101)
+    for y1, y2, x1, x2 in window_boxes(70, 101, window, stride):
+        ph, pw = -(y2 - y1) % tiny_clip.patch_size, -(x2 - x1) % tiny_clip.patch_size
+        feats = tiny_clip.encode_dense(F.pad(pixels[..., y1:y2, x1:x2], (0, pw, 0, ph)), spec)[0]
+        cos = F.interpolate((feats @ text.T).permute(2, 0, 1)[None], size=(y2 - y1 + ph, x2 - x1 + pw), mode="bilinear")
+        total[:, y1:y2, x1:x2] += cos[0, :, : y2 - y1, : x2 - x1]
+        count[:, y1:y2, x1:x2] += 1
+    ref = total / count
+    if out_size:
+        ref = F.interpolate(ref[None], size=out_size, mode="bilinear", align_corners=False)[0]
+    out = dense_cosine(tiny_clip, pixels, text, spec, window, stride, batch_size=3, out_size=out_size)
+    assert out.shape == ref.shape
+    assert torch.allclose(out, ref, atol=1e-5)

@@ -1,0 +1,265 @@
+"""Side-by-side timings: the entmax normalizer, the patched forward, and segmentation overhead.
+
+Every suite times its variants in the same run on the same inputs and reports each as a ratio to the
+suite's reference, so numbers from a noisy shared machine stay comparable:
+
+    normalizer  fast entmax vs entmax.entmax_bisect vs entmax.entmax15 vs softmax on last-block attention
+                scores (heads x N x N, N = 1 + (px / patch)^2) of ViT-B/16 and ViT-L/14
+    forward     encode_dense with qq/entmax:1.5 vs qq/softmax vs the unpatched model
+    segment     Segmenter.predict on a folder of images vs the bare model forward over the same windows
+
+Times are the best of `repeat` calls after one warm-up (the least disturbed by other processes).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .accel import adasplash_installed, attention_backend
+from .images import load_image
+from .inference import InferenceSettings, Segmenter, resized_shape, to_pixels, window_boxes
+from .model import DenseCLIP, load_clip
+from .normalizers import entmax, normalize
+
+# DESIGN.md section 4
+TARGETS = {
+    "fast entmax speed-up over entmax_bisect (ViT-B/16, 448 px)": 5.0,
+    "qq/entmax:1.5 forward / qq/softmax forward": 1.15,
+    "segment time / bare model time": 1.2,
+}
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One timed variant. ratio = ms / the reference variant's ms in the same case (reference: 1.0)."""
+
+    suite: str
+    case: str
+    variant: str
+    ms: float
+    ratio: float
+    reference: str
+
+
+def best_ms(fn: Callable[[], object], repeat: int = 3, device: torch.device | str = "cpu") -> float:
+    """Best wall time of `repeat` calls in milliseconds, after one warm-up call."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    best = math.inf
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _rows(suite: str, case: str, times: dict[str, float], reference: str) -> list[BenchRow]:
+    return [BenchRow(suite, case, name, ms, ms / times[reference], reference) for name, ms in times.items()]
+
+
+# -- (a) normalizers --------------------------------------------------------------------------------
+def last_block_scores(clip: DenseCLIP, px: int, source: str = "qq", seed: int = 0) -> torch.Tensor:
+    """H x N x N scaled scores of the last block for one random image at px x px (N = 1 + (px/patch)^2).
+
+    The tokens entering the last block are captured from the model's own forward, so the scores have
+    the model's real structure (with random weights: a strong diagonal over weak off-diagonal scores).
+    """
+    block = clip.visual.transformer.resblocks[-1]
+    captured: dict[str, torch.Tensor] = {}
+    hook = block.register_forward_pre_hook(lambda _m, args: captured.setdefault("x", args[0]))
+    g = torch.Generator().manual_seed(seed)
+    try:
+        clip.encode_dense(torch.randn(1, 3, px, px, generator=g), None)
+    finally:
+        hook.remove()
+    attn = block.attn
+    x = captured["x"]
+    n, width = x.shape[1], x.shape[2]
+    heads = attn.num_heads
+    with torch.inference_mode():
+        proj = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).view(1, n, 3, heads, -1)
+        q, k = proj[0, :, 0].transpose(0, 1), proj[0, :, 1].transpose(0, 1)  # H x N x d
+        a, b = {"q": q, "k": k}[source[0]], {"q": q, "k": k}[source[1]]
+        return (a @ b.transpose(-2, -1)).float() * (width // heads) ** -0.5
+
+
+def normalizer_variants(alpha: float, slow: bool = True) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Name -> function of scores (.. x N, normalised over the last dim). `slow` adds the package's
+    full-sort and bisection solvers, which take seconds at large N."""
+    import entmax as pkg
+
+    variants = {f"fast entmax:{alpha:g}": lambda s: entmax(s, alpha), "softmax": lambda s: normalize(s, "softmax")}
+    if alpha == 1.5:
+        variants["entmax.entmax15 k=64"] = lambda s: pkg.entmax15(s, dim=-1, k=64)
+        if slow:
+            variants["entmax.entmax15"] = lambda s: pkg.entmax15(s, dim=-1)
+    if slow:
+        variants[f"entmax.entmax_bisect:{alpha:g}"] = lambda s: pkg.entmax_bisect(s, alpha=alpha, dim=-1)
+    return variants
+
+
+def bench_normalizers(
+    cases: Iterable[tuple[str, torch.Tensor]], alphas: Sequence[float] = (1.5, 1.25), repeat: int = 3, slow: bool = True
+) -> list[BenchRow]:
+    """Time every variant on every (case name, scores) pair; reference = our fast entmax."""
+    rows: list[BenchRow] = []
+    for case, scores in cases:
+        for alpha in alphas:
+            variants = normalizer_variants(alpha, slow)
+            times = {name: best_ms(lambda f=f: f(scores), repeat, scores.device) for name, f in variants.items()}
+            rows += _rows("normalizer", f"{case} alpha {alpha:g}", times, f"fast entmax:{alpha:g}")
+    return rows
+
+
+def score_cases(
+    models: Sequence[str], sizes: Sequence[int], device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """q-q scores of random-init models at each size, and a peaked variant (4x the scale: supports of a
+    few tokens, as trained CLIP attention is sharper than random weights)."""
+    for name in models:
+        torch.manual_seed(0)
+        clip = load_clip(name, pretrained=None, device="cpu")
+        label = Path(name).stem if name.endswith(".json") else name
+        for px in sizes:
+            px = px // clip.patch_size * clip.patch_size
+            scores = last_block_scores(clip, px)
+            n = scores.shape[-1]
+            yield f"{label} {px}px qq H{scores.shape[0]} N{n}", scores.to(device=device, dtype=dtype)
+            yield f"{label} {px}px peaked H{scores.shape[0]} N{n}", (4 * scores).to(device=device, dtype=dtype)
+        del clip
+
+
+# -- (b) patched forward -----------------------------------------------------------------------------
+def bench_forward(
+    clip: DenseCLIP, px: int, specs: Sequence[str] = ("qq/entmax:1.5", "qq/entmax:1.25"), repeat: int = 3, batch: int = 1
+) -> list[BenchRow]:
+    """encode_dense at px x px: unpatched CLIP, qq/softmax (reference) and each spec in `specs`; on CUDA
+    with AdaSplash installed, also the fused kernel for each entmax spec."""
+    px = px // clip.patch_size * clip.patch_size
+    pixels = torch.randn(batch, 3, px, px, generator=torch.Generator().manual_seed(0)).to(clip.device)
+    runs: dict[str, Callable[[], object]] = {
+        "unpatched CLIP": lambda: clip.encode_dense(pixels, None),
+        "qq/softmax": lambda: clip.encode_dense(pixels, "qq/softmax"),
+    }
+    for spec in specs:
+        runs[spec] = lambda s=spec: clip.encode_dense(pixels, s)
+        if clip.device.type == "cuda" and adasplash_installed():
+            runs[f"{spec} adasplash"] = lambda s=spec: _with_adasplash(clip, pixels, s)
+    times = {name: best_ms(fn, repeat, clip.device) for name, fn in runs.items()}
+    return _rows("forward", f"{clip.model_name} {px}px batch {batch} {clip.precision}", times, "qq/softmax")
+
+
+def _with_adasplash(clip: DenseCLIP, pixels: torch.Tensor, spec: str) -> torch.Tensor:
+    with attention_backend("adasplash"):
+        return clip.encode_dense(pixels, spec)
+
+
+# -- (c) segmentation overhead -----------------------------------------------------------------------
+def write_images(folder: Path, count: int, size: tuple[int, int] = (480, 640), seed: int = 0) -> list[Path]:
+    """Smooth random RGB images (PNG) so decoding costs what a photo's would."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        small = rng.integers(0, 255, (size[0] // 16, size[1] // 16, 3), dtype=np.uint8)
+        img = Image.fromarray(small).resize(size[::-1], Image.BILINEAR)
+        paths.append(folder / f"img{i:03d}.png")
+        img.save(paths[-1])
+    return paths
+
+
+def bench_segment(
+    clip: DenseCLIP,
+    image_paths: Sequence[Path],
+    classes: int = 150,
+    spec: str = "sclip",
+    settings: InferenceSettings | None = None,
+    repeat: int = 1,
+) -> list[BenchRow]:
+    """Segmenter.predict over the images (loading included) vs encode_dense on the same window batches."""
+    settings = settings or InferenceSettings()
+    seg = Segmenter(clip, [f"class {i}" for i in range(classes)], spec=spec, settings=settings, templates="single")
+    batches = []
+    for path in image_paths:
+        rgb = load_image(path)
+        size = resized_shape(*rgb.shape[:2], settings.resolution, settings.max_long_side)
+        pixels = to_pixels(rgb, clip, size)
+        boxes = window_boxes(*size, settings.window, settings.stride)
+        for i in range(0, len(boxes), settings.batch_size):
+            batches.append(torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in boxes[i : i + settings.batch_size]]))
+    times = {
+        "bare model": best_ms(lambda: [clip.encode_dense(b, seg.spec) for b in batches], repeat, clip.device),
+        "segment": best_ms(lambda: [seg.predict(p) for p in image_paths], repeat, clip.device),
+    }
+    n = len(image_paths)
+    case = f"{clip.model_name} {n} images {classes} classes {settings.resolution}px {spec} ({n / times['segment'] * 1e3:.2f} img/s)"
+    return _rows("segment", case, times, "bare model")
+
+
+# -- everything ----------------------------------------------------------------------------------------
+def run_all(quick: bool = False, device: str = "cpu", precision: str = "fp32", model: str | None = None) -> list[BenchRow]:
+    """The three suites. quick: ViT-B/16 at 224 px only, no slow package solvers, tiny workloads."""
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    models = [model] if model else (["ViT-B-16"] if quick else ["ViT-B-16", "ViT-L-14"])
+    sizes = [224] if quick else [224, 336, 448]
+    repeat = 1 if quick else 3
+    rows = bench_normalizers(score_cases(models, sizes, device, dtype), repeat=repeat, slow=not quick)
+    torch.manual_seed(0)
+    clip = load_clip(models[0], pretrained=None, device=device, precision=precision)
+    rows += bench_forward(clip, 224 if quick else 448, repeat=repeat)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_images(Path(tmp), 1 if quick else 4, (240, 320) if quick else (480, 640))
+        settings = InferenceSettings(resolution=224) if quick else InferenceSettings()
+        rows += bench_segment(clip, paths, classes=10 if quick else 150, settings=settings, repeat=1)
+    return rows
+
+
+def target_checks(rows: Sequence[BenchRow]) -> list[tuple[str, float, float, bool]]:
+    """(target, measured, limit, met) for the DESIGN.md targets the rows can speak to."""
+    checks = []
+    speedups = [
+        1 / r.ratio
+        for r in rows
+        if r.suite == "normalizer" and r.variant.startswith("entmax.entmax_bisect") and "448px" in r.case and "ViT-B-16" in r.case
+    ]
+    if speedups:
+        name = "fast entmax speed-up over entmax_bisect (ViT-B/16, 448 px)"
+        checks.append((name, min(speedups), TARGETS[name], min(speedups) >= TARGETS[name]))
+    for suite, variant, name in (
+        ("forward", "qq/entmax:1.5", "qq/entmax:1.5 forward / qq/softmax forward"),
+        ("segment", "segment", "segment time / bare model time"),
+    ):
+        found = [r.ratio for r in rows if r.suite == suite and r.variant == variant]
+        if found:
+            checks.append((name, max(found), TARGETS[name], max(found) <= TARGETS[name]))
+    return checks
+
+
+def rich_tables(rows: Sequence[BenchRow]):
+    """A rich Table of all rows and one of the target checks."""
+    from rich.table import Table
+
+    table = Table("suite", "case", "variant", "ms", "ratio", title="timings (ratio = ms / reference ms, same run)")
+    last = None
+    for r in rows:
+        case = r.case if (r.suite, r.case) != last else ""
+        last = (r.suite, r.case)
+        ref = " (reference)" if r.variant == r.reference else ""
+        table.add_row(r.suite if case else "", case, r.variant + ref, f"{r.ms:.1f}", f"{r.ratio:.2f}")
+    targets = Table("target", "measured", "limit", "met", title="DESIGN.md section 4 targets")
+    for name, value, limit, met in target_checks(rows):
+        bound = ">=" if "speed-up" in name else "<="
+        targets.add_row(name, f"{value:.2f}", f"{bound} {limit:g}", "yes" if met else "NO")
+    return table, targets
