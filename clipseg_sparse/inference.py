@@ -124,7 +124,7 @@ def dense_cosine(
     out_h, out_w = out_size or (H, W)
     ly = _window_interpolation(rows, H, h, wh + pad_h, out_h).to(clip.device)
     lx = _window_interpolation(cols, W, w, ww + pad_w, out_w).to(clip.device)
-    return ly @ (grid @ lx.T)
+    return (ly @ grid) @ lx.T  # the last product is one GEMM: (n * out_h) x cols*w times cols*w x out_w
 
 
 def _resize_matrix(src: int, dst: int) -> torch.Tensor:
