@@ -84,7 +84,7 @@ def last_block_scores(clip: DenseCLIP, px: int, source: str = "qq", seed: int = 
     hook = block.register_forward_pre_hook(lambda _m, args: captured.setdefault("x", args[0]))
     g = torch.Generator().manual_seed(seed)
     try:
-        clip.encode_dense(torch.randn(1, 3, px, px, generator=g), None)
+        clip.encode_dense(torch.randn(1, 3, px, px, generator=g).to(clip.device), None)
     finally:
         hook.remove()
     attn = block.attn
@@ -133,7 +133,7 @@ def score_cases(
     few tokens, as trained CLIP attention is sharper than random weights)."""
     for name in models:
         torch.manual_seed(0)
-        clip = load_clip(name, pretrained=None, device="cpu")
+        clip = load_clip(name, pretrained=None, device=device)
         label = Path(name).stem if name.endswith(".json") else name
         for px in sizes:
             px = px // clip.patch_size * clip.patch_size
@@ -268,3 +268,33 @@ def rich_tables(rows: Sequence[BenchRow]):
         bound = ">=" if "speed-up" in name else "<="
         targets.add_row(name, f"{value:.2f}", f"{bound} {limit:g}", "yes" if met else "NO")
     return table, targets
+
+
+# -- memory ---------------------------------------------------------------------------------------------
+def segment_peak_rss(
+    model: str = "ViT-L-14",
+    classes: int = 150,
+    image_size: tuple[int, int] = (480, 640),
+    settings: InferenceSettings | None = None,
+    spec: str = "sclip-entmax",
+    device: str = "cpu",
+) -> dict[str, float]:
+    """Peak resident memory (MiB) of segmenting one image with a random-init model, in this process.
+
+    ru_maxrss only grows, so call this once in a fresh process (benchmarks/memory.py does). Returns the
+    peak after loading the model and embedding the vocabulary, and the peak after `predict`.
+    """
+    import resource
+
+    def peak() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+    settings = settings or InferenceSettings(resolution=448)
+    torch.manual_seed(0)
+    clip = load_clip(model, pretrained=None, device=device)
+    seg = Segmenter(clip, [f"class {i}" for i in range(classes)], spec=spec, settings=settings, templates="single")
+    loaded = peak()
+    rgb = np.random.default_rng(0).integers(0, 255, (*image_size, 3), dtype=np.uint8)
+    start = time.perf_counter()
+    seg.predict(rgb)
+    return {"after_load_mib": loaded, "peak_mib": peak(), "predict_s": time.perf_counter() - start}

@@ -1,0 +1,36 @@
+"""(c) images/s of Segmenter.predict on a folder of generated images vs the bare model forward over the
+same window batches (the cost of everything that is not the model).
+
+    python benchmarks/segment.py [--model ViT-B-16] [--images 4] [--classes 150] [--device cuda]
+"""
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from clipseg_sparse.bench import bench_segment, rich_tables, write_images
+from clipseg_sparse.inference import InferenceSettings
+from clipseg_sparse.model import load_clip
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--model", default="ViT-B-16")
+parser.add_argument("--images", type=int, default=4)
+parser.add_argument("--classes", type=int, default=150)
+parser.add_argument("--spec", default="sclip")
+parser.add_argument("--resolution", type=int, default=336)
+parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--repeat", type=int, default=3)
+parser.add_argument("--device", default="cpu")
+parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+args = parser.parse_args()
+torch.manual_seed(0)
+clip = load_clip(args.model, pretrained=None, device=args.device, precision=args.precision)
+settings = InferenceSettings(resolution=args.resolution, batch_size=args.batch_size)
+with tempfile.TemporaryDirectory() as tmp:
+    paths = write_images(Path(tmp), args.images)
+    rows = bench_segment(clip, paths, args.classes, args.spec, settings, args.repeat)
+for table in rich_tables(rows):
+    Console().print(table)
