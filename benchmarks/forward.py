@@ -5,22 +5,15 @@
 
 import argparse
 
-import torch
 from rich.console import Console
 
-from clipseg_sparse.bench import bench_forward, rich_tables
-from clipseg_sparse.model import load_clip
+from clipseg_sparse.bench import add_run_arguments, bench_forward, random_clip, rich_tables
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--model", default="ViT-B-16")
+add_run_arguments(parser)
 parser.add_argument("--px", type=int, default=448)
 parser.add_argument("--batch", type=int, default=1)
-parser.add_argument("--repeat", type=int, default=3)
-parser.add_argument("--device", default="cpu")
-parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
 args = parser.parse_args()
-torch.manual_seed(0)
-clip = load_clip(args.model, pretrained=None, device=args.device, precision=args.precision)
-rows = bench_forward(clip, args.px, repeat=args.repeat, batch=args.batch)
+rows = bench_forward(random_clip(args), args.px, repeat=args.repeat, batch=args.batch)
 for table in rich_tables(rows):
     Console().print(table)

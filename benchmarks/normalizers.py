@@ -8,15 +8,13 @@ import argparse
 import torch
 from rich.console import Console
 
-from clipseg_sparse.bench import bench_normalizers, rich_tables, score_cases
+from clipseg_sparse.bench import add_run_arguments, bench_normalizers, rich_tables, score_cases
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--models", nargs="+", default=["ViT-B-16", "ViT-L-14"])
 parser.add_argument("--sizes", nargs="+", type=int, default=[224, 336, 448])
 parser.add_argument("--alphas", nargs="+", type=float, default=[1.5, 1.25])
-parser.add_argument("--repeat", type=int, default=3)
-parser.add_argument("--device", default="cpu")
-parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+add_run_arguments(parser, model=None)
 args = parser.parse_args()
 dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.precision]
 rows = bench_normalizers(score_cases(args.models, args.sizes, args.device, dtype), args.alphas, args.repeat)

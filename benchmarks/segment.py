@@ -8,26 +8,20 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
-from clipseg_sparse.bench import bench_segment, rich_tables, write_images
+from clipseg_sparse.bench import add_run_arguments, bench_segment, random_clip, rich_tables, write_images
 from clipseg_sparse.inference import InferenceSettings
-from clipseg_sparse.model import load_clip
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--model", default="ViT-B-16")
+add_run_arguments(parser)
 parser.add_argument("--images", type=int, default=4)
 parser.add_argument("--classes", type=int, default=150)
 parser.add_argument("--spec", default="sclip")
 parser.add_argument("--resolution", type=int, default=336)
 parser.add_argument("--batch-size", type=int, default=16)
-parser.add_argument("--repeat", type=int, default=3)
-parser.add_argument("--device", default="cpu")
-parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
 args = parser.parse_args()
-torch.manual_seed(0)
-clip = load_clip(args.model, pretrained=None, device=args.device, precision=args.precision)
+clip = random_clip(args)
 settings = InferenceSettings(resolution=args.resolution, batch_size=args.batch_size)
 with tempfile.TemporaryDirectory() as tmp:
     paths = write_images(Path(tmp), args.images)

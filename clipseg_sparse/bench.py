@@ -298,3 +298,19 @@ def segment_peak_rss(
     start = time.perf_counter()
     seg.predict(rgb)
     return {"after_load_mib": loaded, "peak_mib": peak(), "predict_s": time.perf_counter() - start}
+
+
+# -- shared by the scripts in benchmarks/ -----------------------------------------------------------
+def add_run_arguments(parser, model: str | None = "ViT-B-16") -> None:
+    """--model (unless None), --repeat, --device and --precision of an argparse parser."""
+    if model is not None:
+        parser.add_argument("--model", default=model, help="open_clip model name or config JSON")
+    parser.add_argument("--repeat", type=int, default=3, help="timed rounds (best one kept)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+
+
+def random_clip(args) -> DenseCLIP:
+    """The random-init model named by parsed `add_run_arguments` options."""
+    torch.manual_seed(0)
+    return load_clip(args.model, pretrained=None, device=args.device, precision=args.precision)

@@ -164,13 +164,14 @@ def _solve_shift(z: torch.Tensor, alpha: float, max_iter: int = 50, tol: float =
     zmax = z.amax(-1, keepdim=True)
     finite = torch.isfinite(zmax)
     z = z - torch.where(finite, zmax, 0.0)  # shift-invariance: work relative to the max
+    za = z * am1  # u = [za + 1 - (a-1) c]_+ : one add and one clamp per step
     c = torch.zeros_like(zmax)
     u, up = torch.empty_like(z), torch.empty_like(z)
     for _ in range(max_iter):
-        torch.sub(z, c, out=u).mul_(am1).add_(1.0).clamp_(min=0.0)
-        _power(u, p - 1.0, out=up)
-        s = torch.linalg.vecdot(up, u).unsqueeze(-1)  # sum u^p
-        t = up.sum(-1, keepdim=True)  # -d/dc sum u^p
+        torch.add(za, 1.0 - am1 * c, out=u).clamp_(min=0.0)
+        upow = _power(u, p - 1.0, out=up)
+        s = torch.linalg.vecdot(upow, u).unsqueeze(-1)  # sum u^p
+        t = upow.sum(-1, keepdim=True)  # -d/dc sum u^p
         step = torch.where(t > 0, (s - s.pow(1.0 - am1)) / (am1 * t), 0.0)
         c = c + step
         if bool((step.abs() <= tol * (1.0 + c.abs())).all()):
@@ -188,12 +189,15 @@ def _solve_shift(z: torch.Tensor, alpha: float, max_iter: int = 50, tol: float =
 
 
 def _power(u: torch.Tensor, e: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """u ** e for u >= 0, with 0 ** 0 = 0 (so that an entry outside the support counts for nothing)."""
+    """u ** e for u >= 0, with 0 ** 0 = 0 (so that an entry outside the support counts for nothing).
+
+    Written into `out` when given, except for e = 1, where `u` itself is returned.
+    """
+    if e == 1.0:
+        return u
     out = torch.empty_like(u) if out is None else out
     if e == 0.0:
         return out.copy_(u > 0)
-    if e == 1.0:
-        return out.copy_(u)
     if e == 2.0:
         return torch.mul(u, u, out=out)
     return torch.pow(u, e, out=out)
