@@ -34,6 +34,7 @@ PREFERRED_KEYS = (
 DERIVED_KEYS = ("source", "normalizer", "alpha", "block")
 NORMALIZER_ORDER = ("softmax", "entmax", "sparsemax", "randmask")
 ENTMAX_FAMILY = ("softmax", "entmax", "sparsemax")
+PLOT_FILES = ("alpha.png", "resolution.png", "datasets.png")
 
 
 class ReportError(ValueError):
@@ -339,7 +340,7 @@ def to_rich(table: Pivot):
     out = Table(title=f"{table.metric}: {table.title}", title_justify="left")
     out.add_column(f"{table.rows_key} \\ {table.cols_key}", no_wrap=True)
     for cv in table.col_values:
-        out.add_column(format_value(cv), justify="right", no_wrap=True)
+        out.add_column(format_value(cv), justify="right")  # a narrow terminal wraps the delta below
     for rv in table.row_values:
         cells = []
         for cv in table.col_values:
@@ -463,6 +464,9 @@ def write_plots(records: Sequence[Record], metric: str, out_dir: str | Path, ove
     needs two alphas), `resolution.png` (needs two resolutions), `datasets.png` (needs softmax and a
     sparse normalizer). Returns the files written."""
     out_dir = Path(out_dir)
+    existing = [out_dir / n for n in PLOT_FILES if (out_dir / n).exists()]
+    if existing and not overwrite:
+        raise ReportError(f"{existing[0]} exists; choose another folder or allow overwriting")
     plans = [
         ("alpha.png", alpha_series(records, metric), "lines", "alpha (1 = softmax, 2 = sparsemax)"),
         ("resolution.png", resolution_series(records, metric), "lines", "resolution (short side, px)"),
@@ -474,8 +478,6 @@ def write_plots(records: Sequence[Record], metric: str, out_dir: str | Path, ove
         if not data.panels or not enough:
             continue
         path = out_dir / name
-        if path.exists() and not overwrite:
-            raise ReportError(f"{path} exists; choose another folder or allow overwriting")
         out_dir.mkdir(parents=True, exist_ok=True)
         written.append(plot_lines(data, path, x_label) if style == "lines" else plot_bars(data, path))
     return written

@@ -221,3 +221,25 @@ def test_plots_need_data_to_show(results, tmp_path):
     one_res = [r for r in collect([results]) if r.keys["resolution"] == 336 and r.keys["dataset"] == "voc21"]
     written = write_plots(one_res, "mIoU", tmp_path / "p")
     assert [p.name for p in written] == ["alpha.png", "datasets.png"]  # no resolution study in the data
+
+
+def test_report_cli(results, tmp_path):
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "rep"
+    args = ["report", str(results), "--rows", "source", "--cols", "normalizer", "--metric", "mIoU",
+            "--markdown", str(out / "t.md"), "--csv", str(out / "t.csv"), "--plots", str(out / "plots")]  # fmt: skip
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "45.00 (+5.00)" in result.stdout and "dataset=voc21, resolution=448" in result.stdout
+    assert "| qq | 40.00 | 45.00 (+5.00) | 43.00 (+3.00) | 38.00 (-2.00) |" in (out / "t.md").read_text()
+    assert "delta entmax:1.5" in (out / "t.csv").read_text()
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["alpha.png", "datasets.png", "resolution.png"]
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2 and "exists" in again.output and "45.00" not in again.stdout
+    assert runner.invoke(app, [*args, "--overwrite"]).exit_code == 0
+    bad = runner.invoke(app, ["report", str(results), "--metric", "IoU"])
+    assert bad.exit_code == 2 and "metric 'IoU'" in bad.output
