@@ -78,12 +78,12 @@ class Record:
 
     @cached_property
     def keys(self) -> dict[str, Any]:
-        """The config plus derived keys (see module doc); `dataset` for FG-OVD is its benchmark names."""
+        """The config plus derived keys (see module doc); `dataset` for an FG-OVD record is its split."""
         keys = {"kind": self.kind, **self.config}
         if "attention" in self.config:
             keys.update(attention_keys(self.config["attention"]))
-        if "dataset" not in keys and keys.get("benchmarks"):
-            keys["dataset"] = "+".join(Path(str(b)).stem for b in keys["benchmarks"])
+        if "split" in keys:  # FG-OVD: the split plays the part of the dataset
+            keys["dataset"] = keys["split"]
         return keys
 
     def identity(self, softmax: bool = False) -> str:
@@ -106,8 +106,8 @@ def _result_files(source: str | Path) -> list[Path]:
     return [p for m in matches for p in _result_files(m)]
 
 
-def read_record(path: Path) -> Record | None:
-    """A Record for a result file; None for any other JSON (sweep error files, foreign files)."""
+def read_result(path: Path) -> dict | None:
+    """The parsed result file; None for any other JSON (sweep error files, foreign files) or a torn file."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -116,8 +116,25 @@ def read_record(path: Path) -> Record | None:
         return None
     if not isinstance(data.get("config"), dict) or not isinstance(data.get("metrics"), dict):
         return None
-    metrics = {k: float(v) for k, v in data["metrics"].items() if isinstance(v, (int, float))}
-    return Record(path, data["kind"], data["config"], metrics, str(data.get("created", "")))
+    return data
+
+
+def records_of(path: Path, data: dict) -> list[Record]:
+    """Records of one result. An FG-OVD result gives one record per split (its `split`, and so its
+    `dataset`, is the split name; metrics lose the `<split>.` prefix), plus a `mean` one when the result
+    has the Hard/Medium/Easy means, so splits can be pivoted like datasets."""
+    metrics = {k: float(v) for k, v in data["metrics"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    created = str(data.get("created", ""))
+    if data["kind"] != "fgovd":
+        return [Record(path, data["kind"], data["config"], metrics, created)]
+    splits = [str(s) for s in data["config"].get("benchmarks", [])]
+    if any(m.startswith("mean.") for m in metrics):
+        splits.append("mean")
+    out = []
+    for split in splits:
+        own = {m[len(split) + 1 :]: v for m, v in metrics.items() if m.startswith(f"{split}.")}
+        out.append(Record(path, "fgovd", {**data["config"], "split": split}, own, created))
+    return out
 
 
 def collect(sources: Iterable[str | Path]) -> list[Record]:
@@ -128,8 +145,8 @@ def collect(sources: Iterable[str | Path]) -> list[Record]:
     newest: dict[str, Record] = {}
     for source in sources:
         for path in _result_files(source):
-            rec = read_record(path)
-            if rec is not None:
+            data = read_result(path)
+            for rec in records_of(path, data) if data is not None else ():
                 key = rec.identity()
                 if key not in newest or rec.created >= newest[key].created:
                     newest[key] = rec
@@ -137,16 +154,14 @@ def collect(sources: Iterable[str | Path]) -> list[Record]:
 
 
 def default_metric(records: Sequence[Record]) -> str:
-    """mIoU for segmentation; for FG-OVD the mean top-1 at the most negatives; else the first metric."""
+    """mIoU for segmentation; for FG-OVD top-1 at the most negatives (`top1@N`); else the first metric."""
     names = sorted({m for r in records for m in r.metrics})
     if not names:
         raise ReportError("the results hold no metrics")
     if "mIoU" in names:
         return "mIoU"
-    top1 = [m for m in names if m.startswith("mean.top1@")]
-    if top1:
-        return max(top1, key=lambda m: float(m.split("@", 1)[1]) if m.split("@", 1)[1].isdigit() else -1)
-    return names[0]
+    top1 = [m for m in names if m.startswith("top1@") and m[5:].isdigit()]
+    return max(top1, key=lambda m: int(m[5:])) if top1 else names[0]
 
 
 def check_inputs(records: Sequence[Record], metric: str, keys: Sequence[str]) -> None:

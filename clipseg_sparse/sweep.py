@@ -37,7 +37,8 @@ class Grid:
     """What to run. Empty `presets` means the unmodified block (`clip`, i.e. qk/softmax) as the base spec;
     empty `sources` / `normalizers` keep each preset's own. `alphas` are shorthand for entmax:ALPHA and are
     folded into `normalizers`. `resolutions` empty = the protocol's own. `overrides` are further inference
-    settings (window, stride, logit_scale, ...) applied to every cell."""
+    settings (window, stride, logit_scale, ...) applied to every cell. `templates` None = each runner's
+    own default (the 80 OpenAI templates for eval, captions as written for FG-OVD)."""
 
     models: tuple[str, ...] = ("ViT-B-16",)
     pretrained: str = "openai"
@@ -55,7 +56,7 @@ class Grid:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     region: str = "pool"
     negatives: int = 10
-    templates: str = "none"
+    templates: str | None = None
 
     def __post_init__(self) -> None:
         from .attention import PRESETS, AttentionSpec
@@ -156,11 +157,12 @@ class Cell:
         """The full configuration of this cell (the input side; the result file holds the resolved one)."""
         g = self.grid
         config = {"kind": self.kind, "model": self.model, "pretrained": g.pretrained, "precision": g.precision,
-                  "attention": self.attention, "resolution": self.resolution, "overrides": g.overrides, "limit": g.limit}  # fmt: skip
+                  "attention": self.attention, "resolution": self.resolution, "overrides": g.overrides, "limit": g.limit,
+                  "templates": g.templates}  # fmt: skip
         if self.kind == "eval":
             config |= {"dataset": self.data, "protocol": g.protocol, "class_names": g.class_names}
         else:
-            config |= {"benchmark": benchmark_id(self.data), "region": g.region, "negatives": g.negatives, "templates": g.templates}
+            config |= {"benchmark": benchmark_id(self.data), "region": g.region, "negatives": g.negatives}
         return config
 
     @property
@@ -226,22 +228,23 @@ class SweepSummary:
 
 
 def is_done(paths: SweepPaths, cell: Cell) -> bool:
-    from .report import read_record
+    from .report import read_result
 
     path = paths.result(cell)
-    return path.is_file() and read_record(path) is not None
+    return path.is_file() and read_result(path) is not None
 
 
 def run_cell(clip, cell: Cell, paths: SweepPaths) -> None:
     """One eval / fgovd run writing its result (and resumable progress) at `paths.result(cell)`."""
     g = cell.grid
     out = paths.result(cell)
+    templates = {"templates": g.templates} if g.templates else {}
     if cell.kind == "eval":
         from .evaluate import evaluate
 
         overrides = {**g.overrides, **({"resolution": cell.resolution} if cell.resolution else {})}
         evaluate(clip, cell.data, paths.root(cell.data), cell.attention, protocol=g.protocol, overrides=overrides or None,
-                 class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=False)  # fmt: skip
+                 class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=False, **templates)  # fmt: skip
     else:
         from .fgovd import evaluate_fgovd
         from .inference import InferenceSettings
@@ -251,7 +254,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths) -> None:
         changes = {**g.overrides, **({"resolution": cell.resolution} if cell.resolution else {})}
         settings = InferenceSettings().replace(**changes) if changes else None
         evaluate_fgovd(clip, [Path(cell.data)], paths.images_root, cell.attention, region=g.region, negatives=g.negatives,
-                       settings=settings, templates=g.templates, limit=g.limit, out=out, resume=True, progress=False)  # fmt: skip
+                       settings=settings, limit=g.limit, out=out, resume=True, progress=False, **templates)  # fmt: skip
 
 
 def record_failure(paths: SweepPaths, cell: Cell, exc: BaseException) -> str:

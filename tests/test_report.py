@@ -166,12 +166,31 @@ def test_errors(results, tmp_path):
         pivot(collect([tmp_path / "empty"]), metric="mIoU")
 
 
-def test_default_metric_for_fgovd(tmp_path):
-    config = {**BASE, "benchmarks": ["/data/1_attributes.json", "/data/color.json"], "attention": "qq/softmax"}
-    write_result(tmp_path / "f.json", "fgovd", config, {"mean.top1@2": 60.0, "mean.top1@10": 30.0, "1_attributes.top1@10": 25.0})
-    [rec] = collect([tmp_path])
-    assert default_metric([rec]) == "mean.top1@10"
-    assert rec.keys["dataset"] == "1_attributes+color"
+def test_fgovd_results_split_into_per_split_records(tmp_path):
+    # one run over three benchmark files (its own means), and one run over one file
+    for name, attn, splits, top1 in (("a", "qq/softmax", ["hard", "medium", "easy"], [20.0, 40.0, 60.0]),
+                                     ("b", "qq/entmax:1.5", ["hard", "medium", "easy"], [26.0, 41.0, 59.0]),
+                                     ("c", "qq/entmax:1.5", ["color"], [70.0])):  # fmt: skip
+        config = {**BASE, "benchmarks": splits, "attention": attn, "region": "pool", "negatives": 10}
+        metrics = {}
+        for split, t in zip(splits, top1):
+            metrics |= {f"{split}.top1@10": t, f"{split}.top1@2": t + 20, f"{split}.mean_rank@10": 2.0, f"{split}.count@10": 5.0}
+        if len(splits) == 3:
+            metrics |= {"mean.top1@10": sum(top1) / 3, "mean.top1@2": sum(top1) / 3 + 20}
+        write_result(tmp_path / f"{name}.json", "fgovd", config, metrics)
+    records = collect([tmp_path])
+    assert len(records) == 4 + 4 + 1
+    assert default_metric(records) == "top1@10"  # not top1@2, which sorts after it as text
+    hard = next(r for r in records if r.keys["dataset"] == "hard" and r.keys["normalizer"] == "softmax")
+    assert hard.metrics == {"top1@10": 20.0, "top1@2": 40.0, "mean_rank@10": 2.0, "count@10": 5.0}
+    [table] = pivot([r for r in records if r.keys["benchmarks"] != ["color"]], rows="normalizer", cols="dataset", metric="top1@10")
+    assert table.col_values == ["easy", "hard", "mean", "medium"]
+    assert table.cell("entmax:1.5", "hard").delta == pytest.approx(6.0)
+    assert table.cell("entmax:1.5", "mean").value == pytest.approx(42.0)
+    assert table.cell("entmax:1.5", "mean").delta == pytest.approx(2.0)
+    # the single-file run has no softmax partner: shown without a delta
+    color = next(r for r in records if r.keys["dataset"] == "color")
+    assert color.metrics["top1@10"] == 70.0 and color.keys["split"] == "color"
 
 
 def test_series_prepared_for_plots(results):
