@@ -144,6 +144,7 @@ def sweep(
     precision: Annotated[Optional[Precision], typer.Option("--precision", help="Model precision.")] = None,
     protocol: Annotated[Optional[str], typer.Option("--protocol", help="Evaluation protocol (sclip, clearclip, ...).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Evaluate only the first N images / annotations per cell.")] = None,
+    templates: Annotated[Optional[str], typer.Option("--templates", help="Prompt templates: openai, single, none or a file (default: each runner's own).")] = None,
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
     device: DeviceOpt = Device.auto,
@@ -155,7 +156,7 @@ def sweep(
         "datasets": _split(datasets), "fgovd": [str(f) for f in fgovd] if fgovd else None, "presets": _split(presets),
         "sources": _split(sources), "normalizers": _split(normalizers), "alphas": _split(alphas), "specs": _split(specs),
         "resolutions": _split(resolutions), "models": _split(models), "pretrained": pretrained,
-        "precision": precision.value if precision else None, "protocol": protocol, "limit": limit,
+        "precision": precision.value if precision else None, "protocol": protocol, "limit": limit, "templates": templates,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     try:
@@ -228,7 +229,7 @@ def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite:
 
 @app.command("reproduce")
 def reproduce(
-    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list).")] = None,
+    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a [report] table.")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the shipped grids and exit.")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results folder (default results/TABLE).")] = None,
     root: RootOpt = None,
@@ -251,13 +252,14 @@ def reproduce(
         return
     given = {k: v for k, v in {"models": _split(models), "pretrained": pretrained, "limit": limit}.items() if v is not None}
     try:
-        spec = read_grid_file(GRIDS.get(table), overrides=given, benchmarks_dir=benchmarks)
+        grid_file = Path(table) if table.endswith(".toml") else GRIDS.get(table)
+        spec = read_grid_file(grid_file, overrides=given, benchmarks_dir=benchmarks)
     except (UnknownNameError, ValueError) as e:
         fail(str(e))
     missing = [f for f in spec.grid.fgovd if not Path(f).is_file()]
     if missing:
         fail(f"FG-OVD benchmark file(s) not found: {', '.join(missing)}; pass --benchmarks DIR")
-    out = out or Path("results") / table
+    out = out or Path("results") / grid_file.stem
     paths = SweepPaths(out=out, roots={**spec.roots, **parse_roots(root or [])}, images_root=images_root or spec.images_root)
     summary = _run_grid(spec.grid, paths, device)
     report = spec.report
