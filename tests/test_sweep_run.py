@@ -23,6 +23,18 @@ def grid(**changes):
     return Grid(**{**base, **changes})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are too small to share among threads; on a busy machine two threads make
+    each forward ~100x slower than one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
