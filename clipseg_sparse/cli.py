@@ -7,9 +7,26 @@ Progress and logs go to stderr; tables and JSON to stdout.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
+
+from .cli_common import (
+    AttnOpt,
+    Device,
+    DeviceOpt,
+    ModelOpt,
+    Precision,
+    PrecisionOpt,
+    PresetOpt,
+    PretrainedOpt,
+    TemplatesOpt,
+    err_console,
+    fail,
+    load_model,
+    resolve_attention,
+)
 
 app = typer.Typer(
     name="clipseg-sparse",
@@ -39,11 +56,13 @@ class Listable(str, Enum):
     presets = "presets"
     normalizers = "normalizers"
     models = "models"
+    datasets = "datasets"
+    protocols = "protocols"
 
 
 @app.command("ls")
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
-    """List registered names: attention presets, normalizers, CLIP models."""
+    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols."""
     from rich.console import Console
     from rich.table import Table
 
@@ -62,6 +81,10 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
         table.add_row("entmax:ALPHA", "alpha-entmax, 1 < ALPHA <= 2: exact zeros below a data-dependent threshold")
         table.add_row("sparsemax", "entmax:2, Euclidean projection onto the simplex")
         table.add_row("randmask:ALPHA", "control: softmax on a random subset as large as entmax:ALPHA's support")
+    elif what is Listable.datasets:
+        table = _datasets_table()
+    elif what is Listable.protocols:
+        table = _protocols_table()
     else:
         import open_clip
 
@@ -70,6 +93,140 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
             if name.startswith("ViT"):
                 table.add_row(name, ", ".join(open_clip.list_pretrained_tags_by_model(name)))
     console.print(table)
+
+
+def _datasets_table():
+    from rich.table import Table
+
+    from .datasets import DATASETS
+
+    table = Table("dataset", "classes", "background", "reduce_zero_label", "val images", "layout under --root", "what")
+    for name in DATASETS:
+        b = DATASETS.get(name)
+        layout = "/".join(p for p in (b.layout, b.img_dir) if p) + f"/*{b.img_suffix}"
+        table.add_row(name, str(b.num_classes), "class 0" if b.background else "-", "yes" if b.reduce_zero_label else "no",
+                      str(b.num_images), layout, DATASETS.help(name))
+    return table
+
+
+def _protocols_table():
+    from rich.table import Table
+
+    from .protocols import PROTOCOLS
+
+    table = Table("protocol", "attention", "class names", "all datasets", "per dataset", "source")
+    fmt = lambda d: ", ".join(f"{k}={v:g}" for k, v in d.items())  # noqa: E731
+    for name in PROTOCOLS:
+        p = PROTOCOLS.get(name)
+        per = "\n".join(f"{ds}: {fmt(d)}" for ds, d in p.per_dataset.items())
+        table.add_row(name, p.attention, p.class_names, fmt(p.defaults), per, p.source)
+    return table
+
+
+@app.command("eval")
+def eval_cmd(
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="Benchmark: voc21, voc20, context60, context59, ade20k, coco-stuff, coco-object, cityscapes (see `ls datasets`).")],
+    root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    preset: PresetOpt = None,
+    attn: AttnOpt = None,
+    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
+    class_names: Annotated[Optional[str], typer.Option("--class-names", help="Prompt names: sclip (synonyms, stuff words for background), plain (ClearCLIP's), or a file with one class per line; default: the protocol's.")] = None,
+    templates: TemplatesOpt = "openai",
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
+    window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window size in pixels (0 = whole image).")] = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride in pixels.")] = None,
+    logit_scale: Annotated[Optional[float], typer.Option("--logit-scale", help="Scale on cosines before the softmax over names.")] = None,
+    bg_threshold: Annotated[Optional[float], typer.Option("--bg-threshold", help="Pixels whose top probability is below this become background (class 0).")] = None,
+    area_threshold: Annotated[Optional[float], typer.Option("--area-threshold", help="Drop classes covering at most this fraction of the foreground (SCLIP's area_thd).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sliding windows per forward pass.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate the first N images only.")] = None,
+    save_pred: Annotated[Optional[Path], typer.Option("--save-pred", help="Folder for palette PNG predictions in the dataset's label encoding.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Result JSON; a <out>.progress.jsonl beside it makes the run resumable.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Recompute even if --out holds a finished result or a partial run.")] = False,
+) -> None:
+    """Evaluate on a benchmark: dataset-level mIoU, per-class IoU, resumable with --out."""
+    from .datasets import DATASETS, DatasetError
+    from .evaluate import evaluate
+    from .protocols import PROTOCOLS
+    from .results import ConfigMismatchError
+
+    try:
+        bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
+        bench.samples(root)  # fail on a missing dataset before loading the model
+    except (KeyError, DatasetError) as e:
+        fail(str(e))
+    spec = resolve_attention(preset, attn, default=proto.attention)
+    clip = load_model(model, pretrained, device, precision)
+    overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
+                     bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size)
+    if out is not None and out.exists() and not overwrite:
+        err_console.print(f"{out} exists: showing it, not recomputing (--overwrite recomputes)", highlight=False)
+    try:
+        record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
+                          limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates)
+    except (DatasetError, ConfigMismatchError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    from rich.console import Console
+
+    Console().print(_result_table(record))
+    if out is not None:
+        err_console.print(f"result: {out}", highlight=False)
+
+
+def _result_table(record: dict):
+    """Per-class IoU / Acc and the means of an eval result record."""
+    from rich.table import Table
+
+    c = record["config"]
+    pct = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    title = f"{c['dataset']} | {c['attention']} | {c['protocol']} | {c['model']} ({c['pretrained']}) | {record['num_images']} images"
+    table = Table("class", "IoU %", "Acc %", title=title)
+    for name, m in record["per_class"].items():
+        table.add_row(name, pct(m["IoU"]), pct(m["Acc"]))
+    m = record["metrics"]
+    table.add_section()
+    table.add_row("[bold]mean[/]", f"[bold]{pct(m['mIoU'])}[/]", pct(m["mAcc"]))
+    table.add_row("pixel accuracy", "", pct(m["aAcc"]))
+    return table
+
+
+convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (see datasets.md).", no_args_is_help=True)
+app.add_typer(convert_app, name="convert")
+
+
+@convert_app.command("coco-object")
+def convert_coco_object(
+    root: Annotated[Path, typer.Argument(help="COCO-Stuff164k folder: images/<split>/*.jpg and annotations/<split>/*.png (raw stuffthingmaps).")],
+    split: Annotated[str, typer.Option("--split", help="Sub-folder to convert.")] = "val2017",
+    instances: Annotated[Optional[Path], typer.Option("--instances", help="Rasterise this COCO instances JSON with pycocotools instead (approximate; see datasets.md).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Dataset folder to write annotations/<split>/*_instanceTrainIds.png into (default: ROOT).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Rewrite label files that already exist.")] = False,
+) -> None:
+    """COCO-Object labels (0 background, 1..80 things) from COCO-Stuff maps, as SCLIP's cvt_coco_object.py."""
+    from rich.progress import Progress
+
+    from .datasets import DatasetError
+    from .datasets.convert import coco_object_from_instances, coco_object_from_stuff
+
+    out = out or root
+    dest = out / "annotations" / split
+    with Progress(console=err_console) as bar:
+        task = bar.add_task(f"coco-object {split}", total=None)
+        step = lambda: bar.advance(task)  # noqa: E731
+        try:
+            if instances is not None:
+                written = coco_object_from_instances(instances, dest, overwrite, step)
+            else:
+                written = coco_object_from_stuff(root / "annotations" / split, dest, overwrite, step)
+        except DatasetError as e:
+            fail(str(e))
+    if out.resolve() != root.resolve() and (root / "images").is_dir() and not (out / "images").exists():
+        (out / "images").symlink_to((root / "images").resolve(), target_is_directory=True)
+    err_console.print(f"wrote {written} label files to {dest}", highlight=False)
 
 
 def main() -> None:

@@ -39,7 +39,11 @@ PresetOpt = Annotated[
 ]
 AttnOpt = Annotated[
     Optional[str],
-    typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER[/OPTION...], e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
+    typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER\\[/OPTION...], e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
+]
+
+TemplatesOpt = Annotated[
+    str, typer.Option("--templates", help="Prompt templates: openai (the 80 ImageNet ones), single, none, or a file with {} per line.")
 ]
 
 

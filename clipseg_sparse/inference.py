@@ -223,16 +223,24 @@ class Segmenter:
             cos = F.interpolate(cos[None], size=(height, width), mode="bilinear", align_corners=False)[0]
         return cos
 
+    def _probabilities(self, rgb: np.ndarray) -> torch.Tensor:
+        """C x H x W class probabilities at the original size (on the model's device)."""
+        return class_probabilities(self.cosine(rgb), self.vocabulary.name_to_class, len(self.vocabulary), self.settings.logit_scale)
+
     @torch.inference_mode()
     def predict(self, image) -> SegmentationResult:
         """Segment one image (a path, a PIL image or an H x W x 3 array)."""
-        rgb = load_image(image)
-        s = self.settings
-        probs = class_probabilities(self.cosine(rgb), self.vocabulary.name_to_class, len(self.vocabulary), s.logit_scale)
-        labels = probabilities_to_labels(probs, s.bg_threshold, s.area_threshold)
+        probs = self._probabilities(load_image(image))
+        labels = probabilities_to_labels(probs, self.settings.bg_threshold, self.settings.area_threshold)
         return SegmentationResult(
             labels=labels.cpu().numpy(),
             probs=probs.float().cpu().numpy(),
             class_names=self.class_names,
             settings=self.config(),
         )
+
+    @torch.inference_mode()
+    def predict_labels(self, image) -> np.ndarray:
+        """H x W int64 labels only; skips copying the C x H x W probabilities to the host (benchmarks)."""
+        probs = self._probabilities(load_image(image))
+        return probabilities_to_labels(probs, self.settings.bg_threshold, self.settings.area_threshold).cpu().numpy()
