@@ -198,35 +198,53 @@ convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (
 app.add_typer(convert_app, name="convert")
 
 
-@convert_app.command("coco-object")
-def convert_coco_object(
-    root: Annotated[Path, typer.Argument(help="COCO-Stuff164k folder: images/<split>/*.jpg and annotations/<split>/*.png (raw stuffthingmaps).")],
-    split: Annotated[str, typer.Option("--split", help="Sub-folder to convert.")] = "val2017",
-    instances: Annotated[Optional[Path], typer.Option("--instances", help="Rasterise this COCO instances JSON with pycocotools instead (approximate; see datasets.md).")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Dataset folder to write annotations/<split>/*_instanceTrainIds.png into (default: ROOT).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Rewrite label files that already exist.")] = False,
-) -> None:
-    """COCO-Object labels (0 background, 1..80 things) from COCO-Stuff maps, as SCLIP's cvt_coco_object.py."""
+def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: bool, instances: Path | None = None) -> None:
     from rich.progress import Progress
 
     from .datasets import DatasetError
-    from .datasets.convert import coco_object_from_instances, coco_object_from_stuff
+    from .datasets import convert as cv
 
     out = out or root
     dest = out / "annotations" / split
     with Progress(console=err_console) as bar:
-        task = bar.add_task(f"coco-object {split}", total=None)
+        task = bar.add_task(f"{kind} {split}", total=None)
         step = lambda: bar.advance(task)  # noqa: E731
         try:
             if instances is not None:
-                written = coco_object_from_instances(instances, dest, overwrite, step)
+                written = cv.coco_object_from_instances(instances, dest, overwrite, step)
+            elif kind == "coco-object":
+                written = cv.convert_stuffthingmaps(root / "annotations" / split, dest, cv.object_lut(), cv.OBJECT_SUFFIX, overwrite, step)
             else:
-                written = coco_object_from_stuff(root / "annotations" / split, dest, overwrite, step)
+                written = cv.convert_stuffthingmaps(root / "annotations" / split, dest, cv.stuff_lut(), cv.STUFF_SUFFIX, overwrite, step)
         except DatasetError as e:
             fail(str(e))
     if out.resolve() != root.resolve() and (root / "images").is_dir() and not (out / "images").exists():
         (out / "images").symlink_to((root / "images").resolve(), target_is_directory=True)
     err_console.print(f"wrote {written} label files to {dest}", highlight=False)
+
+
+StuffRootArg = Annotated[Path, typer.Argument(help="COCO-Stuff164k folder: images/<split>/*.jpg and annotations/<split>/*.png (raw stuffthingmaps).")]
+SplitOpt = Annotated[str, typer.Option("--split", help="Sub-folder to convert.")]
+ConvertOutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Dataset folder to write annotations/<split>/ into (default: ROOT); images/ is linked.")]
+ConvertOverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Rewrite label files that already exist.")]
+
+
+@convert_app.command("coco-stuff")
+def convert_coco_stuff(root: StuffRootArg, split: SplitOpt = "val2017", out: ConvertOutOpt = None, overwrite: ConvertOverwriteOpt = False) -> None:
+    """COCO-Stuff labels (*_labelTrainIds.png, 0..170, 255 unlabeled), as mmseg's coco_stuff164k.py."""
+    _convert("coco-stuff", root, split, out, overwrite)
+
+
+@convert_app.command("coco-object")
+def convert_coco_object(
+    root: StuffRootArg,
+    split: SplitOpt = "val2017",
+    out: ConvertOutOpt = None,
+    overwrite: ConvertOverwriteOpt = False,
+    instances: Annotated[Optional[Path], typer.Option("--instances", help="Rasterise this COCO instances JSON with pycocotools instead (approximate; see datasets.md).")] = None,
+) -> None:
+    """COCO-Object labels (*_instanceTrainIds.png, 0 background, 1..80 things), as SCLIP's cvt_coco_object.py."""
+    _convert("coco-object", root, split, out, overwrite, instances)
 
 
 def main() -> None:
