@@ -29,15 +29,15 @@ def write_png(path: Path, values: np.ndarray, mode: str) -> None:
 
 
 def make_benchmark(dataset: str, root: Path, n: int = 3, size: tuple[int, int] = (36, 52), seed: int = 0) -> list[np.ndarray]:
-    """Write `n` images with random blocky labels (a 255 border, 0 and the top class present); return the raw labels."""
+    """Write `n` images with random blocky labels; columns 0-1 are 255, pixel (0, 2) is 0 and the last pixel the top value."""
     layout = LAYOUT_OF.get(dataset, dataset)
     img_t, lab_t, mode, top = LAYOUTS[layout]
     rng = np.random.default_rng(seed)
     raws = []
     for i in range(n):
         raw = np.kron(rng.integers(0, top + 1, size=(size[0] // 4, size[1] // 4)), np.ones((4, 4), dtype=np.int64))
-        raw[0, 0], raw[-1, -1] = 0, top
         raw[:, :2] = 255
+        raw[0, 2], raw[-1, -1] = 0, top
         rgb = rng.integers(0, 256, size=(*size, 3), dtype=np.uint8)
         img_path = root / img_t.format(i=i)
         img_path.parent.mkdir(parents=True, exist_ok=True)
