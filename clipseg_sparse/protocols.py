@@ -49,6 +49,11 @@ class Protocol:
 
 PROTOCOLS: Registry[Protocol] = Registry("protocol")
 
+# NACLIP's configs are SCLIP's with the logit scale and area threshold left at their defaults.
+_SCLIP_LINE = dict(resolution=336, window=224, stride=112, logit_scale=40.0)
+_SCLIP_LINE_SIZES = {"coco-stuff": dict(resolution=448), "cityscapes": dict(resolution=560)}
+_BG_DATASETS = ("voc21", "context60", "coco-object")
+
 PROTOCOLS.register(
     "sclip",
     Protocol(
@@ -56,13 +61,12 @@ PROTOCOLS.register(
         attention="sclip",
         class_names="sclip",
         source="wangf3014/SCLIP@57fa9aa configs/cfg_*.py, clip_segmentor.py",
-        defaults=dict(resolution=336, window=224, stride=112, logit_scale=40.0),
+        defaults=_SCLIP_LINE,
         per_dataset={
+            **_SCLIP_LINE_SIZES,
             "voc21": dict(logit_scale=65.0, bg_threshold=0.1, area_threshold=0.1),
             "context60": dict(logit_scale=50.0, bg_threshold=0.1),
             "coco-object": dict(logit_scale=50.0, bg_threshold=0.1),
-            "coco-stuff": dict(resolution=448),
-            "cityscapes": dict(resolution=560),
         },
     ),
     help="SCLIP (ECCV 2024): short side 336 (COCO-Stuff 448, Cityscapes 560), 224/112 windows",
@@ -93,14 +97,8 @@ PROTOCOLS.register(
         attention="naclip",
         class_names="sclip",
         source="sinahmr/NACLIP@cbb720d configs/cfg_*.py (voc21: 8865082), naclip.py",
-        defaults=dict(resolution=336, window=224, stride=112, logit_scale=40.0),
-        per_dataset={
-            "voc21": dict(bg_threshold=0.1),
-            "context60": dict(bg_threshold=0.1),
-            "coco-object": dict(bg_threshold=0.1),
-            "coco-stuff": dict(resolution=448),
-            "cityscapes": dict(resolution=560),
-        },
+        defaults=_SCLIP_LINE,
+        per_dataset={**_SCLIP_LINE_SIZES, **{d: dict(bg_threshold=0.1) for d in _BG_DATASETS}},
     ),
     help="NACLIP (WACV 2025): short side 336 (COCO-Stuff 448, Cityscapes 560), logit scale 40, no PAMR",
 )
