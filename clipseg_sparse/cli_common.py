@@ -69,3 +69,23 @@ def load_model(model: str, pretrained: str, device: Device, precision: Precision
             return load_clip(model, pretrained=pretrained, device=device.value, precision=precision.value)
     except (WeightsUnavailableError, ValueError, FileNotFoundError) as e:
         fail(str(e))
+
+
+def progress_bar(unit: str):
+    """A rich progress bar on stderr showing done/total, items per second, elapsed and remaining time."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(f"{task.speed:.2f} {unit}/s" if task.speed else f"- {unit}/s")
+
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        RateColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+    )
