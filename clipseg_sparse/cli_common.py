@@ -51,8 +51,10 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def resolve_attention(preset: str | None, attn: str | None, default: str = "sclip"):
     """--attn wins over --preset, which wins over the command's default preset."""
-    from .attention import AttentionSpec
+    from .attention import PRESETS, AttentionSpec
 
+    if attn is None and preset is not None and preset not in PRESETS:
+        fail(PRESETS.unknown_message(preset))
     text = attn or preset or default
     try:
         return AttentionSpec.parse(text)
