@@ -64,6 +64,11 @@ def blend(rgb: np.ndarray, labels: np.ndarray, alpha: float = 0.5) -> np.ndarray
     return np.round((1 - alpha) * rgb.astype(np.float32) + alpha * colours).astype(np.uint8)
 
 
+def _percent(fraction: float) -> str:
+    """A present class never reads 0.0%."""
+    return f"{100 * fraction:.1f}%" if fraction >= 0.0005 else "<0.1%"
+
+
 def overlay_image(rgb: np.ndarray, labels: np.ndarray, present: dict[str, float], class_names: tuple[str, ...]) -> Image.Image:
     """The blended image with a white legend panel on its right: one swatch + name + percentage per class present.
 
@@ -72,7 +77,7 @@ def overlay_image(rgb: np.ndarray, labels: np.ndarray, present: dict[str, float]
     height, width = labels.shape
     size = max(12, height // 30)
     font = ImageFont.load_default(size=size)
-    rows = [(class_names.index(name), f"{name}  {100 * frac:.1f}%") for name, frac in present.items()]
+    rows = [(class_names.index(name), f"{name}  {_percent(frac)}") for name, frac in present.items()]
     pad, line = size // 2, int(size * 1.5)
     text_width = max((int(font.getlength(text)) for _, text in rows), default=0)
     panel_width = 3 * pad + size + text_width
