@@ -133,6 +133,7 @@ def segment(
             raise ValueError("--bg-threshold needs --background (the class that low-confidence pixels become)")
         prompt_templates = resolve_templates(templates)
         options = OutputOptions(mask_format=mask_format, save_probs=save_probs, overwrite=overwrite)
+        options.check_classes(len(vocabulary))
         found = discover_images(inputs, out)
     except (ValueError, FileNotFoundError, InputError, UnknownNameError) as e:
         fail(str(e))

@@ -154,6 +154,11 @@ class OutputOptions:
     def __post_init__(self) -> None:
         MASK_FORMATS.get(self.mask_format)  # raises UnknownNameError with the choices
 
+    def check_classes(self, num_classes: int) -> None:
+        """Refuse, before any work, a vocabulary that the mask format cannot hold."""
+        if self.mask_format == "png" and num_classes > MAX_PNG_CLASSES:
+            raise ValueError(f"{num_classes} classes do not fit a palette PNG (at most {MAX_PNG_CLASSES}); use --format coco-rle")
+
     def files(self, base: Path) -> dict[str, Path]:
         """kind -> path of every file this run writes for the output base (the record "json" included)."""
         files = {

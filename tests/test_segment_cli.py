@@ -222,6 +222,7 @@ def test_coco_rle_format(tmp_path, checkpoint, reference):
         (["--classes", "a", "--bg-threshold", "0.2"], "needs --background"),
         (["--classes", "a", "--window", "64", "--stride", "100"], "stride"),
         (["--classes", "a", "--templates", "nope"], "templates"),
+        (["--classes", ",".join(f"c{i}" for i in range(300))], "--format coco-rle"),
     ],
 )
 def test_bad_arguments_give_one_line_error_and_exit_2(tmp_path, args, message):
