@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from .attention import AttentionSpec
+from .cli_common import progress_bar
 from .datasets import DATASETS, Benchmark, DatasetError, Sample, class_vocabulary
 from .datasets.labels import write_label_png
 from .images import load_image
@@ -94,7 +96,10 @@ def evaluate(
             progress_path(out).unlink(missing_ok=True)
         log = ItemLog(progress_path(out), {k: v for k, v in config.items() if k != "limit"})
 
-    totals, seconds, reused = _run(segmenter, bench, samples, log, save_pred, progress)
+    with progress_bar("images") if progress else nullcontext() as bar:
+        task = bar.add_task(f"eval {bench.name}", total=len(samples)) if bar else None
+        advance = (lambda: bar.advance(task)) if bar else (lambda: None)
+        totals, seconds, reused = _run(segmenter, bench, samples, log, save_pred, advance)
     record = result_record(config, bench, totals, len(samples), seconds, reused)
     if out is not None:
         write_json_atomic(out, record)
@@ -125,31 +130,25 @@ def _finished(out: Path, config: dict) -> dict:
     return record
 
 
-def _run(segmenter: Segmenter, bench: Benchmark, samples: list[Sample], log: ItemLog | None, save_pred, show: bool):
+def _run(segmenter: Segmenter, bench: Benchmark, samples: list[Sample], log: ItemLog | None, save_pred, advance: Callable[[], None]):
     """Sum the per-class counts over `samples`, reusing logged images. Returns (3 x C, seconds, reused)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     C = bench.num_classes
     totals = np.zeros((3, C), dtype=np.int64)
     seconds, reused = 0.0, 0
-    columns = (TextColumn(f"{bench.name}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), disable=not show) as bar:
-        task = bar.add_task("eval", total=len(samples))
-        for sample in samples:
-            done = log.done.get(sample.id) if log is not None else None
-            if done is not None and (save_pred is None or prediction_path(Path(save_pred), sample).is_file()):
-                areas, took = record_to_areas(done["areas"], C), float(done["seconds"])
-                reused += 1
-            else:
-                start = time.perf_counter()
-                areas = _score(segmenter, bench, sample, save_pred)
-                took = time.perf_counter() - start
-                if log is not None:
-                    log.append(sample.id, {"areas": areas_to_record(areas), "seconds": took})
-            totals += areas
-            seconds += took
-            bar.advance(task)
+    for sample in samples:
+        done = log.done.get(sample.id) if log is not None else None
+        if done is not None and (save_pred is None or prediction_path(Path(save_pred), sample).is_file()):
+            areas, took = record_to_areas(done["areas"], C), float(done["seconds"])
+            reused += 1
+        else:
+            start = time.perf_counter()
+            areas = _score(segmenter, bench, sample, save_pred)
+            took = time.perf_counter() - start
+            if log is not None:
+                log.append(sample.id, {"areas": areas_to_record(areas), "seconds": took})
+        totals += areas
+        seconds += took
+        advance()
     return totals, seconds, reused
 
 

@@ -77,7 +77,7 @@ def window_boxes(height: int, width: int, window: int, stride: int) -> list[tupl
 
 def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int]) -> torch.Tensor:
     """uint8 H x W x 3 -> 1 x 3 x size CLIP-normalised fp32 (bilinear resize, as mmcv does)."""
-    x = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float()
+    x = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float()  # a copy: inputs may be read-only
     if tuple(x.shape[-2:]) != tuple(size):
         x = F.interpolate(x, size=size, mode="bilinear", align_corners=False).clamp(0, 255)
     mean = torch.tensor(clip.mean).view(1, 3, 1, 1) * 255
