@@ -260,8 +260,12 @@ def eval_cmd(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Result JSON; a <out>.progress.jsonl beside it makes the run resumable.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Recompute even if --out holds a finished result or a partial run.")] = False,
 ) -> None:
-    """Evaluate on a benchmark: dataset-level mIoU, per-class IoU, resumable with --out."""
+    """Evaluate on a benchmark: dataset-level mIoU, per-class IoU, resumable with --out.
+
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse eval ...` shards the images.
+    """
     from .datasets import DATASETS, DatasetError
+    from .distributed import init_from_env
     from .evaluate import evaluate
     from .protocols import PROTOCOLS
     from .results import ConfigMismatchError
@@ -272,6 +276,7 @@ def eval_cmd(
     except (KeyError, DatasetError) as e:
         fail(str(e))
     spec = resolve_attention(preset, attn, default=proto.attention)
+    rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
                      bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size)
@@ -282,6 +287,8 @@ def eval_cmd(
                           limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates)
     except (DatasetError, ConfigMismatchError, ValueError, FileNotFoundError) as e:
         fail(str(e))
+    if rank > 0:
+        return
     from rich.console import Console
 
     Console().print(_result_table(record))

@@ -25,6 +25,7 @@ from .attention import AttentionSpec
 from .cli_common import progress_bar
 from .datasets import DATASETS, Benchmark, DatasetError, Sample, class_vocabulary
 from .datasets.labels import write_label_png
+from .distributed import all_reduce, rank_and_world, shard
 from .images import load_image
 from .inference import Segmenter
 from .metrics import areas_to_record, intersect_and_union, record_to_areas, segmentation_metrics
@@ -33,9 +34,9 @@ from .protocols import PROTOCOLS
 from .results import RESULT_SCHEMA, ConfigMismatchError, ItemLog, config_hash, package_versions, write_json_atomic
 
 
-def progress_path(out: Path) -> Path:
-    """The item log that checkpoints the run whose result goes to `out`."""
-    return out.with_suffix(".progress.jsonl")
+def progress_path(out: Path, rank: int = 0, world: int = 1) -> Path:
+    """The item log that checkpoints the run whose result goes to `out` (one per rank under torchrun)."""
+    return out.with_suffix(".progress.jsonl" if world == 1 else f".progress.rank{rank}of{world}.jsonl")
 
 
 def prediction_path(save_pred: Path, sample: Sample) -> Path:
@@ -71,6 +72,9 @@ def evaluate(
     in the dataset's own label encoding (reduce_zero_label datasets store class k as k + 1).
     Raises DatasetError for a missing / malformed dataset, ConfigMismatchError when `out` or its log
     hold another configuration, ValueError for bad settings.
+
+    Under torchrun (an initialised process group) each rank scores every world-th image, the counts are
+    summed over ranks and rank 0 writes `out`; every rank returns the same record.
     """
     bench = DATASETS.get(dataset_name)
     proto = PROTOCOLS.get(protocol)
@@ -90,18 +94,22 @@ def evaluate(
         if not overwrite:
             return _finished(out, config)
         out.unlink()
+    rank, world = rank_and_world()
     log = None
     if out is not None:
         if overwrite or not resume:
-            progress_path(out).unlink(missing_ok=True)
-        log = ItemLog(progress_path(out), {k: v for k, v in config.items() if k != "limit"})
+            progress_path(out, rank, world).unlink(missing_ok=True)
+        log = ItemLog(progress_path(out, rank, world), {k: v for k, v in config.items() if k != "limit"})
 
-    with progress_bar("images") if progress else nullcontext() as bar:
-        task = bar.add_task(f"eval {bench.name}", total=len(samples)) if bar else None
+    mine = shard(samples, rank, world)
+    with progress_bar("images") if progress and rank == 0 else nullcontext() as bar:
+        task = bar.add_task(f"eval {bench.name}", total=len(mine)) if bar else None
         advance = (lambda: bar.advance(task)) if bar else (lambda: None)
-        totals, seconds, reused = _run(segmenter, bench, samples, log, save_pred, advance)
+        totals, seconds, reused = _run(segmenter, bench, mine, log, save_pred, advance)
+    totals = all_reduce(totals)
+    seconds, reused = all_reduce(np.array([seconds]), op="max")[0], int(all_reduce(np.array([reused]))[0])
     record = result_record(config, bench, totals, len(samples), seconds, reused)
-    if out is not None:
+    if out is not None and rank == 0:
         write_json_atomic(out, record)
     return record
 
