@@ -37,7 +37,8 @@ class Grid:
     """What to run. Empty `presets` means the unmodified block (`clip`, i.e. qk/softmax) as the base spec;
     empty `sources` / `normalizers` keep each preset's own. `alphas` are shorthand for entmax:ALPHA and are
     folded into `normalizers`. `resolutions` empty = the protocol's own. `overrides` are further inference
-    settings (window, stride, logit_scale, ...) applied to every cell. `templates` None = each runner's
+    settings (window, stride, logit_scale, ...) applied to every cell. `class_names` None = the protocol's
+    (sclip, plain or a file, see `evaluate`). `templates` None = each runner's
     own default (the 80 OpenAI templates for eval, captions as written for FG-OVD)."""
 
     models: tuple[str, ...] = ("ViT-B-16",)
@@ -51,7 +52,7 @@ class Grid:
     specs: tuple[str, ...] = ()
     resolutions: tuple[int, ...] = ()
     protocol: str = "sclip"
-    class_names: str = "sclip"
+    class_names: str | None = None
     limit: int | None = None
     overrides: Mapping[str, Any] = field(default_factory=dict)
     region: str = "pool"
@@ -60,7 +61,9 @@ class Grid:
 
     def __post_init__(self) -> None:
         from .attention import PRESETS, AttentionSpec
+        from .datasets import DATASETS
         from .normalizers import Normalizer
+        from .protocols import PROTOCOLS
 
         for name in ("models", "datasets", "fgovd", "presets", "sources", "normalizers", "specs", "resolutions"):
             value = getattr(self, name)
@@ -69,6 +72,9 @@ class Grid:
         object.__setattr__(self, "overrides", dict(self.overrides))
         for preset in self.presets:
             PRESETS.get(preset)
+        for dataset in self.datasets:
+            DATASETS.get(dataset)
+        PROTOCOLS.get(self.protocol)
         for source in self.sources:
             AttentionSpec(source=tuple(source.split("+")))
         for spec in self.specs:
@@ -269,17 +275,6 @@ def record_failure(paths: SweepPaths, cell: Cell, exc: BaseException) -> str:
     return message
 
 
-def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
-        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
-        console=Console(stderr=True), disable=not enabled, transient=False,
-    )  # fmt: skip
-
-
 def run_sweep(
     grid: Grid | Sequence[Cell],
     paths: SweepPaths,
@@ -290,6 +285,7 @@ def run_sweep(
     running it again); any other exception fails only its cell."""
     import torch
 
+    from .cli_common import progress_bar
     from .model import load_clip
 
     start = time.perf_counter()
@@ -304,11 +300,13 @@ def run_sweep(
             pending.append(cell)
     pending.sort(key=lambda c: c.model_key)  # stable: grid order within a model
     paths.out.mkdir(parents=True, exist_ok=True)
-    with _progress(progress) as bar:
-        task = bar.add_task("", total=len(cells), completed=summary.skipped)
+    bar = progress_bar("cells")
+    bar.disable = not progress
+    with bar:
+        task = bar.add_task("sweep", total=len(cells), completed=summary.skipped)
         clip, loaded = None, None
         for cell in pending:
-            bar.update(task, description=cell.label)
+            bar.update(task, description=f"sweep: {cell.label}")
             try:
                 if loaded != cell.model_key:
                     clip, loaded = None, cell.model_key

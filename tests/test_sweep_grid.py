@@ -41,8 +41,8 @@ def test_cells_cross_everything_ordered_by_model(tmp_path):
 def test_cell_hash_is_stable_and_covers_every_knob(tmp_path):
     a = Grid(datasets=["voc21"]).cells()[0]
     assert a.hash == Grid(datasets=["voc21"]).cells()[0].hash
-    for change in ({"limit": 3}, {"pretrained": "laion2b_s34b_b88k"}, {"protocol": "clearclip"},
-                   {"overrides": {"window": 336}}, {"class_names": "clearclip"}, {"precision": "fp16"}):  # fmt: skip
+    for change in ({"limit": 3}, {"pretrained": "laion2b_s34b_b88k"}, {"protocol": "clearclip"}, {"templates": "single"},
+                   {"overrides": {"window": 336}}, {"class_names": "plain"}, {"precision": "fp16"}):  # fmt: skip
         assert Grid(datasets=["voc21"], **change).cells()[0].hash != a.hash, change
     # FG-OVD data are identified by their content, not where they lie
     one, two = tmp_path / "a" / "color.json", tmp_path / "b" / "color.json"
@@ -64,6 +64,8 @@ def test_cell_hash_is_stable_and_covers_every_knob(tmp_path):
         ({"datasets": ["voc21"], "resolution": [224]}, "did you mean 'resolutions'"),
         ({"presets": ["sclip"]}, "names no data"),
         ({"datasets": ["voc21"], "resolutions": [0]}, "positive"),
+        ({"datasets": ["voc12"]}, "unknown dataset 'voc12'. Did you mean 'voc21'"),
+        ({"datasets": ["voc21"], "protocol": "sclp"}, "Did you mean 'sclip'"),
     ],
 )
 def test_bad_grids_fail_before_running(bad, message):
