@@ -323,6 +323,7 @@ def run_sweep(
                 summary.ran += 1
                 summary.results.append(paths.result(cell))
             bar.advance(task)
+        bar.update(task, description="sweep")
     summary.wall_s = time.perf_counter() - start
     return summary
 

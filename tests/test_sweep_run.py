@@ -212,3 +212,44 @@ def test_cli_sweep_report_and_reproduce(data_root, tmp_path):
     assert "| source \\ normalizer | softmax | entmax:1.25 | entmax:1.5 | sparsemax |" in md
     assert sorted(p.name for p in (tmp_path / "repro" / "plots").iterdir()) == ["alpha.png", "datasets.png"]
     assert (tmp_path / "repro" / "report.csv").is_file()
+
+
+def readme_demo_commands():
+    """The shell commands of the README's runnable sweep example, continuation lines joined."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    block = text.split("### A sweep you can run without downloads", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.replace("\\\n", "").splitlines() if line.strip()]
+
+
+def test_readme_sweep_example_runs(tmp_path, monkeypatch):
+    """The README's demo, run as written except for fewer images (--limit 1) at 64 px, for speed."""
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests_dir = Path(__file__).parent
+    make_data, sweep_cmd, report_cmd = readme_demo_commands()
+    monkeypatch.chdir(tmp_path)
+    argv = shlex.split(make_data)
+    assert argv[:2] == ["python", "-c"]
+    subprocess.run([sys.executable, "-c", argv[2].replace("'tests'", repr(str(tests_dir)))], check=True)
+    assert len(list((tmp_path / "demo/data").rglob("*.jpg"))) == 8
+
+    sweep_args = [a.replace("tests/data/tiny-vit.json", TINY_CONFIG) for a in shlex.split(sweep_cmd)[1:]]
+    runner = CliRunner()
+    result = runner.invoke(app, [*sweep_args, "--limit", "1", "--resolutions", "64", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "40 cells: 0 already done, 40 ran, 0 failed" in result.stderr
+    assert len(result_files(tmp_path / "demo/results")) == 40
+
+    report = runner.invoke(app, shlex.split(report_cmd)[1:], env={"COLUMNS": "200"})
+    assert report.exit_code == 0, report.output
+    md = (tmp_path / "demo/report.md").read_text()
+    readme = (tests_dir.parent / "README.md").read_text()
+    for line in md.splitlines():
+        if line.startswith("**") or line.startswith("| source"):
+            assert line in readme  # the README shows this report's titles and header rows
+    assert sorted(p.name for p in (tmp_path / "demo/plots").iterdir()) == ["alpha.png", "datasets.png"]
