@@ -117,8 +117,7 @@ def fgovd(
 ) -> None:
     """Fine-grained region-caption matching on FG-OVD: top-1 and rank of the positive caption among hard negatives.
 
-    Default attention: the sclip preset for pool and mask (dense features need a segmentation-style
-    edit to be local), unmodified clip for crop (the benchmark authors' protocol).
+    Default attention: the sclip preset for pool and mask (dense features need a segmentation-style edit to be local), unmodified clip for crop (the benchmark authors' protocol).
     """
     from .fgovd import DEFAULT_NEGATIVES, evaluate_fgovd
     from .fgovd.report import metrics_table

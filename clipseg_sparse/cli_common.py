@@ -39,7 +39,7 @@ PresetOpt = Annotated[
 ]
 AttnOpt = Annotated[
     Optional[str],
-    typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER[/OPTION...], e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
+    typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER\\[/OPTION...], e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
 ]
 
 

@@ -212,6 +212,9 @@ def test_overlapping_windows_share_pixels_evenly(tiny_clip):
     assert w.sum().item() == pytest.approx(1.0)
     expected = F.normalize(wf.feats[0, 0, 2] + wf.feats[1, 0, 0], dim=0)
     assert torch.allclose(wf.pool(box[None])[0], expected, atol=1e-6)
+    # x 16..48: pixels 16..31 are seen by window 0 only, 32..47 by both
+    w = wf.patch_weights(box_map((16, 0, 32, 16), (1.0, 1.0), (64, 96))[None])[:, 0]
+    assert [w[0, 0, 1].item(), w[0, 0, 2].item(), w[1, 0, 0].item()] == pytest.approx([0.5, 0.25, 0.25])
     several = torch.stack([box_map(b, (1.0, 1.0), (64, 96)) for b in [(3.3, 5.1, 70.2, 40.7), (0, 0, 96, 64), (50, 10, 8, 8)]])
     assert torch.allclose(wf.patch_weights(several).sum((0, 2, 3)), torch.ones(3), atol=1e-6)
 
@@ -284,6 +287,25 @@ def test_subset_run_and_metrics_from_saved_scores(tiny_clip, tmp_path, region, m
         assert saved["metrics"][f"transparency.mean_rank@{n}"] == pytest.approx(mean)
         assert saved["metrics"][f"transparency.median_rank@{n}"] == pytest.approx(median)
     assert saved["metrics"]["transparency.count@3"] == 0 and "transparency.top1@3" not in saved["metrics"]
+
+
+def test_images_shared_by_several_files_are_encoded_once(tiny_clip, tmp_path, monkeypatch):
+    make_images(SUBSET, tmp_path / "coco", noise=True)
+    files = []
+    for stem in ("1_attributes", "2_attributes", "3_attributes"):
+        files.append(tmp_path / f"{stem}.json")
+        files[-1].write_text(SUBSET.read_text())
+    calls = []
+    real = evaluate_mod.region_embeddings
+    monkeypatch.setattr(evaluate_mod, "region_embeddings", lambda clip, rgb, anns, *a, **k: calls.append(len(anns)) or real(clip, rgb, anns, *a, **k))
+    res = evaluate_fgovd(tiny_clip, files, tmp_path / "coco", "sclip", settings=FAST, negatives=2, progress=False)
+    assert sorted(calls) == [3, 6]  # two images, each with its regions from all three files
+    assert res["config"]["benchmarks"] == ["hard", "medium", "easy"] and len(res["per_annotation"]) == 9
+    m = res["metrics"]
+    for n in (1, 2):
+        assert m[f"mean.top1@{n}"] == pytest.approx((m[f"hard.top1@{n}"] + m[f"medium.top1@{n}"] + m[f"easy.top1@{n}"]) / 3)
+    with pytest.raises(ValueError, match="once"):
+        evaluate_fgovd(tiny_clip, [files[0], files[0]], tmp_path / "coco", "sclip", settings=FAST, progress=False)
 
 
 def test_scores_are_cosines_with_captions_as_written(tiny_clip, tmp_path):
@@ -379,3 +401,12 @@ def test_cli_fgovd(tmp_path):
     assert saved["config"]["attention"] == "qk/softmax" and saved["config"]["scale_factor"] == 1.5  # clip for crop
     res = CliRunner().invoke(app, ["fgovd", "-b", str(SUBSET), "--images", str(tmp_path / "nowhere"), "--model", TINY_CONFIG, "--pretrained", "none"])
     assert res.exit_code == 2 and "images root" in res.output
+    bad = tmp_path / "color.json"
+    bad.write_text(json.dumps({"images": [], "annotations": [{"id": 5}], "categories": []}))
+    res = CliRunner().invoke(app, ["fgovd", "-b", str(bad), "--images", str(root), "--model", TINY_CONFIG, "--pretrained", "none"])
+    assert res.exit_code == 2 and "annotation #0 (id 5): field 'image_id'" in res.output
+
+
+def test_cli_fgovd_help():
+    res = CliRunner().invoke(app, ["fgovd", "--help"])
+    assert res.exit_code == 0 and "--region" in res.output and "--scale-factor" in res.output
