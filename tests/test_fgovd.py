@@ -91,6 +91,7 @@ def test_split_comes_from_file_name(tmp_path):
         (lambda d: d["annotations"][1].pop("neg_category_ids"), "neg_category_ids"),
         (lambda d: d["annotations"][1].update(bbox=[1, 2, 0, 5]), "bbox"),
         (lambda d: d["annotations"][1].update(bbox=[1, 2, "3", 5]), "bbox"),
+        (lambda d: d["annotations"][1].update(bbox=[500, 2, 30, 5]), "bbox"),  # image 213224 is 427 wide
         (lambda d: d["annotations"][1].update(category_id=999999), "category_id"),
         (lambda d: d["annotations"][1]["neg_category_ids"].append(999999), "neg_category_ids"),
         (lambda d: d["annotations"][1].update(image_id=1), "image_id"),
@@ -380,6 +381,12 @@ def test_missing_image_and_bad_inputs(tiny_clip, tmp_path):
     nomask.parent.mkdir()
     nomask.write_text(json.dumps(data))
     with pytest.raises(BenchmarkFormatError, match="annotation id 114.*'segmentation'"):
+        evaluate_fgovd(tiny_clip, [nomask], root, "clip", region="mask", settings=FAST, progress=False)
+    # a degenerate polygon (a line) rasterises to nothing
+    data["annotations"][2]["segmentation"] = [[530.0, 320.0, 560.0, 320.0, 545.0, 320.0]]
+    nomask.write_text(json.dumps(data))
+    make_images(SUBSET, root)
+    with pytest.raises(ValueError, match="annotation id 114 .*'segmentation' covers no pixel"):
         evaluate_fgovd(tiny_clip, [nomask], root, "clip", region="mask", settings=FAST, progress=False)
 
 

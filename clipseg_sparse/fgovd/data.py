@@ -105,7 +105,7 @@ def _validate(data: Any, path: Path) -> None:
     for key in ("images", "annotations", "categories"):
         if not isinstance(data.get(key), list):
             raise BenchmarkFormatError(f"{path}: top-level field {key!r} is missing or not a list")
-    image_ids, category_ids = set(), set()
+    sizes, category_ids = {}, set()
     for i, img in enumerate(data["images"]):
         if not isinstance(img, dict) or "id" not in img:
             _fail(path, "image", img, i, "id", "is missing")
@@ -114,7 +114,7 @@ def _validate(data: Any, path: Path) -> None:
         for field in ("width", "height"):
             if not isinstance(img.get(field), int) or img[field] <= 0:
                 _fail(path, "image", img, i, field, f"must be a positive integer (got {img.get(field)!r})")
-        image_ids.add(img["id"])
+        sizes[img["id"]] = (img["width"], img["height"])
     for i, cat in enumerate(data["categories"]):
         if not isinstance(cat, dict) or "id" not in cat:
             _fail(path, "category", cat, i, "id", "is missing")
@@ -124,7 +124,7 @@ def _validate(data: Any, path: Path) -> None:
     for i, ann in enumerate(data["annotations"]):
         if not isinstance(ann, dict) or "id" not in ann:
             _fail(path, "annotation", ann, i, "id", "is missing")
-        if ann.get("image_id") not in image_ids:
+        if ann.get("image_id") not in sizes:
             _fail(path, "annotation", ann, i, "image_id", f"{ann.get('image_id')!r} is not an image of the file")
         if ann.get("category_id") not in category_ids:
             _fail(path, "annotation", ann, i, "category_id", f"{ann.get('category_id')!r} is not a category of the file")
@@ -139,6 +139,9 @@ def _validate(data: Any, path: Path) -> None:
             _fail(path, "annotation", ann, i, "bbox", f"must be [x, y, w, h] numbers (got {box!r})")
         if box[2] <= 0 or box[3] <= 0:
             _fail(path, "annotation", ann, i, "bbox", f"has a non-positive width or height ({box!r})")
+        width, height = sizes[ann["image_id"]]
+        if box[0] >= width or box[1] >= height or box[0] + box[2] <= 0 or box[1] + box[3] <= 0:
+            _fail(path, "annotation", ann, i, "bbox", f"{box!r} lies outside the {width}x{height} image")
 
 
 def _coco_index(data: dict):

@@ -86,6 +86,11 @@ def region_embeddings(
         maps = torch.stack([box_map(a.box, scale, size) for a in annotations])
     else:
         maps = torch.stack([mask_map(a, size) for a in annotations])
+    empty = (maps.sum((1, 2)) <= 0).nonzero()
+    if len(empty):
+        a = annotations[int(empty[0])]
+        field = "bbox" if region == "pool" else "segmentation"
+        raise ValueError(f"{a.split} annotation id {a.id} (image id {a.image_id}): field {field!r} covers no pixel of the image")
     return feats.pool(maps)
 
 
