@@ -39,7 +39,11 @@ PresetOpt = Annotated[
 ]
 AttnOpt = Annotated[
     Optional[str],
-    typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER\\[/OPTION...], e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
+    typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER, optionally followed by /OPTIONs, e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
+]
+
+TemplatesOpt = Annotated[
+    str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file with one {}-template per line.")
 ]
 
 
@@ -51,8 +55,10 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def resolve_attention(preset: str | None, attn: str | None, default: str = "sclip"):
     """--attn wins over --preset, which wins over the command's default preset."""
-    from .attention import AttentionSpec
+    from .attention import PRESETS, AttentionSpec
 
+    if attn is None and preset is not None and preset not in PRESETS:
+        fail(PRESETS.unknown_message(preset))
     text = attn or preset or default
     try:
         return AttentionSpec.parse(text)
@@ -69,3 +75,23 @@ def load_model(model: str, pretrained: str, device: Device, precision: Precision
             return load_clip(model, pretrained=pretrained, device=device.value, precision=precision.value)
     except (WeightsUnavailableError, ValueError, FileNotFoundError) as e:
         fail(str(e))
+
+
+def progress_bar(unit: str):
+    """A rich progress bar on stderr showing done/total, items per second, elapsed and remaining time."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(f"{task.speed:.2f} {unit}/s" if task.speed else f"- {unit}/s")
+
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        RateColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+    )

@@ -77,7 +77,7 @@ def window_boxes(height: int, width: int, window: int, stride: int) -> list[tupl
 
 def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int]) -> torch.Tensor:
     """uint8 H x W x 3 -> 1 x 3 x size CLIP-normalised fp32 (bilinear resize, as mmcv does)."""
-    x = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float()
+    x = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float()  # a copy: inputs may be read-only
     if tuple(x.shape[-2:]) != tuple(size):
         x = F.interpolate(x, size=size, mode="bilinear", align_corners=False).clamp(0, 255)
     mean = torch.tensor(clip.mean).view(1, 3, 1, 1) * 255
@@ -237,16 +237,24 @@ class Segmenter:
             cos = F.interpolate(cos[None], size=(height, width), mode="bilinear", align_corners=False)[0]
         return cos
 
+    def _probabilities(self, rgb: np.ndarray) -> torch.Tensor:
+        """C x H x W class probabilities at the original size (on the model's device)."""
+        return class_probabilities(self.cosine(rgb), self.vocabulary.name_to_class, len(self.vocabulary), self.settings.logit_scale)
+
     @torch.inference_mode()
     def predict(self, image) -> SegmentationResult:
         """Segment one image (a path, a PIL image or an H x W x 3 array)."""
-        rgb = load_image(image)
-        s = self.settings
-        probs = class_probabilities(self.cosine(rgb), self.vocabulary.name_to_class, len(self.vocabulary), s.logit_scale)
-        labels = probabilities_to_labels(probs, s.bg_threshold, s.area_threshold)
+        probs = self._probabilities(load_image(image))
+        labels = probabilities_to_labels(probs, self.settings.bg_threshold, self.settings.area_threshold)
         return SegmentationResult(
             labels=labels.cpu().numpy(),
             probs=probs.float().cpu().numpy(),
             class_names=self.class_names,
             settings=self.config(),
         )
+
+    @torch.inference_mode()
+    def predict_labels(self, image) -> np.ndarray:
+        """H x W int64 labels only; skips copying the C x H x W probabilities to the host (benchmarks)."""
+        probs = self._probabilities(load_image(image))
+        return probabilities_to_labels(probs, self.settings.bg_threshold, self.settings.area_threshold).cpu().numpy()

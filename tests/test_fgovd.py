@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 
 from clipseg_sparse.attention import AttentionSpec
 from clipseg_sparse.cli import app
+from clipseg_sparse.evaluate import progress_path
 from clipseg_sparse.fgovd import (
     BenchmarkFormatError,
     MissingImageError,
     evaluate_fgovd,
     fgovd_metrics,
-    item_log_path,
     positive_rank,
     rank_metrics,
     read_benchmark,
@@ -339,7 +339,7 @@ def test_resume_after_interruption_gives_the_same_result(tiny_clip, tmp_path, mo
     out = tmp_path / "res.json"
     kwargs = dict(settings=FAST, out=out, progress=False)
     full = evaluate_fgovd(tiny_clip, [SUBSET], tmp_path / "coco", "sclip", **kwargs)
-    log = item_log_path(out)
+    log = progress_path(out)
     lines = log.read_text().splitlines()
     assert len(lines) == 3  # header + one line per image
     log.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:25])  # killed while writing the second image
@@ -350,13 +350,19 @@ def test_resume_after_interruption_gives_the_same_result(tiny_clip, tmp_path, mo
     resumed = evaluate_fgovd(tiny_clip, [SUBSET], tmp_path / "coco", "sclip", **kwargs)
     assert len(calls) == 1 and resumed["timing"]["resumed_images"] == 1
     assert resumed["metrics"] == full["metrics"] and resumed["per_annotation"] == full["per_annotation"]
+    assert resumed["config"] == full["config"]
     # a finished result is returned, not recomputed
     assert evaluate_fgovd(tiny_clip, [SUBSET], tmp_path / "coco", "sclip", **kwargs)["created"] == resumed["created"]
     assert len(calls) == 1
     with pytest.raises(ConfigMismatchError, match="overwrite"):
         evaluate_fgovd(tiny_clip, [SUBSET], tmp_path / "coco", "clearclip", **kwargs)
-    again = evaluate_fgovd(tiny_clip, [SUBSET], tmp_path / "coco", "clearclip", resume=False, **kwargs)
+    again = evaluate_fgovd(tiny_clip, [SUBSET], tmp_path / "coco", "clearclip", overwrite=True, **kwargs)
     assert len(calls) == 3 and again["config"]["attention"] == "qq/softmax/nores/noffn"
+    # a partial log of another configuration is refused too, unless the run restarts
+    out.unlink()
+    with pytest.raises(ConfigMismatchError):
+        evaluate_fgovd(tiny_clip, [SUBSET], tmp_path / "coco", "sclip", **kwargs)
+    assert evaluate_fgovd(tiny_clip, [SUBSET], tmp_path / "coco", "sclip", resume=False, **kwargs)["metrics"] == full["metrics"]
 
 
 def test_missing_image_and_bad_inputs(tiny_clip, tmp_path):
@@ -412,6 +418,14 @@ def test_cli_fgovd(tmp_path):
     bad.write_text(json.dumps({"images": [], "annotations": [{"id": 5}], "categories": []}))
     res = CliRunner().invoke(app, ["fgovd", "-b", str(bad), "--images", str(root), "--model", TINY_CONFIG, "--pretrained", "none"])
     assert res.exit_code == 2 and "annotation #0 (id 5): field 'image_id'" in res.output
+
+
+def test_cli_fgovd_checks_files_before_loading_a_model(tmp_path):
+    res = CliRunner().invoke(app, ["fgovd", "-b", str(tmp_path / "1_attributes.json"), "--images", str(tmp_path), "--model", "no-such-model"])
+    assert res.exit_code == 2 and "benchmark file not found" in res.output
+    (tmp_path / "hard.json").write_text("{}")
+    res = CliRunner().invoke(app, ["fgovd", "-b", str(tmp_path / "hard.json"), "--images", str(tmp_path), "--model", "no-such-model"])
+    assert res.exit_code == 2 and "1_attributes" in res.output
 
 
 def test_cli_fgovd_help():

@@ -15,7 +15,7 @@ from .data import (
     read_benchmark,
     split_name,
 )
-from .evaluate import DEFAULT_NEGATIVES, REGIONS, evaluate_fgovd, item_log_path, region_embeddings
+from .evaluate import DEFAULT_NEGATIVES, REGIONS, evaluate_fgovd, region_embeddings
 from .metrics import fgovd_metrics, positive_rank, rank_metrics
 
 __all__ = [
@@ -29,7 +29,6 @@ __all__ = [
     "RegionAnnotation",
     "evaluate_fgovd",
     "fgovd_metrics",
-    "item_log_path",
     "positive_rank",
     "rank_metrics",
     "read_benchmark",

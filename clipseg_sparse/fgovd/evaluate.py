@@ -1,16 +1,17 @@
 """Running FG-OVD: score every benchmark region against its positive and hard-negative captions.
 
 Annotations of all given benchmark files are grouped by image, so each COCO image is read and encoded
-once for all its regions (the eight files share most images). Each image's scores go to an append-only
-item log beside the result file; an interrupted run resumes from it, and the metrics are always
-recomputed from the logged scores, so a resumed run gives the same numbers as an uninterrupted one.
+once for all its regions (the eight files share most images). Each image's scores go to the same
+item log `eval` keeps beside its result (`<out>.progress.jsonl`); an interrupted run resumes from it, and
+the metrics are always recomputed from the logged scores, so a resumed run gives the same numbers as an
+uninterrupted one. A finished result with the same configuration is returned, not recomputed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
@@ -18,11 +19,13 @@ from typing import Sequence
 import torch
 
 from ..attention import AttentionSpec, resolve_spec
+from ..cli_common import progress_bar
+from ..evaluate import _finished, progress_path
 from ..images import load_image
 from ..inference import InferenceSettings, resized_shape, to_pixels
 from ..model import DenseCLIP
 from ..registry import Registry
-from ..results import RESULT_SCHEMA, ConfigMismatchError, ItemLog, package_versions, write_json_atomic
+from ..results import RESULT_SCHEMA, ItemLog, package_versions, write_json_atomic
 from ..text import embed_names, resolve_templates
 from .data import Benchmark, RegionAnnotation, check_images, check_segmentations, read_benchmark
 from .metrics import fgovd_metrics
@@ -38,11 +41,6 @@ for _name, _what in (
     REGIONS.register(_name, _what, help=_what)
 
 DEFAULT_NEGATIVES = 10
-
-
-def item_log_path(out: Path) -> Path:
-    """The progress log kept beside a result file: results/x.json -> results/x.items.jsonl."""
-    return out.with_name(out.stem + ".items.jsonl")
 
 
 def _select(benchmarks: Sequence[Benchmark], limit: int | None) -> dict[str, list[RegionAnnotation]]:
@@ -108,19 +106,20 @@ def evaluate_fgovd(
     out: Path | None = None,
     resume: bool = True,
     progress: bool = True,
+    *,
+    overwrite: bool = False,
 ) -> dict:
-    """Evaluate region-caption matching on FG-OVD benchmark files; returns the result record.
+    """Evaluate region-caption matching on FG-OVD benchmark files; returns the schema-1 result record.
 
     benchmarks: FG-OVD JSON files (the split comes from each file name). images_root: the COCO 2017 root
     (holding val2017/ and train2017/). spec: the attention spec (a preset name or spec text works).
     region: pool | mask | crop (see `regions`). negatives: score the first N hard negatives and report
     N = 1..negatives. templates: caption templates, `none` = each caption as written. limit: only the
-    first `limit` images of each file. out: result JSON; its item log `*.items.jsonl` makes the run
-    resumable. resume=False discards an earlier result and log at `out` and starts over; with
-    resume=True a finished result with the same configuration is returned as is, and one made with a
-    different configuration raises ConfigMismatchError.
+    first `limit` images of each file. out: result JSON with its checkpoint log `<out>.progress.jsonl`
+    beside it, as `evaluate` keeps; resume=False restarts the log; overwrite=True recomputes a finished
+    result. Raises ConfigMismatchError when `out` or its log hold another configuration,
+    BenchmarkFormatError / MissingImageError for bad inputs.
     """
-    start = time.perf_counter()
     spec = resolve_spec(spec)
     settings = settings or InferenceSettings()
     REGIONS.get(region)
@@ -131,7 +130,6 @@ def evaluate_fgovd(
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (got {limit})")
     resolve_templates(templates)  # fail early on a bad template argument
-    images_root = Path(images_root)
     loaded = [read_benchmark(p) for p in benchmarks]
     splits = [b.split for b in loaded]
     if len(set(splits)) != len(splits):
@@ -142,7 +140,7 @@ def evaluate_fgovd(
         "precision": clip.precision,
         "attention": str(spec),
         "benchmarks": splits,
-        "images_root": str(images_root),
+        "images_root": str(Path(images_root).resolve()),
         "region": region,
         "negatives": negatives,
         "scale_factor": scale_factor,
@@ -159,48 +157,46 @@ def evaluate_fgovd(
     log = None
     if out is not None:
         out = Path(out)
-        if not resume:
-            out.unlink(missing_ok=True)
-            item_log_path(out).unlink(missing_ok=True)
-        elif out.exists():
-            previous = json.loads(out.read_text(encoding="utf-8"))
-            if previous.get("config") == config:
-                return previous
-            raise ConfigMismatchError(f"{out}: result of a different configuration exists; use another output or --overwrite")
-        log = ItemLog(item_log_path(out), config)
+        if out.exists():
+            if not overwrite:
+                return _finished(out, config)
+            out.unlink()
+        if overwrite or not resume:
+            progress_path(out).unlink(missing_ok=True)
+        log = ItemLog(progress_path(out), {k: v for k, v in config.items() if k != "limit"})
 
     captions = list(dict.fromkeys(c for a in annotations for c in a.captions[: negatives + 1]))
     text = embed_names(clip, captions, templates).to(clip.device)
     row = {c: i for i, c in enumerate(captions)}
 
-    records: dict[str, list[dict]] = {}
-    computed, resumed, scoring_s = 0, 0, 0.0
-    bar = _progress(progress)
-    with bar:
-        task = bar.add_task("fgovd", total=len(groups))
+    records: list[dict] = []
+    seconds, reused = 0.0, 0
+    with progress_bar("images") if progress else nullcontext() as bar:
+        task = bar.add_task("fgovd", total=len(groups)) if bar else None
         for file_name, anns in groups.items():
-            if log is not None and file_name in log.done:
-                records[file_name] = log.done[file_name]["annotations"]
-                resumed += 1
+            done = log.done.get(file_name) if log is not None else None
+            if done is not None:
+                recs, took = done["annotations"], float(done["seconds"])
+                reused += 1
+            else:
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    rgb = _read_image(Path(images_root) / file_name, anns[0])
+                    emb = region_embeddings(clip, rgb, anns, spec, region, settings, scale_factor)
+                    recs = [
+                        {"id": a.id, "split": a.split, "scores": (text[[row[c] for c in a.captions[: negatives + 1]]] @ e).tolist()}
+                        for a, e in zip(anns, emb)
+                    ]
+                took = time.perf_counter() - start
+                if log is not None:
+                    log.append(file_name, {"annotations": recs, "seconds": took})
+            records += recs
+            seconds += took
+            if bar:
                 bar.advance(task)
-                continue
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                rgb = _read_image(images_root / file_name, anns[0])
-                emb = region_embeddings(clip, rgb, anns, spec, region, settings, scale_factor)
-                recs = []
-                for a, e in zip(anns, emb):
-                    idx = [row[c] for c in a.captions[: negatives + 1]]
-                    recs.append({"id": a.id, "split": a.split, "scores": (text[idx] @ e).tolist()})
-            scoring_s += time.perf_counter() - t0
-            computed += len(recs)
-            records[file_name] = recs
-            if log is not None:
-                log.append(file_name, {"annotations": recs})
-            bar.advance(task)
 
     order = {s: i for i, s in enumerate(splits)}
-    per_annotation = sorted((r for recs in records.values() for r in recs), key=lambda r: (order[r["split"]], r["id"]))
+    per_annotation = sorted(records, key=lambda r: (order[r["split"]], r["id"]))
     result = {
         "schema": RESULT_SCHEMA,
         "kind": "fgovd",
@@ -209,27 +205,12 @@ def evaluate_fgovd(
         "per_annotation": per_annotation,
         "versions": package_versions(),
         "timing": {
-            "wall_s": time.perf_counter() - start,
-            "annotations_per_s": computed / scoring_s if scoring_s > 0 else 0.0,
-            "resumed_images": resumed,
+            "wall_s": seconds,
+            "annotations_per_s": len(per_annotation) / seconds if seconds > 0 else None,
+            "resumed_images": reused,
         },
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     if out is not None:
         write_json_atomic(out, result)
     return result
-
-
-def _progress(enabled: bool):
-    """A rich progress bar on stderr (disabled = no output)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-    )
