@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -85,6 +85,26 @@ def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int]) -> torc
     return (x - mean) / std
 
 
+def iter_window_features(
+    clip: DenseCLIP, pixels: torch.Tensor, spec: AttentionSpec, window: int = 224, stride: int = 112, batch_size: int = 16
+) -> Iterator[tuple[list[tuple[int, int, int, int]], torch.Tensor]]:
+    """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
+
+    Yields (window boxes (y1, y2, x1, x2), B x h x w x D features). Windows whose sides are not multiples
+    of the patch size are zero-padded at the bottom and right, so patch (i, j) of a window covers pixels
+    y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
+    """
+    _, _, H, W = pixels.shape
+    boxes = window_boxes(H, W, window, stride)
+    wh, ww = boxes[0][1] - boxes[0][0], boxes[0][3] - boxes[0][2]
+    ps = clip.patch_size
+    pad_h, pad_w = -wh % ps, -ww % ps
+    for i in range(0, len(boxes), batch_size):
+        chunk = boxes[i : i + batch_size]
+        crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
+        yield chunk, clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec)
+
+
 def dense_cosine(
     clip: DenseCLIP,
     pixels: torch.Tensor,
@@ -100,20 +120,14 @@ def dense_cosine(
     overlaps are averaged. Windows whose sides are not multiples of the patch size are zero-padded.
     """
     _, _, H, W = pixels.shape
-    boxes = window_boxes(H, W, window, stride)
-    wh, ww = boxes[0][1] - boxes[0][0], boxes[0][3] - boxes[0][2]
     ps = clip.patch_size
-    pad_h, pad_w = -wh % ps, -ww % ps
     text = text.to(clip.device)
     total = torch.zeros(text.shape[0], H, W, device=clip.device)
     count = torch.zeros(1, H, W, device=clip.device)
-    for i in range(0, len(boxes), batch_size):
-        chunk = boxes[i : i + batch_size]
-        crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
-        crops = F.pad(crops, (0, pad_w, 0, pad_h))
-        feats = clip.encode_dense(crops, spec)  # B x h x w x D
+    for chunk, feats in iter_window_features(clip, pixels, spec, window, stride, batch_size):
+        wh, ww = chunk[0][1] - chunk[0][0], chunk[0][3] - chunk[0][2]
         cos = torch.einsum("bhwd,nd->bnhw", feats, text)
-        cos = F.interpolate(cos, size=(wh + pad_h, ww + pad_w), mode="bilinear", align_corners=False)
+        cos = F.interpolate(cos, size=(feats.shape[1] * ps, feats.shape[2] * ps), mode="bilinear", align_corners=False)
         for (y1, y2, x1, x2), c in zip(chunk, cos[..., :wh, :ww]):
             total[:, y1:y2, x1:x2] += c
             count[:, y1:y2, x1:x2] += 1

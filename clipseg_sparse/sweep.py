@@ -75,6 +75,12 @@ class Grid:
         for dataset in self.datasets:
             DATASETS.get(dataset)
         PROTOCOLS.get(self.protocol)
+        if self.fgovd:
+            from .fgovd import REGIONS, split_name
+
+            REGIONS.get(self.region)
+            for path in self.fgovd:
+                split_name(path)  # the split comes from the file name
         for source in self.sources:
             AttentionSpec(source=tuple(source.split("+")))
         for spec in self.specs:

@@ -107,3 +107,10 @@ def test_shipped_grids_parse_and_have_the_published_shape():
     assert len(fg.fgovd) == 8 and all(f.startswith("/nowhere/") for f in fg.fgovd)
     for name in GRIDS:
         assert GRIDS.help(name)
+
+
+def test_fgovd_cells_need_known_split_names_and_regions(tmp_path):
+    with pytest.raises(ValueError, match="unknown FG-OVD benchmark file 'colour'"):
+        Grid(fgovd=[str(tmp_path / "colour.json")])
+    with pytest.raises(ValueError, match="region"):
+        Grid(fgovd=[str(tmp_path / "color.json")], region="box")

@@ -9,7 +9,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from clipseg_sparse.cli import app
-from clipseg_sparse.report import collect, pivot, to_markdown, write_plots
+from clipseg_sparse.report import collect, default_metric, pivot, to_markdown, write_plots
 from clipseg_sparse.sweep import Grid, SweepPaths, run_sweep
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
@@ -253,3 +253,30 @@ def test_readme_sweep_example_runs(tmp_path, monkeypatch):
         if line.startswith("**") or line.startswith("| source"):
             assert line in readme  # the README shows this report's titles and header rows
     assert sorted(p.name for p in (tmp_path / "demo/plots").iterdir()) == ["alpha.png", "datasets.png"]
+
+
+def test_fgovd_cells(tmp_path):
+    """FG-OVD cells on the 2-image subset of the real Transparency file (images drawn at their declared sizes)."""
+    from test_fgovd import SUBSET, make_images
+
+    make_images(SUBSET, tmp_path / "coco")
+    g = grid(datasets=[], fgovd=[str(SUBSET)], resolutions=[64], overrides={"window": 0}, templates=None)
+    out = tmp_path / "sweep"
+    no_images = run_sweep(g, SweepPaths(out), device="cpu", progress=False)
+    assert (no_images.ran, len(no_images.failed)) == (0, 2)
+    assert "--images-root" in no_images.failed[0].error
+    summary = run_sweep(g, SweepPaths(out, images_root=tmp_path / "coco"), device="cpu", progress=False)
+    assert (summary.ran, len(summary.failed)) == (2, 0) and not list(out.glob("*.error.json"))
+    raw = {}
+    for path in result_files(out):
+        record = json.loads(path.read_text())
+        assert record["kind"] == "fgovd" and record["config"]["benchmarks"] == ["transparency"]
+        raw[record["config"]["attention"]] = record["metrics"]
+    records = collect([out])
+    most = max(len(a["neg_category_ids"]) for a in json.loads(SUBSET.read_text())["annotations"])
+    assert default_metric(records) == f"top1@{most}"  # top-1 against all the negatives there are
+    [table] = pivot(records, rows="normalizer", cols="dataset")
+    assert table.col_values == ["transparency"]
+    soft, ent = raw["qk/softmax"][f"transparency.top1@{most}"], raw["qk/entmax:1.5"][f"transparency.top1@{most}"]
+    assert table.cell("softmax", "transparency").value == soft
+    assert table.cell("entmax:1.5", "transparency").delta == pytest.approx(ent - soft)
