@@ -611,7 +611,7 @@ def reproduce(
         fail(str(e))
     missing = [f for f in spec.grid.fgovd if not Path(f).is_file()]
     if missing:
-        fail(f"FG-OVD benchmark file(s) not found: {', '.join(missing)}; pass --benchmarks DIR")
+        fail(f"{len(missing)} FG-OVD benchmark file(s) not found, e.g. {missing[0]}; pass --benchmarks DIR (the folder holding them)")
     out = out or Path("results") / grid_file.stem
     paths = SweepPaths(out=out, roots={**spec.roots, **parse_roots(root or [])}, images_root=images_root or spec.images_root)
     summary = _run_grid(spec.grid, paths, device)

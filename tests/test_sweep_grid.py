@@ -114,3 +114,21 @@ def test_fgovd_cells_need_known_split_names_and_regions(tmp_path):
         Grid(fgovd=[str(tmp_path / "colour.json")])
     with pytest.raises(ValueError, match="region"):
         Grid(fgovd=[str(tmp_path / "color.json")], region="box")
+
+
+def test_cli_lists_grids_and_checks_fgovd_files_first(tmp_path):
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli import app
+
+    runner = CliRunner()
+    for args in (["ls", "grids"], ["reproduce", "--list"]):
+        result = runner.invoke(app, args, env={"COLUMNS": "200"})
+        assert result.exit_code == 0 and all(name in result.stdout for name in GRIDS)
+    missing = runner.invoke(app, ["reproduce", "fgovd", "--benchmarks", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert missing.exit_code == 2 and "8 FG-OVD benchmark file(s) not found" in missing.output
+    assert not (tmp_path / "o").exists()  # nothing ran
+    unknown = runner.invoke(app, ["reproduce", "table1"])
+    assert unknown.exit_code == 2 and "unknown grid 'table1'" in unknown.output
+    bad = runner.invoke(app, ["sweep", "--datasets", "voc21", "--alphas", "3", "--out", str(tmp_path / "s")])
+    assert bad.exit_code == 2 and "alpha must be in" in bad.output
