@@ -461,8 +461,6 @@ ImagesRootOpt = Annotated[Optional[Path], typer.Option("--images-root", help="CO
 
 
 def _print_summary(summary, out: Path) -> None:
-    from .cli_common import err_console
-
     err_console.print(
         f"sweep: {summary.total} cells: {summary.skipped} already done, {summary.ran} ran, "
         f"{len(summary.failed)} failed ({summary.wall_s:.1f} s); results in {out}",
@@ -472,7 +470,7 @@ def _print_summary(summary, out: Path) -> None:
         err_console.print(f"  [red]failed[/] {failure.cell.label}: {failure.error}  ({failure.cell.hash}.error.json)", highlight=False)
 
 
-def _run_grid(grid, paths, device) -> "object":
+def _run_grid(grid, paths, device: Device):
     from .sweep import run_sweep
 
     summary = run_sweep(grid, paths, device=device.value)
@@ -518,8 +516,8 @@ def sweep(
         if given.get("alphas"):
             given["alphas"] = [float(a) for a in given["alphas"]]
         if grid is not None:
-            spec = read_grid_file(grid, overrides=given)
-            the_grid, roots, images = spec.grid, dict(spec.roots), spec.images_root
+            grid_file_spec = read_grid_file(grid, overrides=given)
+            the_grid, roots, images = grid_file_spec.grid, dict(grid_file_spec.roots), grid_file_spec.images_root
         else:
             the_grid, roots, images = Grid.from_dict(given), {}, None
     except ValueError as e:
@@ -556,10 +554,7 @@ def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite:
     """Tables to stdout, optional Markdown / CSV files and plots; raises ReportError on bad input."""
     from rich.console import Console
 
-    from .cli_common import err_console
-    from .report import ReportError, default_metric, pivot, to_csv, to_markdown, to_rich, write_plots
-
-    from .report import PLOT_FILES
+    from .report import PLOT_FILES, ReportError, default_metric, pivot, to_csv, to_markdown, to_rich, write_plots
 
     for path in (markdown, csv, *(plots / n for n in PLOT_FILES if plots is not None)):
         if path is not None and path.exists() and not overwrite:
@@ -606,16 +601,16 @@ def reproduce(
     given = {k: v for k, v in {"models": _split(models), "pretrained": pretrained, "limit": limit}.items() if v is not None}
     try:
         grid_file = Path(table) if table.endswith(".toml") else GRIDS.get(table)
-        spec = read_grid_file(grid_file, overrides=given, benchmarks_dir=benchmarks)
+        grid_file_spec = read_grid_file(grid_file, overrides=given, benchmarks_dir=benchmarks)
     except (UnknownNameError, ValueError) as e:
         fail(str(e))
-    missing = [f for f in spec.grid.fgovd if not Path(f).is_file()]
+    missing = [f for f in grid_file_spec.grid.fgovd if not Path(f).is_file()]
     if missing:
         fail(f"{len(missing)} FG-OVD benchmark file(s) not found, e.g. {missing[0]}; pass --benchmarks DIR (the folder holding them)")
     out = out or Path("results") / grid_file.stem
-    paths = SweepPaths(out=out, roots={**spec.roots, **parse_roots(root or [])}, images_root=images_root or spec.images_root)
-    summary = _run_grid(spec.grid, paths, device)
-    report = spec.report
+    paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root)
+    summary = _run_grid(grid_file_spec.grid, paths, device)
+    report = grid_file_spec.report
     try:  # report files are derived from the results in OUT, so they are regenerated each time
         _render_report(collect(summary.results), report.get("rows", "source"), report.get("cols", "normalizer"),
                        report.get("metric"), out / "report.md", out / "report.csv", out / "plots", overwrite=True)  # fmt: skip

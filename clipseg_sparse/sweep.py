@@ -62,6 +62,7 @@ class Grid:
     def __post_init__(self) -> None:
         from .attention import PRESETS, AttentionSpec
         from .datasets import DATASETS
+        from .inference import InferenceSettings
         from .normalizers import Normalizer
         from .protocols import PROTOCOLS
 
@@ -75,6 +76,11 @@ class Grid:
         for dataset in self.datasets:
             DATASETS.get(dataset)
         PROTOCOLS.get(self.protocol)
+        try:
+            InferenceSettings().replace(**self.overrides)
+        except TypeError:
+            known = ", ".join(f.name for f in dataclasses.fields(InferenceSettings))
+            raise ValueError(f"unknown inference setting in overrides {sorted(self.overrides)}; settings: {known}") from None
         if self.fgovd:
             from .fgovd import REGIONS, split_name
 
@@ -182,6 +188,11 @@ class Cell:
         return config_hash(self.config())
 
     @property
+    def settings_changes(self) -> dict[str, Any]:
+        """Inference-setting overrides of this cell: the grid's, plus its resolution."""
+        return {**self.grid.overrides, **({"resolution": self.resolution} if self.resolution else {})}
+
+    @property
     def model_key(self) -> tuple[str, str, str]:
         return (self.model, self.grid.pretrained, self.grid.precision)
 
@@ -254,8 +265,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths) -> None:
     if cell.kind == "eval":
         from .evaluate import evaluate
 
-        overrides = {**g.overrides, **({"resolution": cell.resolution} if cell.resolution else {})}
-        evaluate(clip, cell.data, paths.root(cell.data), cell.attention, protocol=g.protocol, overrides=overrides or None,
+        evaluate(clip, cell.data, paths.root(cell.data), cell.attention, protocol=g.protocol, overrides=cell.settings_changes or None,
                  class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=False, **templates)  # fmt: skip
     else:
         from .fgovd import evaluate_fgovd
@@ -263,7 +273,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths) -> None:
 
         if paths.images_root is None:
             raise ValueError("FG-OVD cells need the COCO images folder (--images-root)")
-        changes = {**g.overrides, **({"resolution": cell.resolution} if cell.resolution else {})}
+        changes = cell.settings_changes
         settings = InferenceSettings().replace(**changes) if changes else None
         evaluate_fgovd(clip, [Path(cell.data)], paths.images_root, cell.attention, region=g.region, negatives=g.negatives,
                        settings=settings, limit=g.limit, out=out, resume=True, progress=False, **templates)  # fmt: skip

@@ -66,6 +66,8 @@ def test_cell_hash_is_stable_and_covers_every_knob(tmp_path):
         ({"datasets": ["voc21"], "resolutions": [0]}, "positive"),
         ({"datasets": ["voc12"]}, "unknown dataset 'voc12'. Did you mean 'voc21'"),
         ({"datasets": ["voc21"], "protocol": "sclp"}, "Did you mean 'sclip'"),
+        ({"datasets": ["voc21"], "overrides": {"windw": 224}}, "unknown inference setting"),
+        ({"datasets": ["voc21"], "overrides": {"window": 224, "stride": 300}}, "stride must be in"),
     ],
 )
 def test_bad_grids_fail_before_running(bad, message):
