@@ -22,12 +22,11 @@ from .cli_common import (
     PresetOpt,
     PretrainedOpt,
     TemplatesOpt,
-    err_console,
     fail,
     load_model,
-    progress_bar,
     resolve_attention,
 )
+from .progress import err_console, progress_bar
 
 app = typer.Typer(
     name="clipseg-sparse",
@@ -171,7 +170,7 @@ def segment(
     except InputError as e:
         fail(str(e))
     if plan.conflicts:
-        (job, reason), n = plan.conflicts[0], len(plan.conflicts)
+        (_, reason), n = plan.conflicts[0], len(plan.conflicts)
         fail(f"{n} image(s) already have outputs this run would replace ({reason}); use --overwrite or another --out")
 
     with progress_bar("images") as bar:

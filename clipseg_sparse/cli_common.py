@@ -10,9 +10,8 @@ from enum import Enum
 from typing import Annotated, NoReturn, Optional
 
 import typer
-from rich.console import Console
 
-err_console = Console(stderr=True)
+from .progress import err_console
 
 
 class Device(str, Enum):
@@ -77,21 +76,3 @@ def load_model(model: str, pretrained: str, device: Device, precision: Precision
         fail(str(e))
 
 
-def progress_bar(unit: str):
-    """A rich progress bar on stderr showing done/total, items per second, elapsed and remaining time."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-    from rich.text import Text
-
-    class RateColumn(ProgressColumn):
-        def render(self, task) -> Text:
-            return Text(f"{task.speed:.2f} {unit}/s" if task.speed else f"- {unit}/s")
-
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        RateColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=err_console,
-    )

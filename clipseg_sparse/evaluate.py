@@ -12,7 +12,6 @@ A finished result whose configuration matches is returned as is, not recomputed,
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import nullcontext
 from datetime import datetime, timezone
@@ -22,7 +21,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .attention import AttentionSpec
-from .cli_common import progress_bar
+from .progress import progress_bar
 from .datasets import DATASETS, Benchmark, DatasetError, Sample, class_vocabulary
 from .datasets.labels import write_label_png
 from .distributed import all_reduce, rank_and_world, shard
@@ -31,12 +30,7 @@ from .inference import Segmenter
 from .metrics import areas_to_record, intersect_and_union, record_to_areas, segmentation_metrics
 from .model import DenseCLIP
 from .protocols import PROTOCOLS
-from .results import RESULT_SCHEMA, ConfigMismatchError, ItemLog, config_hash, package_versions, write_json_atomic
-
-
-def progress_path(out: Path, rank: int = 0, world: int = 1) -> Path:
-    """The item log that checkpoints the run whose result goes to `out` (one per rank under torchrun)."""
-    return out.with_suffix(".progress.jsonl" if world == 1 else f".progress.rank{rank}of{world}.jsonl")
+from .results import RESULT_SCHEMA, ItemLog, load_finished, package_versions, progress_path, write_json_atomic
 
 
 def prediction_path(save_pred: Path, sample: Sample) -> Path:
@@ -92,7 +86,7 @@ def evaluate(
     out = Path(out) if out is not None else None
     if out is not None and out.exists():
         if not overwrite:
-            return _finished(out, config)
+            return load_finished(out, config)
         out.unlink()
     rank, world = rank_and_world()
     log = None
@@ -126,16 +120,6 @@ def run_config(segmenter: Segmenter, bench: Benchmark, root, protocol: str, clas
         "class_names_version": names_version,
         "limit": limit,
     }
-
-
-def _finished(out: Path, config: dict) -> dict:
-    try:
-        record = json.loads(out.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigMismatchError(f"{out}: exists but is not a readable result ({e}); use --overwrite or another --out") from e
-    if config_hash(record.get("config", {})) != config_hash(config):
-        raise ConfigMismatchError(f"{out}: holds a result of a different configuration; use --overwrite or another --out")
-    return record
 
 
 def _run(segmenter: Segmenter, bench: Benchmark, samples: list[Sample], log: ItemLog | None, save_pred, advance: Callable[[], None]):

@@ -126,3 +126,19 @@ class ItemLog:
             f.flush()
             os.fsync(f.fileno())
         self._done[str(item_id)] = rec
+
+
+def progress_path(out: Path, rank: int = 0, world: int = 1) -> Path:
+    """The item log that checkpoints the run whose result goes to `out` (one per rank under torchrun)."""
+    return out.with_suffix(".progress.jsonl" if world == 1 else f".progress.rank{rank}of{world}.jsonl")
+
+
+def load_finished(out: Path, config: dict) -> dict:
+    """The finished result in `out` if it was made with `config`; ConfigMismatchError otherwise."""
+    try:
+        record = json.loads(out.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigMismatchError(f"{out}: exists but is not a readable result ({e}); use --overwrite or another --out") from e
+    if config_hash(record.get("config", {})) != config_hash(config):
+        raise ConfigMismatchError(f"{out}: holds a result of a different configuration; use --overwrite or another --out")
+    return record

@@ -301,7 +301,7 @@ def run_sweep(
     running it again); any other exception fails only its cell."""
     import torch
 
-    from .cli_common import progress_bar
+    from .progress import progress_bar
     from .model import load_clip
 
     start = time.perf_counter()

@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 
 from clipseg_sparse.cli import app
 from clipseg_sparse.datasets import DATASETS
-from clipseg_sparse.evaluate import evaluate, prediction_path, progress_path
+from clipseg_sparse.evaluate import evaluate, prediction_path
+from clipseg_sparse.results import progress_path
 from clipseg_sparse.inference import Segmenter
 from clipseg_sparse.metrics import intersect_and_union, segmentation_metrics
 from clipseg_sparse.results import ConfigMismatchError

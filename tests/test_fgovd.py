@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from clipseg_sparse.attention import AttentionSpec
 from clipseg_sparse.cli import app
-from clipseg_sparse.evaluate import progress_path
+from clipseg_sparse.results import progress_path
 from clipseg_sparse.fgovd import (
     BenchmarkFormatError,
     MissingImageError,

@@ -19,13 +19,12 @@ from typing import Sequence
 import torch
 
 from ..attention import AttentionSpec, resolve_spec
-from ..cli_common import progress_bar
-from ..evaluate import _finished, progress_path
+from ..progress import progress_bar
 from ..images import load_image
 from ..inference import InferenceSettings, resized_shape, to_pixels
 from ..model import DenseCLIP
 from ..registry import Registry
-from ..results import RESULT_SCHEMA, ItemLog, package_versions, write_json_atomic
+from ..results import RESULT_SCHEMA, ItemLog, load_finished, package_versions, progress_path, write_json_atomic
 from ..text import embed_names, resolve_templates
 from .data import Benchmark, RegionAnnotation, check_images, check_segmentations, read_benchmark
 from .metrics import fgovd_metrics
@@ -159,7 +158,7 @@ def evaluate_fgovd(
         out = Path(out)
         if out.exists():
             if not overwrite:
-                return _finished(out, config)
+                return load_finished(out, config)
             out.unlink()
         if overwrite or not resume:
             progress_path(out).unlink(missing_ok=True)
