@@ -22,7 +22,6 @@ Compact text form, used on the command line, in sweep grids, result files and ta
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch

@@ -7,11 +7,26 @@ Progress and logs go to stderr; tables and JSON to stdout.
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from .cli_common import Device, DeviceOpt, Precision, PrecisionOpt, fail
+from .cli_common import (
+    AttnOpt,
+    Device,
+    DeviceOpt,
+    ModelOpt,
+    Precision,
+    PrecisionOpt,
+    PresetOpt,
+    PretrainedOpt,
+    TemplatesOpt,
+    fail,
+    load_model,
+    resolve_attention,
+)
+from .progress import err_console, progress_bar
 
 app = typer.Typer(
     name="clipseg-sparse",
@@ -41,11 +56,14 @@ class Listable(str, Enum):
     presets = "presets"
     normalizers = "normalizers"
     models = "models"
+    datasets = "datasets"
+    protocols = "protocols"
+    grids = "grids"
 
 
 @app.command("ls")
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
-    """List registered names: attention presets, normalizers, CLIP models."""
+    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids."""
     from rich.console import Console
     from rich.table import Table
 
@@ -64,6 +82,12 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
         table.add_row("entmax:ALPHA", "alpha-entmax, 1 < ALPHA <= 2: exact zeros below a data-dependent threshold")
         table.add_row("sparsemax", "entmax:2, Euclidean projection onto the simplex")
         table.add_row("randmask:ALPHA", "control: softmax on a random subset as large as entmax:ALPHA's support")
+    elif what is Listable.datasets:
+        table = _datasets_table()
+    elif what is Listable.protocols:
+        table = _protocols_table()
+    elif what is Listable.grids:
+        table = _grids_table()
     else:
         import open_clip
 
@@ -72,6 +96,527 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
             if name.startswith("ViT"):
                 table.add_row(name, ", ".join(open_clip.list_pretrained_tags_by_model(name)))
     console.print(table)
+
+
+@app.command("segment", no_args_is_help=True)
+def segment(
+    inputs: Annotated[list[Path], typer.Argument(help="Image files and/or folders (searched recursively).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder; images keep their path relative to the folder given.")],
+    classes: Annotated[Optional[str], typer.Option("--classes", "-c", help='Classes, comma-separated; "|" joins synonyms: "cat,dog|puppy,sky".')] = None,
+    classes_file: Annotated[Optional[Path], typer.Option("--classes-file", help='One class per line, synonyms separated by ", ".')] = None,
+    templates: TemplatesOpt = "openai",
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Resize the short side to this (default 336; 0 = keep size).")] = None,
+    window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window side (default 224; 0 = whole image).")] = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride (default 112).")] = None,
+    logit_scale: Annotated[Optional[float], typer.Option("--logit-scale", help="Softmax scale on cosine similarities (default 40).")] = None,
+    background: Annotated[Optional[str], typer.Option("--background", help='Comma-separated names of a background class added as class 0, e.g. "sky,wall,floor".')] = None,
+    bg_threshold: Annotated[Optional[float], typer.Option("--bg-threshold", help="Pixels whose top probability is below this become background (default 0).")] = None,
+    area_threshold: Annotated[Optional[float], typer.Option("--area-threshold", help="Drop classes covering at most this fraction of the foreground (default 0).")] = None,
+    preset: PresetOpt = None,
+    attn: AttnOpt = None,
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Windows per forward pass (default 16).")] = None,
+    save_probs: Annotated[bool, typer.Option("--save-probs", help="Also write per-class probabilities (float16, compressed npz).")] = False,
+    mask_format: Annotated[str, typer.Option("--format", help="Label masks as png (palette PNG) or coco-rle (one COCO RLE JSON per image).")] = "png",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing outputs (default: keep them and skip finished images).")] = False,
+) -> None:
+    """Segment images with any vocabulary: a label PNG, an overlay and a JSON per image under --out.
+
+    Default attention preset: sclip. Re-running the same command skips finished images.
+    """
+    from .discovery import InputError, discover_images
+    from .outputs import OutputOptions
+    from .registry import UnknownNameError
+    from .text import Vocabulary, resolve_templates
+
+    if (classes is None) == (classes_file is None):
+        fail("give exactly one of --classes and --classes-file")
+    try:
+        vocabulary = Vocabulary.parse(classes) if classes is not None else Vocabulary.from_file(classes_file)
+        if background:
+            vocabulary = vocabulary.with_background(background.split(","))
+        elif bg_threshold:
+            raise ValueError("--bg-threshold needs --background (the class that low-confidence pixels become)")
+        prompt_templates = resolve_templates(templates)
+        options = OutputOptions(mask_format=mask_format, save_probs=save_probs, overwrite=overwrite)
+        options.check_classes(len(vocabulary))
+        found = discover_images(inputs, out)
+    except (ValueError, FileNotFoundError, InputError, UnknownNameError) as e:
+        fail(str(e))
+    spec = resolve_attention(preset, attn, default="sclip")
+    if found.not_images:
+        names = ", ".join(str(p) for p in found.not_images[:5]) + (", ..." if len(found.not_images) > 5 else "")
+        err_console.print(f"note: skipping {len(found.not_images)} file(s) that are not images: {names}", highlight=False)
+    if not found.jobs:
+        fail("no images found in the inputs")
+
+    from .batch import plan_run, run_plan
+    from .inference import InferenceSettings, Segmenter
+
+    try:
+        settings = InferenceSettings().replace(
+            resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
+            bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size,
+        )
+    except ValueError as e:
+        fail(str(e))
+    clip = load_model(model, pretrained, device, precision)
+    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates)
+    try:
+        plan = plan_run(found.jobs, out, options, segmenter.config())
+    except InputError as e:
+        fail(str(e))
+    if plan.conflicts:
+        (_, reason), n = plan.conflicts[0], len(plan.conflicts)
+        fail(f"{n} image(s) already have outputs this run would replace ({reason}); use --overwrite or another --out")
+
+    with progress_bar("images") as bar:
+        task = bar.add_task("segmenting", total=len(plan.todo))
+
+        def on_image(job, error: str | None) -> None:
+            if error:
+                bar.console.print(f"[red]failed:[/] {error}", highlight=False, soft_wrap=True)
+            bar.advance(task)
+
+        report = run_plan(segmenter, plan, options, on_image)
+
+    _print_segment_summary(report, segmenter.class_names, len(found.not_images), out)
+    if report.failed:
+        raise typer.Exit(1)
+
+
+def _print_segment_summary(report, class_names, not_images: int, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    counts = Table("images", "count", title=f"segment -> {out}")
+    counts.add_row("segmented", str(report.segmented))
+    counts.add_row("skipped (already done)", str(report.skipped))
+    counts.add_row("failed", str(len(report.failed)))
+    counts.add_row("not images", str(not_images))
+    classes = Table("class", "mean pixel fraction", title=f"classes over {len(report.records)} image(s)")
+    for name, frac in report.class_fractions(class_names).items():
+        classes.add_row(name, f"{100 * frac:.1f}%")
+    console = Console()
+    console.print(counts)
+    console.print(classes)
+    if report.failed:
+        err_console.print(f"[red]{len(report.failed)} image(s) could not be read:[/]", highlight=False)
+    for path, reason in report.failed:
+        err_console.print(f"  {reason}", highlight=False, soft_wrap=True)
+
+
+def _datasets_table():
+    from rich.table import Table
+
+    from .datasets import DATASETS
+
+    table = Table("dataset", "classes", "background", "reduce_zero_label", "val images", "layout under --root", "what")
+    for name in DATASETS:
+        b = DATASETS.get(name)
+        layout = "/".join(p for p in (b.layout, b.img_dir) if p) + f"/*{b.img_suffix}"
+        table.add_row(name, str(b.num_classes), "class 0" if b.background else "-", "yes" if b.reduce_zero_label else "no",
+                      str(b.num_images), layout, DATASETS.help(name))
+    return table
+
+
+def _protocols_table():
+    from rich.table import Table
+
+    from .protocols import PROTOCOLS
+
+    table = Table("protocol", "attention", "class names", "all datasets", "per dataset", "source")
+    fmt = lambda d: ", ".join(f"{k}={v:g}" for k, v in d.items())  # noqa: E731
+    for name in PROTOCOLS:
+        p = PROTOCOLS.get(name)
+        per = "\n".join(f"{ds}: {fmt(d)}" for ds, d in p.per_dataset.items())
+        table.add_row(name, p.attention, p.class_names, fmt(p.defaults), per, p.source)
+    return table
+
+
+@app.command("eval")
+def eval_cmd(
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="Benchmark: voc21, voc20, context60, context59, ade20k, coco-stuff, coco-object, cityscapes (see `ls datasets`).")],
+    root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    preset: PresetOpt = None,
+    attn: AttnOpt = None,
+    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
+    class_names: Annotated[Optional[str], typer.Option("--class-names", help="Prompt names: sclip (synonyms, stuff words for background), plain (ClearCLIP's), or a file with one class per line; default: the protocol's.")] = None,
+    templates: TemplatesOpt = "openai",
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
+    window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window size in pixels (0 = whole image).")] = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride in pixels.")] = None,
+    logit_scale: Annotated[Optional[float], typer.Option("--logit-scale", help="Scale on cosines before the softmax over names.")] = None,
+    bg_threshold: Annotated[Optional[float], typer.Option("--bg-threshold", help="Pixels whose top probability is below this become background (class 0).")] = None,
+    area_threshold: Annotated[Optional[float], typer.Option("--area-threshold", help="Drop classes covering at most this fraction of the foreground (SCLIP's area_thd).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sliding windows per forward pass.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate the first N images only.")] = None,
+    save_pred: Annotated[Optional[Path], typer.Option("--save-pred", help="Folder for palette PNG predictions in the dataset's label encoding.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Result JSON; a <out>.progress.jsonl beside it makes the run resumable.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Recompute even if --out holds a finished result or a partial run.")] = False,
+) -> None:
+    """Evaluate on a benchmark: dataset-level mIoU, per-class IoU, resumable with --out.
+
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse eval ...` shards the images.
+    """
+    from .datasets import DATASETS, DatasetError
+    from .distributed import init_from_env
+    from .evaluate import evaluate
+    from .protocols import PROTOCOLS
+    from .results import ConfigMismatchError
+
+    try:
+        bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
+        bench.samples(root)  # fail on a missing dataset before loading the model
+    except (KeyError, DatasetError) as e:
+        fail(str(e))
+    spec = resolve_attention(preset, attn, default=proto.attention)
+    rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
+    clip = load_model(model, pretrained, device, precision)
+    overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
+                     bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size)
+    if out is not None and out.exists() and not overwrite:
+        err_console.print(f"{out} exists: showing it, not recomputing (--overwrite recomputes)", highlight=False)
+    try:
+        record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
+                          limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates)
+    except (DatasetError, ConfigMismatchError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    if rank > 0:
+        return
+    from rich.console import Console
+
+    Console().print(_result_table(record))
+    if out is not None:
+        err_console.print(f"result: {out}", highlight=False)
+
+
+def _result_table(record: dict):
+    """Per-class IoU / Acc and the means of an eval result record."""
+    from rich.table import Table
+
+    c = record["config"]
+    pct = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    title = f"{c['dataset']} | {c['attention']} | {c['protocol']} | {c['model']} ({c['pretrained']}) | {record['num_images']} images"
+    table = Table("class", "IoU %", "Acc %", title=title)
+    for name, m in record["per_class"].items():
+        table.add_row(name, pct(m["IoU"]), pct(m["Acc"]))
+    m = record["metrics"]
+    table.add_section()
+    table.add_row("[bold]mean[/]", f"[bold]{pct(m['mIoU'])}[/]", pct(m["mAcc"]))
+    table.add_row("pixel accuracy", "", pct(m["aAcc"]))
+    return table
+
+
+convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (see datasets.md).", no_args_is_help=True)
+app.add_typer(convert_app, name="convert")
+
+
+def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: bool, instances: Path | None = None) -> None:
+    from .datasets import DatasetError
+    from .datasets import convert as cv
+
+    out = out or root
+    dest = out / "annotations" / split
+    with progress_bar("files") as bar:
+        task = bar.add_task(f"{kind} {split}", total=None)
+        step = lambda: bar.advance(task)  # noqa: E731
+        try:
+            if instances is not None:
+                written = cv.coco_object_from_instances(instances, dest, overwrite, step)
+            elif kind == "coco-object":
+                written = cv.convert_stuffthingmaps(root / "annotations" / split, dest, cv.object_lut(), cv.OBJECT_SUFFIX, overwrite, step)
+            else:
+                written = cv.convert_stuffthingmaps(root / "annotations" / split, dest, cv.stuff_lut(), cv.STUFF_SUFFIX, overwrite, step)
+        except DatasetError as e:
+            fail(str(e))
+    if out.resolve() != root.resolve() and (root / "images").is_dir() and not (out / "images").exists():
+        (out / "images").symlink_to((root / "images").resolve(), target_is_directory=True)
+    err_console.print(f"wrote {written} label files to {dest}", highlight=False)
+
+
+StuffRootArg = Annotated[Path, typer.Argument(help="COCO-Stuff164k folder: images/<split>/*.jpg and annotations/<split>/*.png (raw stuffthingmaps).")]
+SplitOpt = Annotated[str, typer.Option("--split", help="Sub-folder to convert.")]
+ConvertOutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Dataset folder to write annotations/<split>/ into (default: ROOT); images/ is linked.")]
+ConvertOverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Rewrite label files that already exist.")]
+
+
+@convert_app.command("coco-stuff")
+def convert_coco_stuff(root: StuffRootArg, split: SplitOpt = "val2017", out: ConvertOutOpt = None, overwrite: ConvertOverwriteOpt = False) -> None:
+    """COCO-Stuff labels (*_labelTrainIds.png, 0..170, 255 unlabeled), as mmseg's coco_stuff164k.py."""
+    _convert("coco-stuff", root, split, out, overwrite)
+
+
+@convert_app.command("coco-object")
+def convert_coco_object(
+    root: StuffRootArg,
+    split: SplitOpt = "val2017",
+    out: ConvertOutOpt = None,
+    overwrite: ConvertOverwriteOpt = False,
+    instances: Annotated[Optional[Path], typer.Option("--instances", help="Rasterise this COCO instances JSON with pycocotools instead (approximate; see datasets.md).")] = None,
+) -> None:
+    """COCO-Object labels (*_instanceTrainIds.png, 0 background, 1..80 things), as SCLIP's cvt_coco_object.py."""
+    _convert("coco-object", root, split, out, overwrite, instances)
+
+
+class Region(str, Enum):
+    pool = "pool"
+    mask = "mask"
+    crop = "crop"
+
+
+@app.command("fgovd")
+def fgovd(
+    benchmark: Annotated[list[Path], typer.Option("--benchmark", "-b", help="FG-OVD benchmark JSON (repeat for several); the split comes from the file name.")],
+    images: Annotated[Path, typer.Option("--images", help="COCO 2017 root holding val2017/ and train2017/.")],
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    preset: PresetOpt = None,
+    attn: AttnOpt = None,
+    region: Annotated[Region, typer.Option("--region", help="pool: dense features in the box; mask: in the polygon; crop: the box encoded whole.")] = Region.pool,
+    scale_factor: Annotated[Optional[float], typer.Option("--scale-factor", help="Enlarge the crop about its centre (crop only; default 1).")] = None,
+    negatives: Annotated[Optional[int], typer.Option("--negatives", "-n", help="Hard negatives per region; metrics for N = 1..this (default 10).")] = None,
+    templates: TemplatesOpt = "none",
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (default 336; 0 = keep size).")] = None,
+    window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window size in pixels (default 224; 0 = whole image).")] = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride in pixels (default 112).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N images of each benchmark file.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Result JSON with every region's scores; a <out>.progress.jsonl beside it makes the run resumable.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Recompute even if --out holds a finished result or a partial run.")] = False,
+) -> None:
+    """Fine-grained region-caption matching on FG-OVD: top-1 and rank of the positive caption among hard negatives.
+
+    Default attention: the sclip preset for pool and mask (dense features need a segmentation-style edit to be local), unmodified clip for crop (the benchmark authors' protocol).
+    """
+    from .fgovd import evaluate_fgovd, split_name
+    from .fgovd.report import metrics_table
+    from .inference import InferenceSettings
+
+    for path in benchmark:  # before loading the model
+        if not path.is_file():
+            fail(f"{path}: benchmark file not found")
+        try:
+            split_name(path)
+        except KeyError as e:
+            fail(str(e))
+    spec = resolve_attention(preset, attn, default="clip" if region is Region.crop else "sclip")
+    try:
+        settings = InferenceSettings().replace(resolution=resolution, window=window, stride=stride)
+    except ValueError as e:
+        fail(str(e))
+    kwargs = {k: v for k, v in {"scale_factor": scale_factor, "negatives": negatives}.items() if v is not None}
+    clip = load_model(model, pretrained, device, precision)
+    if out is not None and out.exists() and not overwrite:
+        err_console.print(f"{out} exists: showing it, not recomputing (--overwrite recomputes)", highlight=False)
+    try:
+        result = evaluate_fgovd(
+            clip, benchmark, images, spec, region=region.value, settings=settings, templates=templates, limit=limit, out=out, overwrite=overwrite, **kwargs
+        )
+    except (OSError, ValueError) as e:  # missing files, malformed benchmark, config mismatch, unreadable image
+        fail(str(e))
+    from rich.console import Console
+
+    Console().print(metrics_table(result["metrics"], result["config"]["benchmarks"], result["config"]["negatives"]))
+    if out is not None:
+        err_console.print(f"result: {out}", highlight=False)
+
+
+def _split(text: str | None) -> list[str] | None:
+    """Comma-separated flag value -> list; None when the flag was not given."""
+    return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _grids_table():
+    from rich.table import Table
+
+    from .sweep import GRIDS, read_grid_file
+
+    table = Table("grid", "cells", "what")
+    for name in GRIDS:
+        cells = len(read_grid_file(GRIDS.get(name), benchmarks_dir=".").grid.cells())
+        table.add_row(name, str(cells), GRIDS.help(name))
+    return table
+
+
+def ListOpt(flag: str, help: str):
+    """A comma-separated list option, None when not given."""
+    return Annotated[Optional[str], typer.Option(flag, help=help)]
+
+
+RootOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--root", help="Dataset root: DIR for every dataset, or NAME=DIR for one (repeatable)."),
+]
+ImagesRootOpt = Annotated[Optional[Path], typer.Option("--images-root", help="COCO 2017 images folder for FG-OVD cells.")]
+
+
+def _print_summary(summary, out: Path) -> None:
+    err_console.print(
+        f"sweep: {summary.total} cells: {summary.skipped} already done, {summary.ran} ran, "
+        f"{len(summary.failed)} failed ({summary.wall_s:.1f} s); results in {out}",
+        highlight=False,
+    )
+    for failure in summary.failed:
+        err_console.print(f"  [red]failed[/] {failure.cell.label}: {failure.error}  ({failure.cell.hash}.error.json)", highlight=False)
+
+
+def _run_grid(grid, paths, device: Device):
+    from .sweep import run_sweep
+
+    summary = run_sweep(grid, paths, device=device.value)
+    _print_summary(summary, paths.out)
+    return summary
+
+
+@app.command("sweep", no_args_is_help=True)
+def sweep(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder of result files (one per cell, named by its config hash).")],
+    grid: Annotated[Optional[Path], typer.Option("--grid", help="TOML grid file with the keys below; flags given override it.")] = None,
+    datasets: ListOpt("--datasets", "Comma-separated dataset names, e.g. voc21,ade20k.") = None,
+    fgovd: Annotated[Optional[list[Path]], typer.Option("--fgovd", help="FG-OVD benchmark JSON file (repeatable; one cell each).")] = None,
+    presets: ListOpt("--presets", "Presets giving the block edits, e.g. sclip,naclip (default: unmodified block).") = None,
+    sources: ListOpt("--sources", "Score sources replacing each preset's, e.g. qk,qq,kk,vv,qq+kk.") = None,
+    normalizers: ListOpt("--normalizers", "Normalizers, e.g. softmax,entmax:1.5,sparsemax.") = None,
+    alphas: ListOpt("--alphas", "Shorthand: 1.25,1.5 adds entmax:1.25 and entmax:1.5.") = None,
+    specs: ListOpt("--specs", "Extra full attention specs, e.g. qq/entmax:1.5/nores/noffn.") = None,
+    resolutions: ListOpt("--resolutions", "Short-side resolutions, e.g. 224,336,448 (default: the protocol's).") = None,
+    models: ListOpt("--models", "open_clip model names or model-config JSON files, e.g. ViT-B-16,ViT-L-14.") = None,
+    pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Weights for every model: a tag, a checkpoint, or none.")] = None,
+    precision: Annotated[Optional[Precision], typer.Option("--precision", help="Model precision.")] = None,
+    protocol: Annotated[Optional[str], typer.Option("--protocol", help="Evaluation protocol (sclip, clearclip, ...).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Evaluate only the first N images / annotations per cell.")] = None,
+    templates: Annotated[Optional[str], typer.Option("--templates", help="Prompt templates: openai, single, none or a file (default: each runner's own).")] = None,
+    root: RootOpt = None,
+    images_root: ImagesRootOpt = None,
+    device: DeviceOpt = Device.auto,
+) -> None:
+    """Run a grid of eval / FG-OVD runs; done cells are skipped, failures recorded, interruptions resumed."""
+    from .sweep import Grid, SweepPaths, parse_roots, read_grid_file
+
+    given = {
+        "datasets": _split(datasets), "fgovd": [str(f) for f in fgovd] if fgovd else None, "presets": _split(presets),
+        "sources": _split(sources), "normalizers": _split(normalizers), "alphas": _split(alphas), "specs": _split(specs),
+        "resolutions": _split(resolutions), "models": _split(models), "pretrained": pretrained,
+        "precision": precision.value if precision else None, "protocol": protocol, "limit": limit, "templates": templates,
+    }  # fmt: skip
+    given = {k: v for k, v in given.items() if v is not None}
+    try:
+        if given.get("resolutions"):
+            given["resolutions"] = [int(r) for r in given["resolutions"]]
+        if given.get("alphas"):
+            given["alphas"] = [float(a) for a in given["alphas"]]
+        if grid is not None:
+            grid_file_spec = read_grid_file(grid, overrides=given)
+            the_grid, roots, images = grid_file_spec.grid, dict(grid_file_spec.roots), grid_file_spec.images_root
+        else:
+            the_grid, roots, images = Grid.from_dict(given), {}, None
+    except ValueError as e:
+        fail(str(e))
+    roots.update(parse_roots(root or []))
+    paths = SweepPaths(out=out, roots=roots, images_root=images_root or images)
+    summary = _run_grid(the_grid, paths, device)
+    if summary.failed:
+        raise typer.Exit(1)
+
+
+@app.command("report", no_args_is_help=True)
+def report(
+    results: Annotated[list[str], typer.Argument(help="Result files, folders (searched recursively) or globs.")],
+    rows: Annotated[str, typer.Option("--rows", help="Key on the table rows: source, normalizer, alpha, block, dataset, model, resolution, ...")] = "source",
+    cols: Annotated[str, typer.Option("--cols", help="Key on the table columns.")] = "normalizer",
+    metric: Annotated[Optional[str], typer.Option("--metric", help="Metric in the cells (default mIoU, or FG-OVD mean top-1).")] = None,
+    markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the tables as Markdown to this file.")] = None,
+    csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the tables as CSV to this file.")] = None,
+    plots: Annotated[Optional[Path], typer.Option("--plots", help="Write PNG plots (alpha, resolution, datasets) to this folder.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot files.")] = False,
+) -> None:
+    """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots."""
+    from .report import ReportError, collect
+
+    try:
+        records = collect(results)
+        _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite)
+    except ReportError as e:
+        fail(str(e))
+
+
+def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite: bool) -> None:
+    """Tables to stdout, optional Markdown / CSV files and plots; raises ReportError on bad input."""
+    from rich.console import Console
+
+    from .report import PLOT_FILES, ReportError, default_metric, pivot, to_csv, to_markdown, to_rich, write_plots
+
+    for path in (markdown, csv, *(plots / n for n in PLOT_FILES if plots is not None)):
+        if path is not None and path.exists() and not overwrite:
+            raise ReportError(f"{path} exists; pass --overwrite to replace it")
+    metric = metric or (default_metric(records) if records else "mIoU")
+    tables = pivot(records, rows=rows, cols=cols, metric=metric)
+    console = Console()
+    for table in tables:
+        console.print(to_rich(table))
+    for path, text in ((markdown, to_markdown(tables) if markdown else ""), (csv, to_csv(tables) if csv else "")):
+        if path is None:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        err_console.print(f"wrote {path}", highlight=False)
+    if plots is not None:
+        for path in write_plots(records, metric, plots, overwrite=overwrite):
+            err_console.print(f"wrote {path}", highlight=False)
+
+
+@app.command("reproduce")
+def reproduce(
+    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a [report] table.")] = None,
+    list_: Annotated[bool, typer.Option("--list", help="List the shipped grids and exit.")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results folder (default results/TABLE).")] = None,
+    root: RootOpt = None,
+    images_root: ImagesRootOpt = None,
+    benchmarks: Annotated[Optional[Path], typer.Option("--benchmarks", help="Folder of the FG-OVD benchmark JSON files.")] = None,
+    models: ListOpt("--models", "Replace the grid's models (e.g. a model-config JSON for a smoke run).") = None,
+    pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Replace the grid's weights (tag, checkpoint or none).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images / annotations per cell (smoke run).")] = None,
+    device: DeviceOpt = Device.auto,
+) -> None:
+    """Run a shipped grid (a published table) and render its report (OUT/report.md, report.csv, plots/)."""
+    from rich.console import Console
+
+    from .report import ReportError, collect
+    from .sweep import GRIDS, SweepPaths, parse_roots, read_grid_file
+    from .registry import UnknownNameError
+
+    if list_ or table is None:
+        Console().print(_grids_table())
+        return
+    given = {k: v for k, v in {"models": _split(models), "pretrained": pretrained, "limit": limit}.items() if v is not None}
+    try:
+        grid_file = Path(table) if table.endswith(".toml") else GRIDS.get(table)
+        grid_file_spec = read_grid_file(grid_file, overrides=given, benchmarks_dir=benchmarks)
+    except (UnknownNameError, ValueError) as e:
+        fail(str(e))
+    missing = [f for f in grid_file_spec.grid.fgovd if not Path(f).is_file()]
+    if missing:
+        fail(f"{len(missing)} FG-OVD benchmark file(s) not found, e.g. {missing[0]}; pass --benchmarks DIR (the folder holding them)")
+    out = out or Path("results") / grid_file.stem
+    paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root)
+    summary = _run_grid(grid_file_spec.grid, paths, device)
+    report = grid_file_spec.report
+    try:  # report files are derived from the results in OUT, so they are regenerated each time
+        _render_report(collect(summary.results), report.get("rows", "source"), report.get("cols", "normalizer"),
+                       report.get("metric"), out / "report.md", out / "report.csv", out / "plots", overwrite=True)  # fmt: skip
+    except ReportError as e:
+        fail(f"no report: {e}")
+    if summary.failed:
+        raise typer.Exit(1)
 
 
 @app.command("bench")

@@ -10,9 +10,8 @@ from enum import Enum
 from typing import Annotated, NoReturn, Optional
 
 import typer
-from rich.console import Console
 
-err_console = Console(stderr=True)
+from .progress import err_console
 
 
 class Device(str, Enum):
@@ -39,7 +38,11 @@ PresetOpt = Annotated[
 ]
 AttnOpt = Annotated[
     Optional[str],
-    typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER[/OPTION...], e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
+    typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER, optionally followed by /OPTIONs, e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
+]
+
+TemplatesOpt = Annotated[
+    str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file with one {}-template per line.")
 ]
 
 
@@ -51,8 +54,10 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def resolve_attention(preset: str | None, attn: str | None, default: str = "sclip"):
     """--attn wins over --preset, which wins over the command's default preset."""
-    from .attention import AttentionSpec
+    from .attention import PRESETS, AttentionSpec
 
+    if attn is None and preset is not None and preset not in PRESETS:
+        fail(PRESETS.unknown_message(preset))
     text = attn or preset or default
     try:
         return AttentionSpec.parse(text)
@@ -69,3 +74,5 @@ def load_model(model: str, pretrained: str, device: Device, precision: Precision
             return load_clip(model, pretrained=pretrained, device=device.value, precision=precision.value)
     except (WeightsUnavailableError, ValueError, FileNotFoundError) as e:
         fail(str(e))
+
+

@@ -18,9 +18,10 @@ def is_image_path(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_SUFFIXES
 
 
-def to_rgb(img: Image.Image) -> Image.Image:
-    """EXIF-rotate, then convert L, LA, P, RGBA, CMYK, I;16 and I modes to 8-bit RGB."""
-    img = ImageOps.exif_transpose(img)
+def to_rgb(img: Image.Image, exif_transpose: bool = True) -> Image.Image:
+    """EXIF-rotate (unless told not to), then convert L, LA, P, RGBA, CMYK, I;16 and I modes to 8-bit RGB."""
+    if exif_transpose:
+        img = ImageOps.exif_transpose(img)
     if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
         arr = np.asarray(img, dtype=np.float64)
         lo, hi = float(arr.min()), float(arr.max())
@@ -33,20 +34,23 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def load_image(image: str | Path | Image.Image | np.ndarray) -> np.ndarray:
-    """H x W x 3 uint8 RGB from a path, a PIL image or an array (H x W, H x W x 3/4; uint8 or float 0..1)."""
+def load_image(image: str | Path | Image.Image | np.ndarray, exif_transpose: bool = True) -> np.ndarray:
+    """H x W x 3 uint8 RGB from a path, a PIL image or an array (H x W, H x W x 3/4; uint8 or float 0..1).
+
+    exif_transpose=False keeps the stored pixel orientation, the frame that COCO-style boxes refer to.
+    """
     if isinstance(image, (str, Path)):
         path = Path(image)
         try:
             with Image.open(path) as img:
                 img.load()
-                return np.asarray(to_rgb(img))
+                return np.asarray(to_rgb(img, exif_transpose))
         except FileNotFoundError:
             raise
         except Exception as e:  # truncated, not an image, unsupported mode
             raise ImageReadError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
     if isinstance(image, Image.Image):
-        return np.asarray(to_rgb(image))
+        return np.asarray(to_rgb(image, exif_transpose))
     arr = np.asarray(image)
     if arr.dtype != np.uint8:
         arr = np.clip(arr * 255.0 if arr.max() <= 1.0 else arr, 0, 255).round().astype(np.uint8)

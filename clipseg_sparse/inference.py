@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -77,12 +77,32 @@ def window_boxes(height: int, width: int, window: int, stride: int) -> list[tupl
 
 def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int]) -> torch.Tensor:
     """uint8 H x W x 3 -> 1 x 3 x size CLIP-normalised fp32 (bilinear resize, as mmcv does)."""
-    x = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float()
+    x = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float()  # a copy: inputs may be read-only
     if tuple(x.shape[-2:]) != tuple(size):
         x = F.interpolate(x, size=size, mode="bilinear", align_corners=False).clamp(0, 255)
     mean = torch.tensor(clip.mean).view(1, 3, 1, 1) * 255
     std = torch.tensor(clip.std).view(1, 3, 1, 1) * 255
     return (x - mean) / std
+
+
+def iter_window_features(
+    clip: DenseCLIP, pixels: torch.Tensor, spec: AttentionSpec, window: int = 224, stride: int = 112, batch_size: int = 16
+) -> Iterator[tuple[list[tuple[int, int, int, int]], torch.Tensor]]:
+    """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
+
+    Yields (window boxes (y1, y2, x1, x2), B x h x w x D features). Windows whose sides are not multiples
+    of the patch size are zero-padded at the bottom and right, so patch (i, j) of a window covers pixels
+    y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
+    """
+    _, _, H, W = pixels.shape
+    boxes = window_boxes(H, W, window, stride)
+    wh, ww = boxes[0][1] - boxes[0][0], boxes[0][3] - boxes[0][2]
+    ps = clip.patch_size
+    pad_h, pad_w = -wh % ps, -ww % ps
+    for i in range(0, len(boxes), batch_size):
+        chunk = boxes[i : i + batch_size]
+        crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
+        yield chunk, clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec)
 
 
 def dense_cosine(
@@ -106,15 +126,11 @@ def dense_cosine(
     small interpolation matrices: no per-window work or window-sized temporaries beyond the model call.
     """
     _, _, H, W = pixels.shape
-    boxes = window_boxes(H, W, window, stride)
-    wh, ww = boxes[0][1] - boxes[0][0], boxes[0][3] - boxes[0][2]
     ps = clip.patch_size
-    pad_h, pad_w = -wh % ps, -ww % ps
     text = text.to(clip.device)
-    cos = []
-    for i in range(0, len(boxes), batch_size):
-        crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in boxes[i : i + batch_size]])
-        feats = clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec)  # B x h x w x D
+    boxes, cos = [], []
+    for chunk, feats in iter_window_features(clip, pixels, spec, window, stride, batch_size):
+        boxes += chunk
         cos.append(torch.einsum("bhwd,nd->bnhw", feats, text))
     cos = torch.cat(cos)  # windows row-major over the grid of row and column intervals
     rows = sorted({(y1, y2) for y1, y2, _, _ in boxes})
@@ -122,8 +138,8 @@ def dense_cosine(
     _, n, h, w = cos.shape
     grid = cos.view(len(rows), len(cols), n, h, w).permute(2, 0, 3, 1, 4).reshape(n, len(rows) * h, len(cols) * w)
     out_h, out_w = out_size or (H, W)
-    ly = _window_interpolation(rows, H, h, wh + pad_h, out_h).to(clip.device)
-    lx = _window_interpolation(cols, W, w, ww + pad_w, out_w).to(clip.device)
+    ly = _window_interpolation(rows, H, h, h * ps, out_h).to(clip.device)
+    lx = _window_interpolation(cols, W, w, w * ps, out_w).to(clip.device)
     return (ly @ grid) @ lx.T  # the last product is one GEMM: (n * out_h) x cols*w times cols*w x out_w
 
 
@@ -245,16 +261,24 @@ class Segmenter:
         pixels = to_pixels(image, self.clip, size)
         return dense_cosine(self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width))
 
+    def _probabilities(self, rgb: np.ndarray) -> torch.Tensor:
+        """C x H x W class probabilities at the original size (on the model's device)."""
+        return class_probabilities(self.cosine(rgb), self.vocabulary.name_to_class, len(self.vocabulary), self.settings.logit_scale)
+
     @torch.inference_mode()
     def predict(self, image) -> SegmentationResult:
         """Segment one image (a path, a PIL image or an H x W x 3 array)."""
-        rgb = load_image(image)
-        s = self.settings
-        probs = class_probabilities(self.cosine(rgb), self.vocabulary.name_to_class, len(self.vocabulary), s.logit_scale)
-        labels = probabilities_to_labels(probs, s.bg_threshold, s.area_threshold)
+        probs = self._probabilities(load_image(image))
+        labels = probabilities_to_labels(probs, self.settings.bg_threshold, self.settings.area_threshold)
         return SegmentationResult(
             labels=labels.cpu().numpy(),
             probs=probs.float().cpu().numpy(),
             class_names=self.class_names,
             settings=self.config(),
         )
+
+    @torch.inference_mode()
+    def predict_labels(self, image) -> np.ndarray:
+        """H x W int64 labels only; skips copying the C x H x W probabilities to the host (benchmarks)."""
+        probs = self._probabilities(load_image(image))
+        return probabilities_to_labels(probs, self.settings.bg_threshold, self.settings.area_threshold).cpu().numpy()

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import platform
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,13 +21,27 @@ from typing import Any, Iterator
 RESULT_SCHEMA = 1
 
 
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON via a temporary file and rename, so a kill never leaves a half-written result."""
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a hidden temporary path beside `path`; rename it onto `path` only if the block succeeds.
+
+    A kill or an exception never leaves a half-written file under the final name (the rename is atomic
+    on one filesystem), so a re-run that skips existing files cannot skip a torn one.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON via a temporary file and rename, so a kill never leaves a half-written result."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n", encoding="utf-8")
 
 
 def _jsonable(obj: Any) -> Any:
@@ -111,3 +126,19 @@ class ItemLog:
             f.flush()
             os.fsync(f.fileno())
         self._done[str(item_id)] = rec
+
+
+def progress_path(out: Path, rank: int = 0, world: int = 1) -> Path:
+    """The item log that checkpoints the run whose result goes to `out` (one per rank under torchrun)."""
+    return out.with_suffix(".progress.jsonl" if world == 1 else f".progress.rank{rank}of{world}.jsonl")
+
+
+def load_finished(out: Path, config: dict) -> dict:
+    """The finished result in `out` if it was made with `config`; ConfigMismatchError otherwise."""
+    try:
+        record = json.loads(out.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigMismatchError(f"{out}: exists but is not a readable result ({e}); use --overwrite or another --out") from e
+    if config_hash(record.get("config", {})) != config_hash(config):
+        raise ConfigMismatchError(f"{out}: holds a result of a different configuration; use --overwrite or another --out")
+    return record

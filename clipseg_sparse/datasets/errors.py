@@ -1,0 +1,7 @@
+"""The one error type for a missing or malformed dataset."""
+
+DOCS = "datasets.md"
+
+
+class DatasetError(ValueError):
+    """A dataset that is missing or not in the expected layout; the message names the path to fix."""

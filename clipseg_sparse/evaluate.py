@@ -1,0 +1,182 @@
+"""Running a benchmark: one model, one attention spec, one protocol -> one resumable result file.
+
+    clip = load_clip("ViT-B-16")
+    record = evaluate(clip, "voc21", "/data/voc", "sclip-entmax", protocol="sclip", out=Path("voc21.json"))
+    record["metrics"]["mIoU"]
+
+Each image's per-class counts (see metrics.py) are appended to an item log beside `out`
+(`<out>.progress.jsonl`); an interrupted run reads it back and only segments the remaining images, and
+the final metrics are the sums over the log, so a resumed run reports what an uninterrupted one would.
+A finished result whose configuration matches is returned as is, not recomputed, unless `overwrite`.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .attention import AttentionSpec
+from .progress import progress_bar
+from .datasets import DATASETS, Benchmark, DatasetError, Sample, class_vocabulary
+from .datasets.labels import write_label_png
+from .distributed import all_reduce, rank_and_world, shard
+from .images import load_image
+from .inference import Segmenter
+from .metrics import areas_to_record, intersect_and_union, record_to_areas, segmentation_metrics
+from .model import DenseCLIP
+from .protocols import PROTOCOLS
+from .results import RESULT_SCHEMA, ItemLog, load_finished, package_versions, progress_path, write_json_atomic
+
+
+def prediction_path(save_pred: Path, sample: Sample) -> Path:
+    """Where `--save-pred` writes a sample's prediction (its id keeps sub-folders, e.g. Cityscapes cities)."""
+    return save_pred / f"{sample.id}.png"
+
+
+def evaluate(
+    clip: DenseCLIP,
+    dataset_name: str,
+    root: str | Path,
+    spec: AttentionSpec | str | None = None,
+    protocol: str = "sclip",
+    overrides: Mapping[str, Any] | None = None,
+    class_names: str | None = "sclip",
+    limit: int | None = None,
+    out: Path | None = None,
+    save_pred: Path | None = None,
+    resume: bool = True,
+    progress: bool = True,
+    *,
+    overwrite: bool = False,
+    templates: str = "openai",
+    cache_dir: str | Path | None = None,
+) -> dict:
+    """Evaluate `clip` with `spec` on a benchmark and return the result record (see README, schema 1).
+
+    spec / class_names None take the protocol's pairing (its attention preset, its class-name set).
+    overrides: InferenceSettings fields (resolution, window, stride, logit_scale, bg_threshold,
+    area_threshold, batch_size) that win over the protocol. limit: the first N images only.
+    out: result JSON (written atomically) with its checkpoint log beside it; resume=False restarts the
+    log; overwrite=True recomputes a finished result. save_pred: a folder for palette PNG predictions
+    in the dataset's own label encoding (reduce_zero_label datasets store class k as k + 1).
+    Raises DatasetError for a missing / malformed dataset, ConfigMismatchError when `out` or its log
+    hold another configuration, ValueError for bad settings.
+
+    Under torchrun (an initialised process group) each rank scores every world-th image, the counts are
+    summed over ranks and rank 0 writes `out`; every rank returns the same record.
+    """
+    bench = DATASETS.get(dataset_name)
+    proto = PROTOCOLS.get(protocol)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 (got {limit})")
+    samples = bench.samples(root)[:limit]
+    which = class_names or proto.class_names
+    vocabulary, names_version = class_vocabulary(bench.name, which)
+    settings = proto.settings(bench.name, overrides)
+    if not bench.background and (settings.bg_threshold or settings.area_threshold):
+        raise ValueError(f"{bench.name} has no background class: bg_threshold and area_threshold must be 0")
+    segmenter = Segmenter(clip, vocabulary, spec or proto.attention, settings, templates, cache_dir)
+    config = run_config(segmenter, bench, root, protocol, which, names_version, limit)
+
+    out = Path(out) if out is not None else None
+    if out is not None and out.exists():
+        if not overwrite:
+            return load_finished(out, config)
+        out.unlink()
+    rank, world = rank_and_world()
+    log = None
+    if out is not None:
+        if overwrite or not resume:
+            progress_path(out, rank, world).unlink(missing_ok=True)
+        log = ItemLog(progress_path(out, rank, world), {k: v for k, v in config.items() if k != "limit"})
+
+    mine = shard(samples, rank, world)
+    with progress_bar("images") if progress and rank == 0 else nullcontext() as bar:
+        task = bar.add_task(f"eval {bench.name}", total=len(mine)) if bar else None
+        advance = (lambda: bar.advance(task)) if bar else (lambda: None)
+        totals, seconds, reused = _run(segmenter, bench, mine, log, save_pred, advance)
+    totals = all_reduce(totals)
+    seconds, reused = all_reduce(np.array([seconds]), op="max")[0], int(all_reduce(np.array([reused]))[0])
+    record = result_record(config, bench, totals, len(samples), seconds, reused)
+    if out is not None and rank == 0:
+        write_json_atomic(out, record)
+    return record
+
+
+def run_config(segmenter: Segmenter, bench: Benchmark, root, protocol: str, class_names: str, names_version: str, limit) -> dict:
+    """The flat configuration written next to the numbers (everything that changes them)."""
+    seg = {k: v for k, v in segmenter.config().items() if k != "classes"}
+    return {
+        **seg,
+        "dataset": bench.name,
+        "root": str(Path(root).resolve()),
+        "protocol": protocol,
+        "class_names": class_names,
+        "class_names_version": names_version,
+        "limit": limit,
+    }
+
+
+def _run(segmenter: Segmenter, bench: Benchmark, samples: list[Sample], log: ItemLog | None, save_pred, advance: Callable[[], None]):
+    """Sum the per-class counts over `samples`, reusing logged images. Returns (3 x C, seconds, reused)."""
+    C = bench.num_classes
+    totals = np.zeros((3, C), dtype=np.int64)
+    seconds, reused = 0.0, 0
+    for sample in samples:
+        done = log.done.get(sample.id) if log is not None else None
+        if done is not None and (save_pred is None or prediction_path(Path(save_pred), sample).is_file()):
+            areas, took = record_to_areas(done["areas"], C), float(done["seconds"])
+            reused += 1
+        else:
+            start = time.perf_counter()
+            areas = _score(segmenter, bench, sample, save_pred)
+            took = time.perf_counter() - start
+            if log is not None:
+                log.append(sample.id, {"areas": areas_to_record(areas), "seconds": took})
+        totals += areas
+        seconds += took
+        advance()
+    return totals, seconds, reused
+
+
+def _score(segmenter: Segmenter, bench: Benchmark, sample: Sample, save_pred) -> np.ndarray:
+    label = bench.load_label(sample.label)
+    rgb = load_image(sample.image)
+    if rgb.shape[:2] != label.shape:
+        raise DatasetError(f"{bench.name}: image {sample.image} is {rgb.shape[:2]} but label {sample.label} is {label.shape}")
+    pred = segmenter.predict_labels(rgb)
+    if save_pred is not None:
+        write_label_png(prediction_path(Path(save_pred), sample), bench.encode(pred))
+    return intersect_and_union(pred, label, bench.num_classes)
+
+
+def _percent(x: float) -> float | None:
+    return None if np.isnan(x) else 100.0 * float(x)
+
+
+def result_record(config: dict, bench: Benchmark, totals: np.ndarray, num_images: int, seconds: float, reused: int) -> dict:
+    """The schema-1 result: metrics in %, per-class IoU / Acc in % (None = NaN, class absent)."""
+    m = segmentation_metrics(totals)
+    return {
+        "schema": RESULT_SCHEMA,
+        "kind": "eval",
+        "config": config,
+        "metrics": {"mIoU": _percent(m["mIoU"]), "mAcc": _percent(m["mAcc"]), "aAcc": _percent(m["aAcc"])},
+        "per_class": {
+            name: {"IoU": _percent(iou), "Acc": _percent(acc)} for name, iou, acc in zip(bench.classes, m["IoU"], m["Acc"])
+        },
+        "num_images": num_images,
+        "versions": package_versions(),
+        "timing": {
+            "wall_s": seconds,
+            "images_per_s": num_images / seconds if seconds > 0 else None,
+            "resumed_images": reused,
+        },
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+

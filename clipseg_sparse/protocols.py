@@ -1,0 +1,104 @@
+"""Evaluation protocols: the inference settings each published repository uses per benchmark.
+
+A protocol maps a dataset to `InferenceSettings` (short side, sliding window, logit scale, background
+probability threshold `prob_thd`, SCLIP's `area_thd`) and names the attention preset and class-name
+set it pairs with. Values are read from the repositories' mmseg configs (`configs/cfg_*.py`) and their
+segmentor defaults, at the commits given in `source`. Precedence, written once in `Protocol.settings`:
+overrides (command line) > protocol per dataset > protocol defaults > `InferenceSettings` defaults.
+
+Not reproduced: ClearCLIP runs the model in fp16 (choose `--precision fp16` yourself); NACLIP's code
+enables PAMR refinement by default (its tables report both; this package has no PAMR).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .inference import InferenceSettings
+from .registry import Registry
+
+SETTING_FIELDS = tuple(f.name for f in dataclasses.fields(InferenceSettings))
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """Per-dataset inference settings of one published evaluation, plus its default pairings."""
+
+    name: str
+    attention: str  # attention preset the protocol was published with
+    class_names: str  # class-name set its repository ships
+    source: str  # repository@commit the values are read from
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # for every dataset
+    per_dataset: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def settings(self, dataset: str, overrides: Mapping[str, Any] | None = None) -> InferenceSettings:
+        """InferenceSettings for `dataset`; `overrides` entries that are None are ignored."""
+        overrides = dict(overrides or {})
+        unknown = sorted(set(overrides) - set(SETTING_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown inference setting(s) {', '.join(unknown)}; choose from {', '.join(SETTING_FIELDS)}")
+        return (
+            InferenceSettings()
+            .replace(**self.defaults)
+            .replace(**self.per_dataset.get(dataset, {}))
+            .replace(**overrides)
+        )
+
+
+PROTOCOLS: Registry[Protocol] = Registry("protocol")
+
+# NACLIP's configs are SCLIP's with the logit scale and area threshold left at their defaults.
+_SCLIP_LINE = dict(resolution=336, window=224, stride=112, logit_scale=40.0)
+_SCLIP_LINE_SIZES = {"coco-stuff": dict(resolution=448), "cityscapes": dict(resolution=560)}
+_BG_DATASETS = ("voc21", "context60", "coco-object")
+
+PROTOCOLS.register(
+    "sclip",
+    Protocol(
+        name="sclip",
+        attention="sclip",
+        class_names="sclip",
+        source="wangf3014/SCLIP@57fa9aa configs/cfg_*.py, clip_segmentor.py",
+        defaults=_SCLIP_LINE,
+        per_dataset={
+            **_SCLIP_LINE_SIZES,
+            "voc21": dict(logit_scale=65.0, bg_threshold=0.1, area_threshold=0.1),
+            "context60": dict(logit_scale=50.0, bg_threshold=0.1),
+            "coco-object": dict(logit_scale=50.0, bg_threshold=0.1),
+        },
+    ),
+    help="SCLIP (ECCV 2024): short side 336 (COCO-Stuff 448, Cityscapes 560), 224/112 windows",
+)
+
+PROTOCOLS.register(
+    "clearclip",
+    Protocol(
+        name="clearclip",
+        attention="clearclip",
+        class_names="plain",
+        source="mc-lan/ClearCLIP@fd05ce4 configs/cfg_*.py, clearclip_segmentor.py",
+        defaults=dict(resolution=448, window=448, stride=224, logit_scale=50.0),
+        per_dataset={
+            "voc21": dict(bg_threshold=0.5),
+            "context60": dict(bg_threshold=0.15),
+            "coco-object": dict(bg_threshold=0.4),
+            "cityscapes": dict(window=224),
+        },
+    ),
+    help="ClearCLIP (ECCV 2024): short side 448, 448/224 windows (Cityscapes 224), logit scale 50",
+)
+
+PROTOCOLS.register(
+    "naclip",
+    Protocol(
+        name="naclip",
+        attention="naclip",
+        class_names="sclip",
+        source="sinahmr/NACLIP@cbb720d configs/cfg_*.py (voc21: 8865082), naclip.py",
+        defaults=_SCLIP_LINE,
+        per_dataset={**_SCLIP_LINE_SIZES, **{d: dict(bg_threshold=0.1) for d in _BG_DATASETS}},
+    ),
+    help="NACLIP (WACV 2025): short side 336 (COCO-Stuff 448, Cityscapes 560), logit scale 40, no PAMR",
+)

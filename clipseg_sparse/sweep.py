@@ -1,0 +1,387 @@
+"""Grids of runs: expand a grid into cells, run each as one `eval` or `fgovd` run, resumably.
+
+A grid crosses models x data x attention specs x resolutions. The specs come from presets (each gives
+the block edits), optionally with their source and/or normalizer replaced by every value listed, plus
+any explicit specs. Data are segmentation datasets (one cell each) and FG-OVD benchmark files (one cell
+each, so the report can put the benchmarks side by side).
+
+Every cell writes its own result file `OUT/<hash>.json`, the hash being `results.config_hash` of the
+cell's full configuration; its resumable progress log lives beside it (written by evaluate /
+evaluate_fgovd). A cell whose result file exists is skipped; a cell that raises gets `OUT/<hash>.error.json`
+(the error and a traceback summary) and the sweep goes on; re-running the sweep retries failed cells and
+resumes an interrupted one. Cells run ordered by model, so each model is loaded once; the text
+embeddings of a vocabulary are computed once per model and then come from the on-disk text cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+import tomllib
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from .registry import Registry
+from .results import RESULT_SCHEMA, config_hash, write_json_atomic
+
+GRID_DIR = Path(__file__).parent / "grids"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to run. Empty `presets` means the unmodified block (`clip`, i.e. qk/softmax) as the base spec;
+    empty `sources` / `normalizers` keep each preset's own. `alphas` are shorthand for entmax:ALPHA and are
+    folded into `normalizers`. `resolutions` empty = the protocol's own. `overrides` are further inference
+    settings (window, stride, logit_scale, ...) applied to every cell. `class_names` None = the protocol's
+    (sclip, plain or a file, see `evaluate`). `templates` None = each runner's
+    own default (the 80 OpenAI templates for eval, captions as written for FG-OVD)."""
+
+    models: tuple[str, ...] = ("ViT-B-16",)
+    pretrained: str = "openai"
+    precision: str = "fp32"
+    datasets: tuple[str, ...] = ()
+    fgovd: tuple[str, ...] = ()
+    presets: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()
+    normalizers: tuple[str, ...] = ()
+    specs: tuple[str, ...] = ()
+    resolutions: tuple[int, ...] = ()
+    protocol: str = "sclip"
+    class_names: str | None = None
+    limit: int | None = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    region: str = "pool"
+    negatives: int = 10
+    templates: str | None = None
+
+    def __post_init__(self) -> None:
+        from .attention import PRESETS, AttentionSpec
+        from .datasets import DATASETS
+        from .inference import InferenceSettings
+        from .normalizers import Normalizer
+        from .protocols import PROTOCOLS
+
+        for name in ("models", "datasets", "fgovd", "presets", "sources", "normalizers", "specs", "resolutions"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, (str, int)) else tuple(value))
+        object.__setattr__(self, "normalizers", tuple(str(Normalizer.parse(n)) for n in self.normalizers))
+        object.__setattr__(self, "overrides", dict(self.overrides))
+        for preset in self.presets:
+            PRESETS.get(preset)
+        for dataset in self.datasets:
+            DATASETS.get(dataset)
+        PROTOCOLS.get(self.protocol)
+        try:
+            InferenceSettings().replace(**self.overrides)
+        except TypeError:
+            known = ", ".join(f.name for f in dataclasses.fields(InferenceSettings))
+            raise ValueError(f"unknown inference setting in overrides {sorted(self.overrides)}; settings: {known}") from None
+        if self.fgovd:
+            from .fgovd import REGIONS, split_name
+
+            REGIONS.get(self.region)
+            for path in self.fgovd:
+                split_name(path)  # the split comes from the file name
+        for source in self.sources:
+            AttentionSpec(source=tuple(source.split("+")))
+        for spec in self.specs:
+            AttentionSpec.parse(spec)
+        if not self.models:
+            raise ValueError("the grid names no model")
+        if not self.datasets and not self.fgovd:
+            raise ValueError("the grid names no data: give datasets and/or FG-OVD benchmark files")
+        if any(int(r) <= 0 for r in self.resolutions):
+            raise ValueError(f"resolutions must be positive (got {list(self.resolutions)})")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1 (got {self.limit})")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Grid":
+        """Build from flag/TOML keys; `alphas = [1.25, 1.5]` adds entmax:1.25 and entmax:1.5 to normalizers."""
+        data = dict(data)
+        alphas = data.pop("alphas", None) or ()
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            import difflib
+
+            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, known, n=1)) else repr(k) for k in unknown]
+            raise ValueError(f"unknown grid key(s) {', '.join(hints)}; keys: alphas, {', '.join(sorted(known))}")
+        normalizers = tuple(data.pop("normalizers", None) or ()) + tuple(f"entmax:{a}" for a in alphas)
+        return cls(**data, normalizers=normalizers)
+
+    def attention_specs(self) -> list[str]:
+        """Canonical spec strings, in grid order, without repeats."""
+        from .attention import PRESETS, AttentionSpec
+
+        bases = [PRESETS.get(p).spec for p in self.presets] or [AttentionSpec()]
+        out = []
+        for base in bases:
+            for source in self.sources or ["+".join(base.source)]:
+                for normalizer in self.normalizers or [base.normalizer]:
+                    out.append(str(base.replace(source=tuple(source.split("+")), normalizer=normalizer)))
+        out += [str(AttentionSpec.parse(s)) for s in self.specs]
+        return list(dict.fromkeys(out))
+
+    def cells(self) -> list["Cell"]:
+        """models x data x specs x resolutions, ordered by model first; repeats dropped."""
+        data = [("eval", d) for d in self.datasets] + [("fgovd", str(f)) for f in self.fgovd]
+        resolutions = [int(r) for r in self.resolutions] or [None]
+        cells = [
+            Cell(self, kind, model, item, spec, res)
+            for model in self.models
+            for kind, item in data
+            for spec in self.attention_specs()
+            for res in resolutions
+        ]
+        unique: dict[str, Cell] = {}
+        for cell in cells:
+            unique.setdefault(cell.hash, cell)
+        return list(unique.values())
+
+
+@lru_cache(maxsize=None)
+def _file_id(path: str, size: int, mtime_ns: int) -> str:
+    """name@sha256-prefix of a benchmark file: what identifies FG-OVD data in a cell's configuration."""
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+    return f"{Path(path).name}@{digest}"
+
+
+def benchmark_id(path: str | Path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        return f"{path.name}@missing"
+    st = path.stat()
+    return _file_id(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid: one model, one dataset (or FG-OVD benchmark file), one spec, one resolution."""
+
+    grid: Grid = field(repr=False, compare=False)
+    kind: str  # "eval" | "fgovd"
+    model: str
+    data: str  # dataset name, or the benchmark file's path
+    attention: str
+    resolution: int | None
+
+    def config(self) -> dict:
+        """The full configuration of this cell (the input side; the result file holds the resolved one)."""
+        g = self.grid
+        config = {"kind": self.kind, "model": self.model, "pretrained": g.pretrained, "precision": g.precision,
+                  "attention": self.attention, "resolution": self.resolution, "overrides": g.overrides, "limit": g.limit,
+                  "templates": g.templates}  # fmt: skip
+        if self.kind == "eval":
+            config |= {"dataset": self.data, "protocol": g.protocol, "class_names": g.class_names}
+        else:
+            config |= {"benchmark": benchmark_id(self.data), "region": g.region, "negatives": g.negatives}
+        return config
+
+    @property
+    def hash(self) -> str:
+        return config_hash(self.config())
+
+    @property
+    def settings_changes(self) -> dict[str, Any]:
+        """Inference-setting overrides of this cell: the grid's, plus its resolution."""
+        return {**self.grid.overrides, **({"resolution": self.resolution} if self.resolution else {})}
+
+    @property
+    def model_key(self) -> tuple[str, str, str]:
+        return (self.model, self.grid.pretrained, self.grid.precision)
+
+    @property
+    def label(self) -> str:
+        data = self.data if self.kind == "eval" else Path(self.data).stem
+        res = f" @{self.resolution}" if self.resolution else ""
+        return f"{Path(self.model).stem} {data} {self.attention}{res}"
+
+
+# -- running -----------------------------------------------------------------------------------------
+@dataclass
+class SweepPaths:
+    """Where a sweep reads data and writes results. roots: dataset name -> root, "*" for any dataset."""
+
+    out: Path
+    roots: Mapping[str, Path] = field(default_factory=dict)
+    images_root: Path | None = None
+
+    def result(self, cell: Cell) -> Path:
+        return self.out / f"{cell.hash}.json"
+
+    def error(self, cell: Cell) -> Path:
+        return self.out / f"{cell.hash}.error.json"
+
+    def root(self, dataset: str) -> Path:
+        root = self.roots.get(dataset, self.roots.get("*"))
+        if root is None:
+            raise ValueError(f"no data root given for dataset {dataset!r} (use --root {dataset}=DIR or --root DIR)")
+        return Path(root)
+
+
+def parse_roots(values: Iterable[str]) -> dict[str, Path]:
+    """`DIR` (every dataset) or `NAME=DIR` (one dataset) -> {"*" or NAME: Path}."""
+    roots: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        roots[name if sep else "*"] = Path(path if sep else value)
+    return roots
+
+
+@dataclass
+class Failure:
+    cell: Cell
+    error: str
+
+
+@dataclass
+class SweepSummary:
+    total: int
+    skipped: int = 0
+    ran: int = 0
+    failed: list[Failure] = field(default_factory=list)
+    wall_s: float = 0.0
+    results: list[Path] = field(default_factory=list)
+
+
+def is_done(paths: SweepPaths, cell: Cell) -> bool:
+    from .report import read_result
+
+    path = paths.result(cell)
+    return path.is_file() and read_result(path) is not None
+
+
+def run_cell(clip, cell: Cell, paths: SweepPaths) -> None:
+    """One eval / fgovd run writing its result (and resumable progress) at `paths.result(cell)`."""
+    g = cell.grid
+    out = paths.result(cell)
+    templates = {"templates": g.templates} if g.templates else {}
+    if cell.kind == "eval":
+        from .evaluate import evaluate
+
+        evaluate(clip, cell.data, paths.root(cell.data), cell.attention, protocol=g.protocol, overrides=cell.settings_changes or None,
+                 class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=False, **templates)  # fmt: skip
+    else:
+        from .fgovd import evaluate_fgovd
+        from .inference import InferenceSettings
+
+        if paths.images_root is None:
+            raise ValueError("FG-OVD cells need the COCO images folder (--images-root)")
+        changes = cell.settings_changes
+        settings = InferenceSettings().replace(**changes) if changes else None
+        evaluate_fgovd(clip, [Path(cell.data)], paths.images_root, cell.attention, region=g.region, negatives=g.negatives,
+                       settings=settings, limit=g.limit, out=out, resume=True, progress=False, **templates)  # fmt: skip
+
+
+def record_failure(paths: SweepPaths, cell: Cell, exc: BaseException) -> str:
+    """Write `<hash>.error.json`: the cell's configuration, the error and a short traceback."""
+    message = f"{type(exc).__name__}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__)[-6:]
+    write_json_atomic(paths.error(cell), {
+        "schema": RESULT_SCHEMA, "kind": "error", "config": cell.config(), "label": cell.label, "error": message,
+        "traceback": [f"{Path(f.filename).name}:{f.lineno} in {f.name}: {f.line}" for f in frames],
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    })  # fmt: skip
+    return message
+
+
+def run_sweep(
+    grid: Grid | Sequence[Cell],
+    paths: SweepPaths,
+    device: str = "auto",
+    progress: bool = True,
+) -> SweepSummary:
+    """Run every cell not done yet; see the module doc. KeyboardInterrupt stops the sweep (resume by
+    running it again); any other exception fails only its cell."""
+    import torch
+
+    from .progress import progress_bar
+    from .model import load_clip
+
+    start = time.perf_counter()
+    cells = grid.cells() if isinstance(grid, Grid) else list(grid)
+    summary = SweepSummary(total=len(cells))
+    pending = []
+    for cell in cells:
+        if is_done(paths, cell):
+            summary.skipped += 1
+            summary.results.append(paths.result(cell))
+        else:
+            pending.append(cell)
+    pending.sort(key=lambda c: c.model_key)  # stable: grid order within a model
+    paths.out.mkdir(parents=True, exist_ok=True)
+    bar = progress_bar("cells")
+    bar.disable = not progress
+    with bar:
+        task = bar.add_task("sweep", total=len(cells), completed=summary.skipped)
+        clip, loaded = None, None
+        for cell in pending:
+            bar.update(task, description=f"sweep: {cell.label}")
+            try:
+                if loaded != cell.model_key:
+                    clip, loaded = None, cell.model_key
+                    if cell.grid.pretrained.lower() == "none":  # random weights: the same ones on every (re)run
+                        torch.manual_seed(0)
+                    clip = load_clip(cell.model, pretrained=cell.grid.pretrained, device=device, precision=cell.grid.precision)
+                if clip is None:
+                    raise RuntimeError(f"model {cell.model} ({cell.grid.pretrained}) could not be loaded; see the first failure")
+                run_cell(clip, cell, paths)
+            except Exception as exc:  # noqa: BLE001 - a failing cell must not stop the sweep
+                summary.failed.append(Failure(cell, record_failure(paths, cell, exc)))
+            else:
+                paths.error(cell).unlink(missing_ok=True)
+                summary.ran += 1
+                summary.results.append(paths.result(cell))
+            bar.advance(task)
+        bar.update(task, description="sweep")
+    summary.wall_s = time.perf_counter() - start
+    return summary
+
+
+# -- shipped grids -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GridFile:
+    """A TOML grid: the grid keys at top level, plus an optional `description`, `[roots]` (dataset ->
+    folder, relative to the file), `images_root`, and `[report]` (rows, cols, metric) for `reproduce`."""
+
+    grid: Grid
+    description: str = ""
+    roots: Mapping[str, Path] = field(default_factory=dict)
+    images_root: Path | None = None
+    report: Mapping[str, str] = field(default_factory=dict)
+
+
+def read_grid_file(
+    path: str | Path, overrides: Mapping[str, Any] | None = None, benchmarks_dir: str | Path | None = None
+) -> GridFile:
+    """Parse a TOML grid; `overrides` (flag values that were given) replace the file's keys. Relative
+    paths are relative to the file, FG-OVD benchmark files to `benchmarks_dir` when given."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: grid file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    description = data.pop("description", "")
+    report = data.pop("report", {})
+    roots = {k: path.parent / v for k, v in data.pop("roots", {}).items()}
+    images_root = data.pop("images_root", None)
+    data["fgovd"] = [str(Path(benchmarks_dir or path.parent) / f) for f in data.get("fgovd", [])]
+    data.update(overrides or {})
+    try:
+        grid = Grid.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return GridFile(grid, description, roots, path.parent / images_root if images_root else None, report)
+
+
+GRIDS: Registry[Path] = Registry("grid")
+for _path in sorted(GRID_DIR.glob("*.toml")):
+    GRIDS.register(_path.stem, _path, help=tomllib.loads(_path.read_text(encoding="utf-8")).get("description", ""))

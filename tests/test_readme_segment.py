@@ -1,0 +1,63 @@
+"""The README's "Segment your images" section must match the CLI (typer's tests/test_tutorial idea)."""
+
+import re
+import shlex
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from typer.testing import CliRunner
+
+from clipseg_sparse.cli import app
+from conftest import TINY_CONFIG
+
+README = Path(__file__).parent.parent / "README.md"
+runner = CliRunner()
+
+
+def segment_section() -> str:
+    text = README.read_text(encoding="utf-8")
+    return text.split("## Segment your images", 1)[1].split("\n## ", 1)[0]
+
+
+def documented_command() -> list[str]:
+    block = re.search(r"```bash\n(clipseg-sparse segment .*?)\n```", segment_section(), re.S).group(1)
+    return shlex.split(block)[1:]
+
+
+def help_flags() -> set[str]:
+    result = runner.invoke(app, ["segment", "--help"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0
+    return set(re.findall(r"--[a-z][a-z-]*", result.output))
+
+
+def test_every_flag_in_the_segment_section_exists():
+    flags = set(re.findall(r"`(--[a-z][a-z-]*)", segment_section())) | {a for a in documented_command() if a.startswith("--")}
+    assert {"--out", "--classes", "--save-probs", "--format", "--overwrite"} <= flags
+    assert flags <= help_flags(), flags - help_flags()
+
+
+def test_documented_defaults_are_the_library_defaults():
+    from clipseg_sparse import InferenceSettings
+
+    section, d = segment_section(), InferenceSettings()
+    for text in (f"--resolution {d.resolution}", f"--window {d.window} --stride {d.stride}", f"--logit-scale {d.logit_scale:g}", f"--batch-size {d.batch_size}"):
+        assert text in section
+    result = runner.invoke(app, ["segment", "--help"], env={"COLUMNS": "300"})
+    for text in (f"default {d.resolution}", f"default {d.window}", f"default {d.stride}", f"default {d.logit_scale:g}", f"default {d.batch_size}"):
+        assert text in result.output
+
+
+def test_documented_command_runs_on_the_tiny_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "photos" / "trips").mkdir(parents=True)
+    (tmp_path / "extra").mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (40, 56, 3), dtype=np.uint8)).save("photos/trips/a.jpg")
+    Image.fromarray(rng.integers(0, 255, (40, 56, 3), dtype=np.uint8)).save("extra/house.jpg")
+    tiny = ["--model", TINY_CONFIG, "--pretrained", "none", "--resolution", "64", "--window", "0", "--templates", "single"]
+    result = runner.invoke(app, [*documented_command(), *tiny])
+    assert result.exit_code == 0, result.output
+    listed = re.findall(r"`(a\.[a-z.]+)`", segment_section())
+    assert sorted(p.name for p in Path("masks/trips").iterdir()) == sorted(set(listed) - {"a.rle.json"})
+    assert (tmp_path / "masks" / "house.png").exists()
