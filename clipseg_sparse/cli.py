@@ -447,11 +447,6 @@ def _grids_table():
     return table
 
 
-def ListOpt(flag: str, help: str):
-    """A comma-separated list option, None when not given."""
-    return Annotated[Optional[str], typer.Option(flag, help=help)]
-
-
 RootOpt = Annotated[
     Optional[list[str]],
     typer.Option("--root", help="Dataset root: DIR for every dataset, or NAME=DIR for one (repeatable)."),
@@ -481,15 +476,15 @@ def _run_grid(grid, paths, device: Device):
 def sweep(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder of result files (one per cell, named by its config hash).")],
     grid: Annotated[Optional[Path], typer.Option("--grid", help="TOML grid file with the keys below; flags given override it.")] = None,
-    datasets: ListOpt("--datasets", "Comma-separated dataset names, e.g. voc21,ade20k.") = None,
+    datasets: Annotated[Optional[str], typer.Option("--datasets", help="Comma-separated dataset names, e.g. voc21,ade20k.")] = None,
     fgovd: Annotated[Optional[list[Path]], typer.Option("--fgovd", help="FG-OVD benchmark JSON file (repeatable; one cell each).")] = None,
-    presets: ListOpt("--presets", "Presets giving the block edits, e.g. sclip,naclip (default: unmodified block).") = None,
-    sources: ListOpt("--sources", "Score sources replacing each preset's, e.g. qk,qq,kk,vv,qq+kk.") = None,
-    normalizers: ListOpt("--normalizers", "Normalizers, e.g. softmax,entmax:1.5,sparsemax.") = None,
-    alphas: ListOpt("--alphas", "Shorthand: 1.25,1.5 adds entmax:1.25 and entmax:1.5.") = None,
-    specs: ListOpt("--specs", "Extra full attention specs, e.g. qq/entmax:1.5/nores/noffn.") = None,
-    resolutions: ListOpt("--resolutions", "Short-side resolutions, e.g. 224,336,448 (default: the protocol's).") = None,
-    models: ListOpt("--models", "open_clip model names or model-config JSON files, e.g. ViT-B-16,ViT-L-14.") = None,
+    presets: Annotated[Optional[str], typer.Option("--presets", help="Presets giving the block edits, e.g. sclip,naclip (default: unmodified block).")] = None,
+    sources: Annotated[Optional[str], typer.Option("--sources", help="Score sources replacing each preset's, e.g. qk,qq,kk,vv,qq+kk.")] = None,
+    normalizers: Annotated[Optional[str], typer.Option("--normalizers", help="Normalizers, e.g. softmax,entmax:1.5,sparsemax.")] = None,
+    alphas: Annotated[Optional[str], typer.Option("--alphas", help="Shorthand: 1.25,1.5 adds entmax:1.25 and entmax:1.5.")] = None,
+    specs: Annotated[Optional[str], typer.Option("--specs", help="Extra full attention specs, e.g. qq/entmax:1.5/nores/noffn.")] = None,
+    resolutions: Annotated[Optional[str], typer.Option("--resolutions", help="Short-side resolutions, e.g. 224,336,448 (default: the protocol's).")] = None,
+    models: Annotated[Optional[str], typer.Option("--models", help="open_clip model names or model-config JSON files, e.g. ViT-B-16,ViT-L-14.")] = None,
     pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Weights for every model: a tag, a checkpoint, or none.")] = None,
     precision: Annotated[Optional[Precision], typer.Option("--precision", help="Model precision.")] = None,
     protocol: Annotated[Optional[str], typer.Option("--protocol", help="Evaluation protocol (sclip, clearclip, ...).")] = None,
@@ -582,7 +577,7 @@ def reproduce(
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
     benchmarks: Annotated[Optional[Path], typer.Option("--benchmarks", help="Folder of the FG-OVD benchmark JSON files.")] = None,
-    models: ListOpt("--models", "Replace the grid's models (e.g. a model-config JSON for a smoke run).") = None,
+    models: Annotated[Optional[str], typer.Option("--models", help="Replace the grid's models (e.g. a model-config JSON for a smoke run).")] = None,
     pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Replace the grid's weights (tag, checkpoint or none).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images / annotations per cell (smoke run).")] = None,
     device: DeviceOpt = Device.auto,
