@@ -153,8 +153,8 @@ register_preset(
 )
 register_preset(
     "sclip",
-    "qq+kk/softmax/noffn",
-    "SCLIP (Wang et al., ECCV 2024): correlative self-attention softmax(qq)+softmax(kk); residual kept, FFN dropped",
+    "qq+kk/softmax",
+    "SCLIP (Wang et al., ECCV 2024): correlative self-attention softmax(qq)+softmax(kk); residual and FFN kept",
 )
 register_preset(
     "clearclip",

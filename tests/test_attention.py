@@ -22,7 +22,7 @@ def test_presets(name):
 
 def test_preset_contents():
     assert AttentionSpec.parse("clip") == AttentionSpec()
-    assert AttentionSpec.parse("sclip") == AttentionSpec(source=("qq", "kk"), ffn=False)
+    assert AttentionSpec.parse("sclip") == AttentionSpec(source=("qq", "kk"))
     assert AttentionSpec.parse("clearclip") == AttentionSpec(source="qq", residual=False, ffn=False)
     assert AttentionSpec.parse("naclip") == AttentionSpec(source="kk", gauss_sigma=5.0, residual=False, ffn=False)
     assert AttentionSpec.parse("maskclip").source == ("id",)

@@ -15,7 +15,7 @@ def test_ls_presets_lists_every_registered_preset():
     assert result.exit_code == 0
     for name in PRESETS:
         assert name in result.output
-    assert "qq+kk/softmax/noffn" in result.output
+    assert "qq+kk/softmax" in result.output
 
 
 def test_version_and_help_are_fast_and_do_not_import_torch():

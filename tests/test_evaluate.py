@@ -58,7 +58,7 @@ def test_result_record_schema_and_config(tiny_clip, tmp_path):
                 "class_names_version", "resolution", "max_long_side", "window", "stride", "logit_scale",
                 "bg_threshold", "area_threshold", "batch_size", "templates", "limit"):
         assert key in c, key
-    assert (c["attention"], c["dataset"], c["protocol"], c["class_names"]) == ("qq+kk/softmax/noffn", "voc21", "sclip", "sclip")
+    assert (c["attention"], c["dataset"], c["protocol"], c["class_names"]) == ("qq+kk/softmax", "voc21", "sclip", "sclip")
     assert (c["logit_scale"], c["bg_threshold"], c["area_threshold"], c["resolution"]) == (65.0, 0.1, 0.1, 64)
     assert set(record["metrics"]) == {"mIoU", "mAcc", "aAcc"} and len(record["per_class"]) == 21
     assert record["timing"]["wall_s"] > 0 and record["timing"]["images_per_s"] > 0

@@ -405,7 +405,7 @@ def test_cli_fgovd(tmp_path):
     assert res.exit_code == 0, res.output
     assert "transparency" in res.stdout and "top-1" in res.stdout
     saved = json.loads(out.read_text())
-    assert saved["config"]["attention"] == "qq+kk/softmax/noffn" and saved["config"]["negatives"] == 2  # sclip for pool
+    assert saved["config"]["attention"] == "qq+kk/softmax" and saved["config"]["negatives"] == 2  # sclip for pool
     res = CliRunner().invoke(app, [*args, "--region", "crop", "--resolution", "64", "--out", str(out)])
     assert res.exit_code == 2 and "overwrite" in res.output
     res = CliRunner().invoke(app, [*args, "--region", "crop", "--scale-factor", "1.5", "--out", str(out), "--overwrite"])

@@ -118,7 +118,7 @@ def test_segment_end_to_end(tmp_path, checkpoint, reference):
             fraction_sums[entry["name"]] = fraction_sums.get(entry["name"], 0) + entry["fraction"]
         assert {e["index"] for e in record["classes_present"]} == set(np.unique(expected).tolist())
         s = record["settings"]
-        assert s["attention"] == "qq+kk/softmax/noffn"  # default preset: sclip
+        assert s["attention"] == "qq+kk/softmax"  # default preset: sclip
         assert s["classes"] == [["cat"], ["dog", "puppy"], ["sky"]]
         assert (s["resolution"], s["window"], s["stride"], s["logit_scale"]) == (64, 64, 32, 40.0)
         assert s["pretrained"] == checkpoint and s["templates"] == "a photo of a {}."

@@ -9,14 +9,14 @@ def test_presets_with_source_and_normalizer_overrides():
     grid = Grid.from_dict({"datasets": ["voc21"], "presets": ["sclip", "naclip"], "sources": ["qq", "kk"],
                            "normalizers": ["softmax"], "alphas": [1.5]})  # fmt: skip
     assert grid.attention_specs() == [
-        "qq/softmax/noffn", "qq/entmax:1.5/noffn", "kk/softmax/noffn", "kk/entmax:1.5/noffn",
+        "qq/softmax", "qq/entmax:1.5", "kk/softmax", "kk/entmax:1.5",
         "qq/softmax/gauss:5/nores/noffn", "qq/entmax:1.5/gauss:5/nores/noffn",
         "kk/softmax/gauss:5/nores/noffn", "kk/entmax:1.5/gauss:5/nores/noffn",
     ]  # fmt: skip
 
 
 def test_defaults_keep_preset_parts_and_plain_base():
-    assert Grid(datasets=["voc21"], presets=["sclip", "clearclip"]).attention_specs() == ["qq+kk/softmax/noffn", "qq/softmax/nores/noffn"]
+    assert Grid(datasets=["voc21"], presets=["sclip", "clearclip"]).attention_specs() == ["qq+kk/softmax", "qq/softmax/nores/noffn"]
     assert Grid(datasets=["voc21"], sources=["qq+kk", "vv"], normalizers=["entmax:2"]).attention_specs() == [
         "qq+kk/sparsemax", "vv/sparsemax"
     ]
