@@ -137,7 +137,8 @@ def _entmax_rows(x: torch.Tensor, alpha: float, k: int, shift_only: bool = False
         rows, cols = cand.nonzero(as_tuple=True)
         start = counts.cumsum(0) - counts
         pos = torch.arange(rows.numel(), device=x.device) - start[rows]
-        z = torch.full((R, int(counts.max())), float("-inf"), dtype=x.dtype, device=x.device)
+        # at least one column: rows without a finite score have no candidate (they end up NaN below)
+        z = torch.full((R, max(int(counts.max()), 1)), float("-inf"), dtype=x.dtype, device=x.device)
         z[rows, pos] = x[rows, cols]
         c = _solve_shift(z, alpha)
         narrow = ~wide

@@ -157,3 +157,11 @@ def test_row_without_finite_scores_is_nan_like_softmax():
     for name in ["softmax", "entmax:1.5", "entmax:1.2", "sparsemax"]:
         p = normalize(x, name)
         assert torch.isnan(p[1]).all() and not torch.isnan(p[[0, 2]]).any()
+
+
+def test_input_with_no_finite_row_at_all_is_nan_like_softmax():
+    """Every row -inf (or NaN): the candidate block has no column; still NaN rows, not an IndexError."""
+    for fill in (float("-inf"), float("nan")):
+        x = torch.full((2, 5), fill)
+        for name in ["softmax", "entmax:1.5", "entmax:1.2", "sparsemax"]:
+            assert torch.isnan(normalize(x, name)).all(), (fill, name)
