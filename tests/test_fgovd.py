@@ -131,6 +131,14 @@ def test_positive_rank_counts_ties_against_the_positive():
     assert positive_rank([0.3, 0.3, 0.3]) == 3
 
 
+def test_positive_rank_with_nan_scores_is_a_valid_losing_rank():
+    """A NaN score cannot beat or be beaten: it counts against the positive, and the rank stays in 1..len."""
+    nan = float("nan")
+    assert positive_rank([nan, 0.1, 0.2]) == 3  # was 0: nan >= nan is False
+    assert positive_rank([0.9, nan, 0.2]) == 2
+    assert positive_rank([0.9, 0.1]) == 1
+
+
 def test_rank_metrics_by_hand_with_the_n_filter():
     scores = [
         [0.9, 0.1, 0.2, 0.3],  # ranks at N=1,2,3: 1, 1, 1

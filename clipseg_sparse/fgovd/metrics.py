@@ -4,7 +4,7 @@ An annotation's score vector is [positive, negative_1, negative_2, ...] (negativ
 With N negatives, annotations that have fewer than N are dropped (as the official `ranks.py` does) and
 the others are cut to their first N. The rank of the positive is the number of captions scoring >= it
 (ties count against the positive; rank 1 = strictly highest). Top-1 accuracy is the percentage of
-rank-1 annotations. The median rank is the ordinary median (numpy); the official script instead takes
+rank-1 annotations (a NaN score counts against the positive). The median rank is the ordinary median (numpy); the official script instead takes
 `sorted(ranks)[len // 2 + 1]`, one or two places above it.
 """
 
@@ -20,8 +20,13 @@ MEASURES = ("top1", "mean_rank", "median_rank")
 
 
 def positive_rank(scores: Sequence[float]) -> int:
-    """Number of captions (the positive included) scoring >= the positive, scores[0]."""
-    return sum(1 for s in scores if s >= scores[0])
+    """Number of captions (the positive included) scoring >= the positive, scores[0].
+
+    A NaN on either side counts against the positive (`not s < positive`), so the rank is always in
+    1..len(scores) and a NaN score is never a win.
+    """
+    positive = scores[0]
+    return 1 + sum(1 for s in scores[1:] if not s < positive)
 
 
 def rank_metrics(score_lists: Iterable[Sequence[float]], negatives: int) -> dict[str, float]:
