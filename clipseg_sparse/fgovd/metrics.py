@@ -3,9 +3,9 @@
 An annotation's score vector is [positive, negative_1, negative_2, ...] (negatives in the file's order).
 With N negatives, annotations that have fewer than N are dropped (as the official `ranks.py` does) and
 the others are cut to their first N. The rank of the positive is the number of captions scoring >= it
-(ties count against the positive; rank 1 = strictly highest). Top-1 accuracy is the percentage of
-rank-1 annotations (a NaN score counts against the positive). The median rank is the ordinary median (numpy); the official script instead takes
-`sorted(ranks)[len // 2 + 1]`, one or two places above it.
+(ties and NaN scores count against the positive; rank 1 = strictly highest). Top-1 accuracy is the
+percentage of rank-1 annotations. The median rank is the ordinary median (numpy); the official script
+instead takes `sorted(ranks)[len // 2 + 1]`, one or two places above it.
 """
 
 from __future__ import annotations
