@@ -85,6 +85,8 @@ class ItemLog:
         self.config = config
         self.hash = config_hash(config)
         self._done: dict[str, dict] = {}
+        if self.path.exists():
+            self._drop_torn_tail()
         if self.path.exists() and self.path.stat().st_size > 0:
             self._read()
         else:
@@ -100,11 +102,14 @@ class ItemLog:
                 except json.JSONDecodeError:
                     continue  # torn final line of an interrupted run
 
-    def _read(self) -> None:
+    def _drop_torn_tail(self) -> None:
+        """Cut a final line torn by a kill, so the next append starts cleanly (a torn header empties the log)."""
         data = self.path.read_bytes()
-        if not data.endswith(b"\n"):  # drop a torn final line so the next append starts cleanly
+        if data and not data.endswith(b"\n"):
             with self.path.open("r+b") as f:
                 f.truncate(data.rfind(b"\n") + 1)
+
+    def _read(self) -> None:
         lines = self._lines()
         header = next(lines, None)
         if not header or header.get("hash") != self.hash:

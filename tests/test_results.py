@@ -19,6 +19,16 @@ def test_item_log_resumes_and_ignores_torn_line(tmp_path):
     assert ItemLog(path, {"a": 1}).done["img3"]["x"] == 3
 
 
+def test_item_log_killed_while_writing_its_header_starts_afresh(tmp_path):
+    """A header torn by a kill is not "another configuration": the log restarts with a full header."""
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"config": {"a": 1}, "ha')
+    log = ItemLog(path, {"a": 1})
+    assert log.done == {}
+    log.append("img1", {"x": 1})
+    assert set(ItemLog(path, {"a": 1}).done) == {"img1"}
+
+
 def test_item_log_refuses_other_config(tmp_path):
     path = tmp_path / "run.jsonl"
     ItemLog(path, {"a": 1}).append("x", {})
