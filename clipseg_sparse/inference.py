@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, resolve_spec
 from .images import load_image
 from .model import DenseCLIP
-from .text import Vocabulary, embed_names, resolve_templates
+from .text import Vocabulary, embed_names, resolve_templates, templates_id
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ class Segmenter:
             "pretrained": self.clip.pretrained,
             "precision": self.clip.precision,
             "attention": str(self.spec),
-            "templates": len(self.templates) if len(self.templates) > 1 else self.templates[0],
+            "templates": templates_id(self.templates),
             "classes": [list(syn) for syn in self.vocabulary.names],
             **dataclasses.asdict(self.settings),
         }

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .model import DenseCLIP
 
 SINGLE_TEMPLATE = ("a photo of a {}.",)
+NO_TEMPLATE = ("{}",)
 
 
 def openai_imagenet_templates() -> tuple[str, ...]:
@@ -40,7 +41,7 @@ def resolve_templates(templates: str | Sequence[str] = "openai") -> tuple[str, .
     elif templates == "single":
         return SINGLE_TEMPLATE
     elif templates == "none":
-        return ("{}",)
+        return NO_TEMPLATE
     else:
         path = Path(templates)
         if not path.is_file():
@@ -50,6 +51,19 @@ def resolve_templates(templates: str | Sequence[str] = "openai") -> tuple[str, .
     if not out or bad:
         raise ValueError(f"every template needs a '{{}}' placeholder for the class name (bad: {bad[:3] or 'none given'})")
     return out
+
+
+def templates_id(templates: Sequence[str]) -> str | list[str]:
+    """What a result file records for resolved templates: the name of a named set (`openai`, `single`,
+    `none`), else the templates themselves, so two different template lists never share a configuration."""
+    templates = tuple(templates)
+    if templates == SINGLE_TEMPLATE:
+        return "single"
+    if templates == NO_TEMPLATE:
+        return "none"
+    if len(templates) == 80 and templates == openai_imagenet_templates():
+        return "openai"
+    return list(templates)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,15 @@ def test_templates(tmp_path):
         resolve_templates(str(f))
 
 
+def test_config_tells_template_lists_apart(tiny_clip):
+    """Two different lists of the same length made the same configuration (only their count was kept)."""
+    config = lambda t: Segmenter(tiny_clip, "a,b", templates=t).config()["templates"]  # noqa: E731
+    assert config(["a {}.", "b {}."]) != config(["c {}.", "d {}."])
+    assert config(["a {}.", "b {}."]) == ["a {}.", "b {}."]
+    assert (config("openai"), config("single"), config("none")) == ("openai", "single", "none")
+    assert config(list(openai_imagenet_templates())) == "openai"  # the same set, however it is given
+
+
 def test_text_embedding_is_mean_of_normalised_templates(tiny_clip):
     templates = ("a photo of a {}.", "a drawing of a {}.")
     emb = embed_names(tiny_clip, ["cat", "dog"], templates, use_cache=False)

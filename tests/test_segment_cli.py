@@ -121,7 +121,7 @@ def test_segment_end_to_end(tmp_path, checkpoint, reference):
         assert s["attention"] == "qq+kk/softmax"  # default preset: sclip
         assert s["classes"] == [["cat"], ["dog", "puppy"], ["sky"]]
         assert (s["resolution"], s["window"], s["stride"], s["logit_scale"]) == (64, 64, 32, 40.0)
-        assert s["pretrained"] == checkpoint and s["templates"] == "a photo of a {}."
+        assert s["pretrained"] == checkpoint and s["templates"] == "single"
         assert record["files"] == {
             "labels": base.name + ".png", "overlay": base.name + ".overlay.png", "probs": base.name + ".probs.npz"
         }  # fmt: skip
@@ -280,7 +280,7 @@ def test_random_weights_and_default_settings(tmp_path):
     record = json.loads((tmp_path / "out" / "x.json").read_text())
     s = record["settings"]
     assert (s["resolution"], s["window"], s["stride"], s["logit_scale"], s["batch_size"]) == (336, 224, 112, 40.0, 16)
-    assert s["templates"] == 80 and s["pretrained"] == "none" and s["bg_threshold"] == 0.9
+    assert s["templates"] == "openai" and s["pretrained"] == "none" and s["bg_threshold"] == 0.9
     assert record["class_names"] == ["background", "a", "b"] and s["classes"][0] == ["sky", "wall"]
     assert not (tmp_path / "cache").exists()  # random weights are never cached
 

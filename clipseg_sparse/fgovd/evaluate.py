@@ -25,7 +25,7 @@ from ..inference import InferenceSettings, resized_shape, to_pixels
 from ..model import DenseCLIP
 from ..registry import Registry
 from ..results import RESULT_SCHEMA, ItemLog, load_finished, package_versions, progress_path, write_json_atomic
-from ..text import embed_names, resolve_templates
+from ..text import embed_names, resolve_templates, templates_id
 from .data import Benchmark, RegionAnnotation, check_images, check_segmentations, read_benchmark
 from .metrics import fgovd_metrics
 from .regions import WindowFeatures, box_map, encode_crops, mask_map
@@ -128,7 +128,7 @@ def evaluate_fgovd(
         raise ValueError(f"scale_factor must be > 0 (got {scale_factor})")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (got {limit})")
-    resolve_templates(templates)  # fail early on a bad template argument
+    templates = resolve_templates(templates)  # fails early on a bad template argument
     loaded = [read_benchmark(p) for p in benchmarks]
     splits = [b.split for b in loaded]
     if len(set(splits)) != len(splits):
@@ -143,7 +143,7 @@ def evaluate_fgovd(
         "region": region,
         "negatives": negatives,
         "scale_factor": scale_factor,
-        "templates": templates if isinstance(templates, str) else list(templates),
+        "templates": templates_id(templates),
         **dataclasses.asdict(settings),
         "limit": limit,
     }
