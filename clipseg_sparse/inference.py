@@ -244,9 +244,7 @@ class Segmenter:
     def config(self) -> dict:
         """Everything that changes a prediction, for result files."""
         return {
-            "model": self.clip.model_name,
-            "pretrained": self.clip.pretrained,
-            "precision": self.clip.precision,
+            **self.clip.config(),
             "attention": str(self.spec),
             "templates": templates_id(self.templates),
             "classes": [list(syn) for syn in self.vocabulary.names],

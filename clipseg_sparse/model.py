@@ -59,6 +59,7 @@ def _weights_help(model_name: str, pretrained: str) -> str:
 
 
 def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool | None, cache_dir: str | None):
+    """(open_clip model, canonical name, weights: checkpoint path | tag | None, QuickGELU used)."""
     import open_clip
 
     name = model_name
@@ -74,7 +75,8 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
     name = name.replace("/", "-")
 
     if pretrained is None:
-        return open_clip.create_model(name, pretrained=None, force_quick_gelu=bool(quick_gelu)), name, None
+        gelu = bool(quick_gelu)
+        return open_clip.create_model(name, pretrained=None, force_quick_gelu=gelu), name, None, gelu
     path = Path(pretrained).expanduser()
     if path.suffix in CHECKPOINT_SUFFIXES or os.sep in pretrained:
         if not path.is_file():
@@ -84,7 +86,7 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
             model = open_clip.create_model(name, pretrained=str(path), force_quick_gelu=gelu)
         except Exception as e:  # wrong architecture, truncated file, ...
             raise WeightsUnavailableError(f"{pretrained}: cannot load as {name} weights: {e}") from e
-        return model, name, str(path)
+        return model, name, str(path), gelu
     cfg = open_clip.get_pretrained_cfg(name, pretrained)
     if not cfg:
         tags = open_clip.list_pretrained_tags_by_model(name)
@@ -97,7 +99,7 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
         model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=gelu, cache_dir=cache_dir)
     except Exception as e:
         raise WeightsUnavailableError(_weights_help(name, pretrained)) from e
-    return model, name, pretrained
+    return model, name, pretrained, gelu
 
 
 def load_clip(
@@ -121,7 +123,7 @@ def load_clip(
         raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     if isinstance(pretrained, str) and pretrained.lower() in ("", "none"):
         pretrained = None
-    model, name, weights = _create_open_clip(model_name, pretrained, quick_gelu, cache_dir)
+    model, name, weights, gelu = _create_open_clip(model_name, pretrained, quick_gelu, cache_dir)
     import open_clip
 
     dev = resolve_device(device)
@@ -132,6 +134,7 @@ def load_clip(
         model_name=name,
         pretrained=weights or "none",
         precision=precision,
+        quick_gelu=gelu,
     )
 
 
@@ -140,6 +143,7 @@ class DenseCLIP:
     """A frozen CLIP with text embeddings and dense (per-patch) image embeddings.
 
     `model` is the open_clip model with its weights untouched; specs are applied per call.
+    quick_gelu: whether the activation is QuickGELU (it changes every embedding, so results record it).
     """
 
     model: torch.nn.Module
@@ -147,7 +151,12 @@ class DenseCLIP:
     model_name: str
     pretrained: str
     precision: str = "fp32"
+    quick_gelu: bool = False
     _pos_cache: dict = field(default_factory=dict, repr=False)
+
+    def config(self) -> dict:
+        """What identifies this model's numbers in a result file: name, weights, precision, activation."""
+        return {"model": self.model_name, "pretrained": self.pretrained, "precision": self.precision, "quick_gelu": self.quick_gelu}
 
     @property
     def visual(self) -> torch.nn.Module:

@@ -147,7 +147,7 @@ def text_cache_key(clip: "DenseCLIP", names: Sequence[str], templates: Sequence[
     weights = _weights_key(clip)
     if weights is None:
         return None
-    blob = json.dumps([clip.model_name, weights, clip.precision, list(names), list(templates)])
+    blob = json.dumps([clip.model_name, weights, clip.precision, clip.quick_gelu, list(names), list(templates)])
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

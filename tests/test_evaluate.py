@@ -54,7 +54,7 @@ def test_result_record_schema_and_config(tiny_clip, tmp_path):
     assert json.loads(out.read_text()) == record
     assert record["schema"] == 1 and record["kind"] == "eval" and record["num_images"] == 2
     c = record["config"]
-    for key in ("model", "pretrained", "precision", "attention", "dataset", "root", "protocol", "class_names",
+    for key in ("model", "pretrained", "precision", "quick_gelu", "attention", "dataset", "root", "protocol", "class_names",
                 "class_names_version", "resolution", "max_long_side", "window", "stride", "logit_scale",
                 "bg_threshold", "area_threshold", "batch_size", "templates", "limit"):
         assert key in c, key

@@ -79,6 +79,9 @@ def test_text_cache(tiny_clip, tmp_path):
     assert calls == [] and torch.equal(first, again)
     embed_names(clip, ["cat", "bird"], "single", cache_dir=cache)  # new vocabulary: new entry
     assert len(calls) == 1 and len(list((cache / "text").glob("*.pt"))) == 2
+    # the activation changes the text tower: QuickGELU weights must not be served GELU embeddings
+    gelu = load_clip(TINY_CONFIG, pretrained=str(ckpt), quick_gelu=True)
+    assert not torch.allclose(embed_names(gelu, ["cat", "dog"], "single", cache_dir=cache), first, atol=1e-4)
     # random weights are never cached: their embeddings change with every initialisation
     embed_names(tiny_clip, ["cat"], "single", cache_dir=tmp_path / "none")
     assert not (tmp_path / "none").exists()

@@ -134,9 +134,7 @@ def evaluate_fgovd(
     if len(set(splits)) != len(splits):
         raise ValueError(f"each split can be given once (got {', '.join(splits)})")
     config = {
-        "model": clip.model_name,
-        "pretrained": clip.pretrained,
-        "precision": clip.precision,
+        **clip.config(),
         "attention": str(spec),
         "benchmarks": splits,
         "images_root": str(Path(images_root).resolve()),
