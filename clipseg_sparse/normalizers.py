@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 NORMALIZER_KINDS = ("softmax", "entmax", "sparsemax", "randmask")
+RANDMASK_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -218,10 +219,14 @@ def random_mask_softmax(
     """Softmax over a random subset of each row, as many entries as entmax:`alpha` keeps non-zero.
 
     The control for "is it the sparsity or which entries are kept?". The row maximum is always kept so
-    a row is never empty.
+    a row is never empty. generator None draws from a fixed seed (RANDMASK_SEED) rather than the global
+    RNG, so the same scores always get the same mask: a run is reproducible from its configuration and
+    a resumed run gives the numbers of an uninterrupted one.
     """
     x = scores.float().movedim(dim, -1)
     keep = (entmax(x, alpha, dim=-1) > 0).sum(-1, keepdim=True)
+    if generator is None:
+        generator = torch.Generator(device=x.device).manual_seed(RANDMASK_SEED)
     noise = torch.rand(x.shape, generator=generator, device=x.device)
     noise.scatter_(-1, x.argmax(-1, keepdim=True), 2.0)  # the max ranks first
     rank = noise.argsort(-1, descending=True).argsort(-1)

@@ -94,6 +94,16 @@ def test_randmask_matches_entmax_sparsity():
     assert torch.allclose(p.sum(-1), torch.ones(64), atol=1e-5)
 
 
+def test_randmask_is_reproducible_whatever_the_global_rng():
+    """The mask must not depend on how many images ran before (resume) or on the process's RNG state."""
+    x = _inputs()["random"]
+    first = normalize(x, "randmask:1.5")
+    torch.rand(7)  # any other use of the global RNG in between
+    assert torch.equal(normalize(x, "randmask:1.5"), first)
+    other = random_mask_softmax(x, 1.5, generator=torch.Generator().manual_seed(123))
+    assert not torch.equal(other, first)  # still random: another seed gives another mask
+
+
 @pytest.mark.parametrize(
     "text,canonical",
     [("softmax", "softmax"), ("entmax:1.5", "entmax:1.5"), ("entmax:2", "sparsemax"), ("entmax:1.0", "softmax"),
