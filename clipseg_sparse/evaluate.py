@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -30,7 +29,7 @@ from .inference import Segmenter
 from .metrics import areas_to_record, intersect_and_union, record_to_areas, segmentation_metrics
 from .model import DenseCLIP
 from .protocols import PROTOCOLS
-from .results import RESULT_SCHEMA, ItemLog, load_finished, package_versions, progress_path, write_json_atomic
+from .results import ItemLog, open_run, result_record, write_json_atomic
 
 
 def prediction_path(save_pred: Path, sample: Sample) -> Path:
@@ -83,17 +82,10 @@ def evaluate(
     segmenter = Segmenter(clip, vocabulary, spec or proto.attention, settings, templates, cache_dir)
     config = run_config(segmenter, bench, root, protocol, which, names_version, limit)
 
-    out = Path(out) if out is not None else None
-    if out is not None and out.exists():
-        if not overwrite:
-            return load_finished(out, config)
-        out.unlink()
     rank, world = rank_and_world()
-    log = None
-    if out is not None:
-        if overwrite or not resume:
-            progress_path(out, rank, world).unlink(missing_ok=True)
-        log = ItemLog(progress_path(out, rank, world), {k: v for k, v in config.items() if k != "limit"})
+    finished, log = open_run(out, config, overwrite=overwrite, resume=resume, rank=rank, world=world)
+    if finished is not None:
+        return finished
 
     mine = shard(samples, rank, world)
     with progress_bar("images") if progress and rank == 0 else nullcontext() as bar:
@@ -102,7 +94,7 @@ def evaluate(
         totals, seconds, reused = _run(segmenter, bench, mine, log, save_pred, advance)
     totals = all_reduce(totals)
     seconds, reused = all_reduce(np.array([seconds]), op="max")[0], int(all_reduce(np.array([reused]))[0])
-    record = result_record(config, bench, totals, len(samples), seconds, reused)
+    record = eval_record(config, bench, totals, len(samples), seconds, reused)
     if out is not None and rank == 0:
         write_json_atomic(out, record)
     return record
@@ -159,24 +151,15 @@ def _percent(x: float) -> float | None:
     return None if np.isnan(x) else 100.0 * float(x)
 
 
-def result_record(config: dict, bench: Benchmark, totals: np.ndarray, num_images: int, seconds: float, reused: int) -> dict:
-    """The schema-1 result: metrics in %, per-class IoU / Acc in % (None = NaN, class absent)."""
+def eval_record(config: dict, bench: Benchmark, totals: np.ndarray, num_images: int, seconds: float, reused: int) -> dict:
+    """The schema-1 eval result: metrics in %, per-class IoU / Acc in % (None = NaN, class absent)."""
     m = segmentation_metrics(totals)
-    return {
-        "schema": RESULT_SCHEMA,
-        "kind": "eval",
-        "config": config,
-        "metrics": {"mIoU": _percent(m["mIoU"]), "mAcc": _percent(m["mAcc"]), "aAcc": _percent(m["aAcc"])},
-        "per_class": {
-            name: {"IoU": _percent(iou), "Acc": _percent(acc)} for name, iou, acc in zip(bench.classes, m["IoU"], m["Acc"])
-        },
-        "num_images": num_images,
-        "versions": package_versions(),
-        "timing": {
-            "wall_s": seconds,
-            "images_per_s": num_images / seconds if seconds > 0 else None,
-            "resumed_images": reused,
-        },
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+    return result_record(
+        "eval",
+        config,
+        metrics={"mIoU": _percent(m["mIoU"]), "mAcc": _percent(m["mAcc"]), "aAcc": _percent(m["aAcc"])},
+        timing={"wall_s": seconds, "images_per_s": num_images / seconds if seconds > 0 else None, "resumed_images": reused},
+        per_class={name: {"IoU": _percent(iou), "Acc": _percent(acc)} for name, iou, acc in zip(bench.classes, m["IoU"], m["Acc"])},
+        num_images=num_images,
+    )
 

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
@@ -147,3 +148,41 @@ def load_finished(out: Path, config: dict) -> dict:
     if config_hash(record.get("config", {})) != config_hash(config):
         raise ConfigMismatchError(f"{out}: holds a result of a different configuration; use --overwrite or another --out")
     return record
+
+
+def open_run(
+    out: Path | None, config: dict, *, overwrite: bool = False, resume: bool = True, rank: int = 0, world: int = 1
+) -> tuple[dict | None, ItemLog | None]:
+    """Get the result file `out` of a run with `config` ready: (finished, log).
+
+    finished: the record `out` already holds when not `overwrite` (ConfigMismatchError if it is of another
+    configuration); the run is then over. Otherwise `out` is removed if `overwrite`, and log is the
+    item log beside it, restarted when `overwrite` or not `resume`. The log's configuration leaves out
+    `limit`, so a run over more items resumes one over fewer. (None, None) without `out`.
+    """
+    if out is None:
+        return None, None
+    out = Path(out)
+    if out.exists():
+        if not overwrite:
+            return load_finished(out, config), None
+        out.unlink(missing_ok=True)  # missing_ok: every torchrun rank gets here
+    log_path = progress_path(out, rank, world)
+    if overwrite or not resume:
+        log_path.unlink(missing_ok=True)
+    return None, ItemLog(log_path, {k: v for k, v in config.items() if k != "limit"})
+
+
+def result_record(kind: str, config: dict, metrics: dict, timing: dict, **fields: Any) -> dict:
+    """A schema-1 result file's content: kind, config, metrics, the kind's own `fields`, package
+    versions, timing and the creation time (UTC)."""
+    return {
+        "schema": RESULT_SCHEMA,
+        "kind": kind,
+        "config": config,
+        "metrics": metrics,
+        **fields,
+        "versions": package_versions(),
+        "timing": timing,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }

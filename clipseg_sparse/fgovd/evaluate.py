@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import nullcontext
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
@@ -24,7 +23,7 @@ from ..images import load_image
 from ..inference import InferenceSettings, resized_shape, to_pixels
 from ..model import DenseCLIP
 from ..registry import Registry
-from ..results import RESULT_SCHEMA, ItemLog, load_finished, package_versions, progress_path, write_json_atomic
+from ..results import open_run, result_record, write_json_atomic
 from ..text import embed_names, resolve_templates, templates_id
 from .data import Benchmark, RegionAnnotation, check_images, check_segmentations, read_benchmark
 from .metrics import fgovd_metrics
@@ -151,16 +150,9 @@ def evaluate_fgovd(
         check_segmentations(annotations)
     check_images(annotations, images_root)
 
-    log = None
-    if out is not None:
-        out = Path(out)
-        if out.exists():
-            if not overwrite:
-                return load_finished(out, config)
-            out.unlink()
-        if overwrite or not resume:
-            progress_path(out).unlink(missing_ok=True)
-        log = ItemLog(progress_path(out), {k: v for k, v in config.items() if k != "limit"})
+    finished, log = open_run(out, config, overwrite=overwrite, resume=resume)
+    if finished is not None:
+        return finished
 
     captions = list(dict.fromkeys(c for a in annotations for c in a.captions[: negatives + 1]))
     text = embed_names(clip, captions, templates).to(clip.device)
@@ -194,20 +186,17 @@ def evaluate_fgovd(
 
     order = {s: i for i, s in enumerate(splits)}
     per_annotation = sorted(records, key=lambda r: (order[r["split"]], r["id"]))
-    result = {
-        "schema": RESULT_SCHEMA,
-        "kind": "fgovd",
-        "config": config,
-        "metrics": fgovd_metrics(per_annotation, negatives, splits),
-        "per_annotation": per_annotation,
-        "versions": package_versions(),
-        "timing": {
+    result = result_record(
+        "fgovd",
+        config,
+        metrics=fgovd_metrics(per_annotation, negatives, splits),
+        timing={
             "wall_s": seconds,
             "annotations_per_s": len(per_annotation) / seconds if seconds > 0 else None,
             "resumed_images": reused,
         },
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+        per_annotation=per_annotation,
+    )
     if out is not None:
         write_json_atomic(out, result)
     return result
