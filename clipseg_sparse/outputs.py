@@ -26,36 +26,10 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from .datasets.labels import MAX_PNG_CLASSES, PALETTE, write_label_png
 from .inference import SegmentationResult
 from .registry import Registry
 from .results import atomic_path, config_hash, write_json_atomic
-
-
-def voc_palette(n: int = 256) -> np.ndarray:
-    """n x 3 uint8 PASCAL VOC colour map: the bits of index i spread over R, G, B from the high bit down."""
-    palette = np.zeros((n, 3), np.uint8)
-    for i in range(n):
-        c, r, g, b = i, 0, 0, 0
-        for shift in range(7, -1, -1):
-            r |= (c & 1) << shift
-            g |= ((c >> 1) & 1) << shift
-            b |= ((c >> 2) & 1) << shift
-            c >>= 3
-        palette[i] = (r, g, b)
-    return palette
-
-
-PALETTE = voc_palette()
-MAX_PNG_CLASSES = len(PALETTE)
-
-
-def label_image(labels: np.ndarray) -> Image.Image:
-    """H x W class indices (< 256) -> mode "P" image with PALETTE; pixel value = class index."""
-    if labels.max(initial=0) >= MAX_PNG_CLASSES:
-        raise ValueError(f"a palette PNG holds at most {MAX_PNG_CLASSES} classes; use --format coco-rle")
-    img = Image.fromarray(labels.astype(np.uint8), "P")
-    img.putpalette(PALETTE.tobytes())
-    return img
 
 
 def blend(rgb: np.ndarray, labels: np.ndarray, alpha: float = 0.5) -> np.ndarray:
@@ -112,8 +86,7 @@ def coco_rle(labels: np.ndarray, class_names: tuple[str, ...]) -> dict:
 
 
 def _write_png(path: Path, result: SegmentationResult) -> None:
-    with atomic_path(path) as tmp:
-        label_image(result.labels).save(tmp, format="PNG")
+    write_label_png(path, result.labels)
 
 
 def _write_rle(path: Path, result: SegmentationResult) -> None:

@@ -4,16 +4,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from clipseg_sparse.datasets.labels import PALETTE, label_image
 from clipseg_sparse.inference import SegmentationResult
-from clipseg_sparse.outputs import (
-    PALETTE,
-    OutputOptions,
-    Status,
-    coco_rle,
-    label_image,
-    overlay_image,
-    write_outputs,
-)
+from clipseg_sparse.outputs import OutputOptions, Status, coco_rle, overlay_image, write_outputs
 from clipseg_sparse.registry import UnknownNameError
 
 SETTINGS = {"model": "m", "attention": "qq/softmax", "batch_size": 16, "classes": [["cat"], ["dog"], ["sky"]]}

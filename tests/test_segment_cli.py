@@ -10,7 +10,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from clipseg_sparse.cli import app
-from clipseg_sparse.outputs import PALETTE
+from clipseg_sparse.datasets.labels import PALETTE
 from conftest import TINY_CONFIG
 
 runner = CliRunner()
