@@ -29,12 +29,36 @@ _EXPORTS = {
     "InferenceSettings": "inference",
     "SegmentationResult": "inference",
     "load_image": "images",
+    "resolve_spec": "attention",
+    "attention_backend": "accel",
+    "ConfigMismatchError": "results",
+    # segment: find images, plan which still need work, run
+    "discover_images": "discovery",
+    "OutputOptions": "outputs",
+    "plan_run": "batch",
+    "run_plan": "batch",
+    # eval / fgovd / sweep / report / bench
+    "DATASETS": "datasets",
+    "PROTOCOLS": "protocols",
+    "evaluate": "evaluate",
+    "evaluate_fgovd": "fgovd",
+    "Grid": "sweep",
+    "GRIDS": "sweep",
+    "SweepPaths": "sweep",
+    "read_grid_file": "sweep",
+    "run_sweep": "sweep",
+    "collect": "report",
+    "pivot": "report",
+    "to_markdown": "report",
+    "to_csv": "report",
+    "write_plots": "report",
+    "run_all": "bench",
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

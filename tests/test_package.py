@@ -1,0 +1,14 @@
+"""The package's public names: every one resolves (the lazy table names real objects)."""
+
+import clipseg_sparse
+
+
+def test_every_exported_name_resolves():
+    for name in clipseg_sparse.__all__:
+        assert getattr(clipseg_sparse, name) is not None, name
+
+
+def test_what_the_cli_runs_is_one_import_away():
+    for name in ("load_clip", "Segmenter", "evaluate", "evaluate_fgovd", "run_sweep", "Grid", "collect", "pivot"):
+        assert name in clipseg_sparse.__all__, name
+
