@@ -37,10 +37,10 @@ _EXPORTS = {
     "OutputOptions": "outputs",
     "plan_run": "batch",
     "run_plan": "batch",
-    # eval / fgovd / sweep / report / bench
+    # eval / fgovd / sweep / report / bench. Not `evaluate`: it is also the name of the submodule, which
+    # replaces a package attribute of that name once imported (`from clipseg_sparse.evaluate import evaluate`).
     "DATASETS": "datasets",
     "PROTOCOLS": "protocols",
-    "evaluate": "evaluate",
     "evaluate_fgovd": "fgovd",
     "Grid": "sweep",
     "GRIDS": "sweep",

@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from clipseg_sparse import load_clip
 from clipseg_sparse.distributed import shard
+from clipseg_sparse.evaluate import evaluate
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 
@@ -30,9 +32,10 @@ def test_torchrun_two_ranks_equals_one_process(tiny_clip, tmp_path):
             "--pretrained", str(weights), "--device", "cpu", "--templates", "single",
             "--resolution", "64", "--window", "32", "--stride", "16"]
     env = dict(os.environ, CLIPSEG_SPARSE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    # the single-process reference runs here, through the library, with the same weights and settings
     one = tmp_path / "one.json"
-    subprocess.run([sys.executable, "-m", "clipseg_sparse", *args, "--out", str(one)], env=env, check=True,
-                   capture_output=True, timeout=300)
+    evaluate(load_clip(TINY_CONFIG, pretrained=str(weights), device="cpu"), "ade20k", tmp_path / "data", templates="single",
+             overrides=dict(resolution=64, window=32, stride=16), out=one, progress=False, cache_dir=tmp_path / "cache")
     two = tmp_path / "two.json"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "clipseg_sparse", *args, "--out", str(two)], env=env, capture_output=True, text=True, timeout=300)
