@@ -155,8 +155,17 @@ class DenseCLIP:
     _pos_cache: dict = field(default_factory=dict, repr=False)
 
     def config(self) -> dict:
-        """What identifies this model's numbers in a result file: name, weights, precision, activation."""
-        return {"model": self.model_name, "pretrained": self.pretrained, "precision": self.precision, "quick_gelu": self.quick_gelu}
+        """What identifies this model's numbers in a result file: name, weights, precision, activation,
+        and the entmax attention backend selected now (see accel.py; AdaSplash is approximate)."""
+        from .accel import get_attention_backend
+
+        return {
+            "model": self.model_name,
+            "pretrained": self.pretrained,
+            "precision": self.precision,
+            "quick_gelu": self.quick_gelu,
+            "attention_backend": get_attention_backend(),
+        }
 
     @property
     def visual(self) -> torch.nn.Module:

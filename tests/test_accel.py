@@ -39,6 +39,16 @@ def test_adasplash_backend_falls_back_where_the_kernel_cannot_run():
     assert torch.equal(switched, _attend(q, k, v, spec, (14, 14)))
 
 
+def test_selected_backend_is_part_of_the_result_config(tiny_clip):
+    """AdaSplash is only as exact as its iterations: a result must say which backend made it."""
+    from clipseg_sparse import Segmenter
+
+    seg = Segmenter(tiny_clip, "a,b", templates="single")
+    assert seg.config()["attention_backend"] == "torch"
+    with attention_backend("adasplash"):
+        assert seg.config()["attention_backend"] == "adasplash"
+
+
 @cuda
 @pytest.mark.parametrize("alpha", ALPHAS)
 @pytest.mark.parametrize("peaked", [False, True])
