@@ -49,7 +49,13 @@ class InferenceSettings:
         if self.batch_size < 1 or self.logit_scale <= 0:
             raise ValueError("batch_size must be >= 1 and logit_scale > 0")
 
-    def replace(self, **changes) -> "InferenceSettings":
+    def replace(self, **changes: object) -> "InferenceSettings":
+        """A validated copy with `changes`; None values are ignored (an option left unset). Unknown names
+        raise ValueError listing the settings."""
+        known = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(known))
+        if unknown:
+            raise ValueError(f"unknown inference setting(s) {', '.join(unknown)}; choose from {', '.join(known)}")
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 

@@ -12,14 +12,11 @@ enables PAMR refinement by default (its tables report both; this package has no 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .inference import InferenceSettings
 from .registry import Registry
-
-SETTING_FIELDS = tuple(f.name for f in dataclasses.fields(InferenceSettings))
 
 
 @dataclass(frozen=True)
@@ -34,16 +31,13 @@ class Protocol:
     per_dataset: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def settings(self, dataset: str, overrides: Mapping[str, Any] | None = None) -> InferenceSettings:
-        """InferenceSettings for `dataset`; `overrides` entries that are None are ignored."""
-        overrides = dict(overrides or {})
-        unknown = sorted(set(overrides) - set(SETTING_FIELDS))
-        if unknown:
-            raise ValueError(f"unknown inference setting(s) {', '.join(unknown)}; choose from {', '.join(SETTING_FIELDS)}")
+        """InferenceSettings for `dataset`; `overrides` entries that are None are ignored, unknown ones
+        raise ValueError."""
         return (
             InferenceSettings()
             .replace(**self.defaults)
             .replace(**self.per_dataset.get(dataset, {}))
-            .replace(**overrides)
+            .replace(**dict(overrides or {}))
         )
 
 

@@ -76,11 +76,7 @@ class Grid:
         for dataset in self.datasets:
             DATASETS.get(dataset)
         PROTOCOLS.get(self.protocol)
-        try:
-            InferenceSettings().replace(**self.overrides)
-        except TypeError:
-            known = ", ".join(f.name for f in dataclasses.fields(InferenceSettings))
-            raise ValueError(f"unknown inference setting in overrides {sorted(self.overrides)}; settings: {known}") from None
+        InferenceSettings().replace(**self.overrides)  # unknown or bad settings raise ValueError
         if self.fgovd:
             from .fgovd import REGIONS, split_name
 

@@ -193,3 +193,10 @@ def test_dense_cosine_equals_per_window_upsample_and_average(tiny_clip, window, 
     out = dense_cosine(tiny_clip, pixels, text, spec, window, stride, batch_size=3, out_size=out_size)
     assert out.shape == ref.shape
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_settings_replace_names_unknown_settings():
+    """One check for eval overrides, sweep grids and the library (it used to be a bare TypeError here)."""
+    with pytest.raises(ValueError, match="unknown inference setting.*windw.*choose from resolution"):
+        InferenceSettings().replace(windw=3)
+    assert InferenceSettings().replace(window=0, stride=None) == InferenceSettings(window=0)
