@@ -23,10 +23,7 @@ def to_rgb(img: Image.Image, exif_transpose: bool = True) -> Image.Image:
     if exif_transpose:
         img = ImageOps.exif_transpose(img)
     if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        arr = np.asarray(img, dtype=np.float64)
-        lo, hi = float(arr.min()), float(arr.max())
-        scale = 255.0 / (hi - lo) if hi > lo else 0.0
-        img = Image.fromarray(((arr - lo) * scale).round().astype(np.uint8), "L")
+        img = Image.fromarray(_stretch_to_uint8(np.asarray(img, dtype=np.float64)), "L")
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -34,8 +31,28 @@ def to_rgb(img: Image.Image, exif_transpose: bool = True) -> Image.Image:
     return img.convert("RGB")
 
 
+def _stretch_to_uint8(arr: np.ndarray) -> np.ndarray:
+    """Map [min, max] linearly onto 0..255: high-bit-depth data has no fixed white point."""
+    lo, hi = float(arr.min()), float(arr.max())
+    scale = 255.0 / (hi - lo) if hi > lo else 0.0
+    return ((arr - lo) * scale).round().astype(np.uint8)
+
+
+def _array_to_uint8(arr: np.ndarray) -> np.ndarray:
+    """uint8 as is; floats in 0..1 scaled by 255; anything outside 0..255 (16-bit data) stretched like files."""
+    if arr.dtype == np.uint8:
+        return arr
+    values = arr.astype(np.float64)
+    if np.issubdtype(arr.dtype, np.floating) and values.min() >= 0.0 and values.max() <= 1.0:
+        return (values * 255.0).round().astype(np.uint8)
+    if values.min() < 0.0 or values.max() > 255.0:
+        return _stretch_to_uint8(values)
+    return values.round().astype(np.uint8)
+
+
 def load_image(image: str | Path | Image.Image | np.ndarray, exif_transpose: bool = True) -> np.ndarray:
-    """H x W x 3 uint8 RGB from a path, a PIL image or an array (H x W, H x W x 3/4; uint8 or float 0..1).
+    """H x W x 3 uint8 RGB from a path, a PIL image or an array (H x W, H x W x 3/4; uint8, float 0..1,
+    or 16-bit data, which is stretched from its min..max as 16-bit files are).
 
     exif_transpose=False keeps the stored pixel orientation, the frame that COCO-style boxes refer to.
     """
@@ -51,9 +68,7 @@ def load_image(image: str | Path | Image.Image | np.ndarray, exif_transpose: boo
             raise ImageReadError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
     if isinstance(image, Image.Image):
         return np.asarray(to_rgb(image, exif_transpose))
-    arr = np.asarray(image)
-    if arr.dtype != np.uint8:
-        arr = np.clip(arr * 255.0 if arr.max() <= 1.0 else arr, 0, 255).round().astype(np.uint8)
+    arr = _array_to_uint8(np.asarray(image))
     if arr.ndim == 2:
         arr = np.repeat(arr[..., None], 3, axis=-1)
     if arr.ndim != 3 or arr.shape[-1] not in (3, 4):
