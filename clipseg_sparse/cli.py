@@ -465,8 +465,13 @@ def _print_summary(summary, out: Path) -> None:
 
 
 def _run_grid(grid, paths, device: Device):
+    from .model import resolve_device
     from .sweep import run_sweep
 
+    try:  # a missing GPU would otherwise fail every cell
+        resolve_device(device.value)
+    except ValueError as e:
+        fail(str(e))
     summary = run_sweep(grid, paths, device=device.value)
     _print_summary(summary, paths.out)
     return summary

@@ -1,0 +1,62 @@
+"""User-facing CLI behaviour found by a new-user review: one-line errors, clean stdout, honest notes."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from clipseg_sparse.cli import app
+from conftest import TINY_CONFIG
+from fake_benchmarks import make_benchmark
+
+runner = CliRunner()
+TINY = ["--model", TINY_CONFIG, "--pretrained", "none"]
+FAST = ["--templates", "single", "--resolution", "64", "--window", "64", "--stride", "32"]
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("WARNING:root")]
+    assert lines[-1].startswith("error:") and "Traceback" not in result.stderr, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[-1], lines[-1]
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLIPSEG_SPARSE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def image(tmp_path):
+    path = tmp_path / "in" / "x.png"
+    path.parent.mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.mark.parametrize("device", ["cuda", "mps"])
+def test_unavailable_device_is_a_one_line_error(image, tmp_path, monkeypatch, device):
+    import clipseg_sparse.model as model
+
+    monkeypatch.setattr(model, "_cuda_available", lambda: False)
+    monkeypatch.setattr(model, "_mps_available", lambda: False)
+    result = invoke("segment", image, "--classes", "a,b", "--out", tmp_path / "out", *TINY, "--device", device)
+    assert_one_line_error(result, f"'{device}'", "not available")
+
+
+def test_sweep_checks_the_device_before_running_cells(tmp_path, monkeypatch):
+    import clipseg_sparse.model as model
+
+    monkeypatch.setattr(model, "_cuda_available", lambda: False)
+    make_benchmark("voc21", tmp_path / "data", n=1, size=(32, 32))
+    result = invoke("sweep", "--models", TINY_CONFIG, "--pretrained", "none", "--datasets", "voc21",
+                    "--root", tmp_path / "data", "--out", tmp_path / "sweep", "--device", "cuda")
+    assert_one_line_error(result, "'cuda'", "not available")
+    assert not (tmp_path / "sweep").exists()
