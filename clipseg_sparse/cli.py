@@ -22,6 +22,7 @@ from .cli_common import (
     PresetOpt,
     PretrainedOpt,
     TemplatesOpt,
+    check_out,
     fail,
     load_model,
     resolve_attention,
@@ -134,6 +135,7 @@ def segment(
 
     if (classes is None) == (classes_file is None):
         fail("give exactly one of --classes and --classes-file")
+    check_out(out, folder=True)
     try:
         vocabulary = Vocabulary.parse(classes) if classes is not None else Vocabulary.from_file(classes_file)
         if background:
@@ -272,6 +274,7 @@ def eval_cmd(
     from .protocols import PROTOCOLS
     from .results import ConfigMismatchError
 
+    check_out(out, folder=False)
     try:
         bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
         bench.samples(root)  # fail on a missing dataset before loading the model
@@ -401,6 +404,7 @@ def fgovd(
     from .fgovd.report import metrics_table
     from .inference import InferenceSettings
 
+    check_out(out, folder=False)
     for path in benchmark:  # before loading the model
         if not path.is_file():
             fail(f"{path}: benchmark file not found")
@@ -502,6 +506,7 @@ def sweep(
     """Run a grid of eval / FG-OVD runs; done cells are skipped, failures recorded, interruptions resumed."""
     from .sweep import Grid, SweepPaths, parse_roots, read_grid_file
 
+    check_out(out, folder=True)
     given = {
         "datasets": _split(datasets), "fgovd": [str(f) for f in fgovd] if fgovd else None, "presets": _split(presets),
         "sources": _split(sources), "normalizers": _split(normalizers), "alphas": _split(alphas), "specs": _split(specs),
@@ -607,6 +612,7 @@ def reproduce(
     if missing:
         fail(f"{len(missing)} FG-OVD benchmark file(s) not found, e.g. {missing[0]}; pass --benchmarks DIR (the folder holding them)")
     out = out or Path("results") / grid_file.stem
+    check_out(out, folder=True)
     paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root)
     summary = _run_grid(grid_file_spec.grid, paths, device)
     report = grid_file_spec.report

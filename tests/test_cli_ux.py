@@ -60,3 +60,19 @@ def test_sweep_checks_the_device_before_running_cells(tmp_path, monkeypatch):
                     "--root", tmp_path / "data", "--out", tmp_path / "sweep", "--device", "cuda")
     assert_one_line_error(result, "'cuda'", "not available")
     assert not (tmp_path / "sweep").exists()
+
+
+def test_out_of_the_wrong_kind_is_a_one_line_error(image, tmp_path):
+    a_file, a_folder = tmp_path / "result.json", tmp_path / "folder"
+    a_file.write_text("{}")
+    a_folder.mkdir()
+    make_benchmark("voc21", tmp_path / "data", n=1, size=(32, 32))
+    voc = ["--dataset", "voc21", "--root", tmp_path / "data", *TINY, *FAST]
+    fg = ["--benchmark", "tests/data/fgovd/subset/transparency.json", "--images", tmp_path, *TINY]
+    sweep = ["--models", TINY_CONFIG, "--pretrained", "none", "--datasets", "voc21", "--root", tmp_path / "data"]
+    assert_one_line_error(invoke("segment", image, "--classes", "a", "--out", a_file, *TINY), str(a_file), "is a file")
+    assert_one_line_error(invoke("sweep", *sweep, "--out", a_file), str(a_file), "is a file")
+    for overwrite in ([], ["--overwrite"]):
+        assert_one_line_error(invoke("eval", *voc, "--out", a_folder, *overwrite), str(a_folder), "is a folder")
+        assert_one_line_error(invoke("fgovd", *fg, "--out", a_folder, *overwrite), str(a_folder), "is a folder")
+    assert a_file.read_text() == "{}" and a_folder.is_dir() and not any(a_folder.iterdir())
