@@ -285,8 +285,7 @@ def eval_cmd(
     clip = load_model(model, pretrained, device, precision)
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
                      bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size)
-    if out is not None and out.exists() and not overwrite:
-        err_console.print(f"{out} exists: showing it, not recomputing (--overwrite recomputes)", highlight=False)
+    shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     try:
         record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
                           limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates)
@@ -294,11 +293,17 @@ def eval_cmd(
         fail(str(e))
     if rank > 0:
         return
+    _note_shown(out, shown)
     from rich.console import Console
 
     Console().print(_result_table(record))
     if out is not None:
         err_console.print(f"result: {out}", highlight=False)
+
+
+def _note_shown(out: Path | None, shown: bool) -> None:
+    if shown:
+        err_console.print(f"{out} holds this configuration's finished result: showing it, not recomputing (--overwrite recomputes)", highlight=False, soft_wrap=True)
 
 
 def _result_table(record: dict):
@@ -419,14 +424,14 @@ def fgovd(
         fail(str(e))
     kwargs = {k: v for k, v in {"scale_factor": scale_factor, "negatives": negatives}.items() if v is not None}
     clip = load_model(model, pretrained, device, precision)
-    if out is not None and out.exists() and not overwrite:
-        err_console.print(f"{out} exists: showing it, not recomputing (--overwrite recomputes)", highlight=False)
+    shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     try:
         result = evaluate_fgovd(
             clip, benchmark, images, spec, region=region.value, settings=settings, templates=templates, limit=limit, out=out, overwrite=overwrite, **kwargs
         )
     except (OSError, ValueError) as e:  # missing files, malformed benchmark, config mismatch, unreadable image
         fail(str(e))
+    _note_shown(out, shown)
     from rich.console import Console
 
     Console().print(metrics_table(result["metrics"], result["config"]["benchmarks"], result["config"]["negatives"]))

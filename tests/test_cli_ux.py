@@ -76,3 +76,15 @@ def test_out_of_the_wrong_kind_is_a_one_line_error(image, tmp_path):
         assert_one_line_error(invoke("eval", *voc, "--out", a_folder, *overwrite), str(a_folder), "is a folder")
         assert_one_line_error(invoke("fgovd", *fg, "--out", a_folder, *overwrite), str(a_folder), "is a folder")
     assert a_file.read_text() == "{}" and a_folder.is_dir() and not any(a_folder.iterdir())
+
+
+def test_eval_says_it_shows_a_result_only_when_it_does(tmp_path):
+    make_benchmark("voc21", tmp_path / "data", n=1, size=(32, 32))
+    out = tmp_path / "voc.json"
+    args = ["eval", "--dataset", "voc21", "--root", tmp_path / "data", *TINY, *FAST, "--out", out]
+    assert invoke(*args).exit_code == 0
+    again = invoke(*args)
+    assert again.exit_code == 0 and "not recomputing" in again.stderr
+    other = invoke(*args, "--preset", "clearclip")
+    assert_one_line_error(other, "different configuration")
+    assert "showing" not in other.stderr and "not recomputing" not in other.stderr
