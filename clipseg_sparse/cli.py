@@ -24,6 +24,7 @@ from .cli_common import (
     TemplatesOpt,
     check_out,
     fail,
+    out_console,
     load_model,
     resolve_attention,
 )
@@ -65,10 +66,9 @@ class Listable(str, Enum):
 @app.command("ls")
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
     """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = out_console()
     if what is Listable.presets:
         from .attention import PRESETS
 
@@ -191,7 +191,6 @@ def segment(
 
 
 def _print_segment_summary(report, class_names, not_images: int, out: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     counts = Table("images", "count", title=f"segment -> {out}")
@@ -202,7 +201,7 @@ def _print_segment_summary(report, class_names, not_images: int, out: Path) -> N
     classes = Table("class", "mean pixel fraction", title=f"classes over {len(report.records)} image(s)")
     for name, frac in report.class_fractions(class_names).items():
         classes.add_row(name, f"{100 * frac:.1f}%")
-    console = Console()
+    console = out_console()
     console.print(counts)
     console.print(classes)
     if report.failed:
@@ -294,9 +293,7 @@ def eval_cmd(
     if rank > 0:
         return
     _note_shown(out, shown)
-    from rich.console import Console
-
-    Console().print(_result_table(record))
+    out_console().print(_result_table(record))
     if out is not None:
         err_console.print(f"result: {out}", highlight=False)
 
@@ -432,9 +429,7 @@ def fgovd(
     except (OSError, ValueError) as e:  # missing files, malformed benchmark, config mismatch, unreadable image
         fail(str(e))
     _note_shown(out, shown)
-    from rich.console import Console
-
-    Console().print(metrics_table(result["metrics"], result["config"]["benchmarks"], result["config"]["negatives"]))
+    out_console().print(metrics_table(result["metrics"], result["config"]["benchmarks"], result["config"]["negatives"]))
     if out is not None:
         err_console.print(f"result: {out}", highlight=False)
 
@@ -561,8 +556,6 @@ def report(
 
 def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite: bool) -> None:
     """Tables to stdout, optional Markdown / CSV files and plots; raises ReportError on bad input."""
-    from rich.console import Console
-
     from .report import PLOT_FILES, ReportError, default_metric, pivot, to_csv, to_markdown, to_rich, write_plots
 
     for path in (markdown, csv, *(plots / n for n in PLOT_FILES if plots is not None)):
@@ -570,7 +563,7 @@ def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite:
             raise ReportError(f"{path} exists; pass --overwrite to replace it")
     metric = metric or (default_metric(records) if records else "mIoU")
     tables = pivot(records, rows=rows, cols=cols, metric=metric)
-    console = Console()
+    console = out_console()
     for table in tables:
         console.print(to_rich(table))
     for path, text in ((markdown, to_markdown(tables) if markdown else ""), (csv, to_csv(tables) if csv else "")):
@@ -598,14 +591,12 @@ def reproduce(
     device: DeviceOpt = Device.auto,
 ) -> None:
     """Run a shipped grid (a published table) and render its report (OUT/report.md, report.csv, plots/)."""
-    from rich.console import Console
-
     from .report import ReportError, collect
     from .sweep import GRIDS, SweepPaths, parse_roots, read_grid_file
     from .registry import UnknownNameError
 
     if list_ or table is None:
-        Console().print(_grids_table())
+        out_console().print(_grids_table())
         return
     given = {k: v for k, v in {"models": _split(models), "pretrained": pretrained, "limit": limit}.items() if v is not None}
     try:
@@ -638,8 +629,6 @@ def bench(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Benchmark only this model (name or config JSON).")] = None,
 ) -> None:
     """Time fast entmax vs the entmax package vs softmax, the patched forward, and segmentation overhead."""
-    from rich.console import Console
-
     from .bench import run_all, rich_tables
     from .model import resolve_device
 
@@ -647,7 +636,7 @@ def bench(
         rows = run_all(quick=quick, device=str(resolve_device(device.value)), precision=precision.value, model=model)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    console = Console()
+    console = out_console()
     for table in rich_tables(rows):
         console.print(table)
 

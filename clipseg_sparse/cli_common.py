@@ -47,6 +47,17 @@ TemplatesOpt = Annotated[
 ]
 
 
+def out_console():
+    """The console for tables on stdout. Off a terminal rich cuts lines at 80 columns, which truncates
+    cells ("entmax:1…"); redirected output (`cmd > out.txt`) gets wide lines instead, unless COLUMNS is set."""
+    import os
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 240)
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """One-line error on stderr and a non-zero exit (2 = bad usage or input)."""
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)

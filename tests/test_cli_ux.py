@@ -88,3 +88,13 @@ def test_eval_says_it_shows_a_result_only_when_it_does(tmp_path):
     other = invoke(*args, "--preset", "clearclip")
     assert_one_line_error(other, "different configuration")
     assert "showing" not in other.stderr and "not recomputing" not in other.stderr
+
+
+def test_tables_on_redirected_stdout_keep_whole_cells(monkeypatch):
+    """`clipseg-sparse ls datasets > file`: rich would cut lines at 80 columns and truncate cells."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    datasets = invoke("ls", "datasets")
+    assert datasets.exit_code == 0
+    assert "ADEChallengeData2016/images/validation/*.jpg" in datasets.stdout and "…" not in datasets.stdout
+    protocols = invoke("ls", "protocols")
+    assert "voc21: logit_scale=65, bg_threshold=0.1, area_threshold=0.1" in protocols.stdout and "…" not in protocols.stdout
