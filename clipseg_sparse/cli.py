@@ -92,10 +92,11 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
     else:
         import open_clip
 
+        from .model import supported_models
+
         table = Table("model", "pretrained tags")
-        for name in open_clip.list_models():
-            if name.startswith("ViT"):
-                table.add_row(name, ", ".join(open_clip.list_pretrained_tags_by_model(name)))
+        for name in supported_models():
+            table.add_row(name, ", ".join(open_clip.list_pretrained_tags_by_model(name)))
     console.print(table)
 
 

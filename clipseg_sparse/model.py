@@ -69,6 +69,22 @@ def _weights_help(model_name: str, pretrained: str) -> str:
     )
 
 
+def _unsupported(config: dict) -> str | None:
+    """Why an open_clip model config cannot be used here (None if it can)."""
+    if "timm_model_name" in config.get("vision_cfg", {}):
+        return "its image tower is a timm model (SigLIP, ViTamin, ...), not open_clip's VisionTransformer"
+    if "hf_tokenizer_name" in config.get("text_cfg", {}):
+        return "its text tower uses a Hugging Face tokenizer (CLIPA, worldwide, ...)"
+    return None
+
+
+def supported_models() -> list[str]:
+    """open_clip ViT names `load_clip` accepts: open_clip's own VisionTransformer and CLIP tokenizer."""
+    import open_clip
+
+    return [m for m in open_clip.list_models() if m.startswith("ViT") and _unsupported(open_clip.get_model_config(m)) is None]
+
+
 def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool | None, cache_dir: str | None):
     import open_clip
 
@@ -80,9 +96,11 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
         open_clip.add_model_config(path)
         name = path.stem
     elif open_clip.get_model_config(name.replace("/", "-")) is None:
-        vits = [m for m in open_clip.list_models() if m.startswith("ViT")]
-        raise ValueError(f"unknown model {model_name!r}; open_clip ViTs include: {', '.join(vits[:12])}, ...")
+        raise ValueError(f"unknown model {model_name!r}; supported ViTs include: {', '.join(supported_models()[:12])}, ... (`ls models`)")
     name = name.replace("/", "-")
+    reason = _unsupported(open_clip.get_model_config(name))
+    if reason:
+        raise ValueError(f"model {model_name!r} is not supported: {reason}; see `clipseg-sparse ls models`")
 
     if pretrained is None:
         return open_clip.create_model(name, pretrained=None, force_quick_gelu=bool(quick_gelu)), name, None

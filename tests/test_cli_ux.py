@@ -98,3 +98,11 @@ def test_tables_on_redirected_stdout_keep_whole_cells(monkeypatch):
     assert "ADEChallengeData2016/images/validation/*.jpg" in datasets.stdout and "…" not in datasets.stdout
     protocols = invoke("ls", "protocols")
     assert "voc21: logit_scale=65, bg_threshold=0.1, area_threshold=0.1" in protocols.stdout and "…" not in protocols.stdout
+
+
+@pytest.mark.parametrize("name", ["ViT-B-16-SigLIP", "ViT-L-14-CLIPA"])
+def test_models_we_cannot_run_are_refused_by_name_and_not_listed(name, image, tmp_path):
+    result = invoke("segment", image, "--classes", "a", "--out", tmp_path / "out", "--model", name, "--pretrained", "none")
+    assert_one_line_error(result, repr(name), "not supported")
+    listed = invoke("ls", "models")
+    assert listed.exit_code == 0 and name not in listed.stdout and "ViT-B-16 " in listed.stdout and "ViT-L-14 " in listed.stdout
