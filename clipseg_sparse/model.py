@@ -9,6 +9,8 @@ open_clip's code, nothing patched in place), so one loaded model serves any numb
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import zipfile
 from dataclasses import dataclass, field
@@ -85,6 +87,22 @@ def supported_models() -> list[str]:
     return [m for m in open_clip.list_models() if m.startswith("ViT") and _unsupported(open_clip.get_model_config(m)) is None]
 
 
+@contextlib.contextmanager
+def _no_stray_open_clip_logs():
+    """open_clip logs a failed download on the root logger and then raises the same text; with logging
+    unconfigured that reaches stderr raw ("ERROR:root:..."). Our own error says it, so drop those records
+    unless the application configured logging (root has handlers)."""
+    root = logging.getLogger()
+    sink = logging.NullHandler() if not root.handlers else None
+    if sink is not None:
+        root.addHandler(sink)
+    try:
+        yield
+    finally:
+        if sink is not None:
+            root.removeHandler(sink)
+
+
 def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool | None, cache_dir: str | None):
     import open_clip
 
@@ -103,14 +121,18 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
         raise ValueError(f"model {model_name!r} is not supported: {reason}; see `clipseg-sparse ls models`")
 
     if pretrained is None:
-        return open_clip.create_model(name, pretrained=None, force_quick_gelu=bool(quick_gelu)), name, None
+        with _no_stray_open_clip_logs():
+            return open_clip.create_model(name, pretrained=None, force_quick_gelu=bool(quick_gelu)), name, None
     path = Path(pretrained).expanduser()
     if path.suffix in CHECKPOINT_SUFFIXES or os.sep in pretrained:
         if not path.is_file():
-            raise WeightsUnavailableError(f"{pretrained}: checkpoint file not found. " + _weights_help(name, pretrained))
+            raise WeightsUnavailableError(
+                f"{pretrained}: checkpoint file not found (--pretrained takes an existing .pt/.pth/.bin/.safetensors file, an open_clip tag, or none)"
+            )
         gelu = _is_torchscript_archive(path) if quick_gelu is None else quick_gelu
         try:
-            model = open_clip.create_model(name, pretrained=str(path), force_quick_gelu=gelu)
+            with _no_stray_open_clip_logs():
+                model = open_clip.create_model(name, pretrained=str(path), force_quick_gelu=gelu)
         except Exception as e:  # wrong architecture, truncated file, ...
             raise WeightsUnavailableError(f"{pretrained}: cannot load as {name} weights: {e}") from e
         return model, name, str(path)
@@ -123,7 +145,8 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
         )
     gelu = cfg.get("quick_gelu", False) if quick_gelu is None else quick_gelu
     try:
-        model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=gelu, cache_dir=cache_dir)
+        with _no_stray_open_clip_logs():
+            model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=gelu, cache_dir=cache_dir)
     except Exception as e:
         raise WeightsUnavailableError(_weights_help(name, pretrained)) from e
     return model, name, pretrained

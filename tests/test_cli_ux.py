@@ -106,3 +106,20 @@ def test_models_we_cannot_run_are_refused_by_name_and_not_listed(name, image, tm
     assert_one_line_error(result, repr(name), "not supported")
     listed = invoke("ls", "models")
     assert listed.exit_code == 0 and name not in listed.stdout and "ViT-B-16 " in listed.stdout and "ViT-L-14 " in listed.stdout
+
+
+def test_offline_weights_and_missing_checkpoint_are_one_line(image, tmp_path):
+    """Offline with an empty cache: exit 2 and our one line, without open_clip's 'ERROR:root:' echo of it."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), XDG_CACHE_HOME=str(tmp_path), COLUMNS="300")
+    cmd = [sys.executable, "-m", "clipseg_sparse", "segment", str(image), "--classes", "a", "--out", str(tmp_path / "o"), "--device", "cpu"]
+    run = subprocess.run(cmd + ["--pretrained", "openai"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip().splitlines() == [run.stderr.strip().splitlines()[0]], run.stderr
+    assert run.stderr.startswith("error: could not obtain weights 'openai' for ViT-B-16")
+    missing = invoke("segment", image, "--classes", "a", "--out", tmp_path / "o", "--model", TINY_CONFIG, "--pretrained", tmp_path / "w.pt")
+    assert_one_line_error(missing, "w.pt: checkpoint file not found")
+    assert "Hugging Face" not in missing.stderr  # the download advice is for tags, not for a mistyped path
