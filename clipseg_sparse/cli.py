@@ -498,7 +498,7 @@ def sweep(
     pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Weights for every model: a tag, a checkpoint, or none.")] = None,
     precision: Annotated[Optional[Precision], typer.Option("--precision", help="Model precision.")] = None,
     protocol: Annotated[Optional[str], typer.Option("--protocol", help="Evaluation protocol (sclip, clearclip, ...).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="Evaluate only the first N images / annotations per cell.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N images / annotations per cell.")] = None,
     templates: Annotated[Optional[str], typer.Option("--templates", help="Prompt templates: openai, single, none or a file (default: each runner's own).")] = None,
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
@@ -515,11 +515,13 @@ def sweep(
         "precision": precision.value if precision else None, "protocol": protocol, "limit": limit, "templates": templates,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
+    for key, kind in (("resolutions", int), ("alphas", float)):
+        try:
+            given[key] = [kind(v) for v in given[key]] if given.get(key) else given.get(key)
+        except ValueError:
+            fail(f"--{key} {','.join(given[key])}: expected comma-separated {'integers' if kind is int else 'numbers'}")
+    given = {k: v for k, v in given.items() if v is not None}
     try:
-        if given.get("resolutions"):
-            given["resolutions"] = [int(r) for r in given["resolutions"]]
-        if given.get("alphas"):
-            given["alphas"] = [float(a) for a in given["alphas"]]
         if grid is not None:
             grid_file_spec = read_grid_file(grid, overrides=given)
             the_grid, roots, images = grid_file_spec.grid, dict(grid_file_spec.roots), grid_file_spec.images_root
@@ -588,7 +590,7 @@ def reproduce(
     benchmarks: Annotated[Optional[Path], typer.Option("--benchmarks", help="Folder of the FG-OVD benchmark JSON files.")] = None,
     models: Annotated[Optional[str], typer.Option("--models", help="Replace the grid's models (e.g. a model-config JSON for a smoke run).")] = None,
     pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Replace the grid's weights (tag, checkpoint or none).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images / annotations per cell (smoke run).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N images / annotations per cell (smoke run).")] = None,
     device: DeviceOpt = Device.auto,
 ) -> None:
     """Run a shipped grid (a published table) and render its report (OUT/report.md, report.csv, plots/)."""

@@ -123,3 +123,9 @@ def test_offline_weights_and_missing_checkpoint_are_one_line(image, tmp_path):
     missing = invoke("segment", image, "--classes", "a", "--out", tmp_path / "o", "--model", TINY_CONFIG, "--pretrained", tmp_path / "w.pt")
     assert_one_line_error(missing, "w.pt: checkpoint file not found")
     assert "Hugging Face" not in missing.stderr  # the download advice is for tags, not for a mistyped path
+
+
+@pytest.mark.parametrize("flag, value", [("--resolutions", "224,abc"), ("--alphas", "1.5,x")])
+def test_sweep_names_the_flag_of_a_bad_number(tmp_path, flag, value):
+    result = invoke("sweep", "--models", TINY_CONFIG, "--datasets", "voc21", "--root", tmp_path, "--out", tmp_path / "s", flag, value)
+    assert_one_line_error(result, f"{flag} {value}")
