@@ -517,10 +517,10 @@ def sweep(
     given = {k: v for k, v in given.items() if v is not None}
     for key, kind in (("resolutions", int), ("alphas", float)):
         try:
-            given[key] = [kind(v) for v in given[key]] if given.get(key) else given.get(key)
+            if key in given:
+                given[key] = [kind(v) for v in given[key]]
         except ValueError:
             fail(f"--{key} {','.join(given[key])}: expected comma-separated {'integers' if kind is int else 'numbers'}")
-    given = {k: v for k, v in given.items() if v is not None}
     try:
         if grid is not None:
             grid_file_spec = read_grid_file(grid, overrides=given)
