@@ -22,7 +22,9 @@ from .cli_common import (
     PresetOpt,
     PretrainedOpt,
     TemplatesOpt,
+    check_out,
     fail,
+    out_console,
     load_model,
     resolve_attention,
 )
@@ -64,10 +66,9 @@ class Listable(str, Enum):
 @app.command("ls")
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
     """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = out_console()
     if what is Listable.presets:
         from .attention import PRESETS
 
@@ -91,10 +92,11 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
     else:
         import open_clip
 
+        from .model import supported_models
+
         table = Table("model", "pretrained tags")
-        for name in open_clip.list_models():
-            if name.startswith("ViT"):
-                table.add_row(name, ", ".join(open_clip.list_pretrained_tags_by_model(name)))
+        for name in supported_models():
+            table.add_row(name, ", ".join(open_clip.list_pretrained_tags_by_model(name)))
     console.print(table)
 
 
@@ -134,6 +136,7 @@ def segment(
 
     if (classes is None) == (classes_file is None):
         fail("give exactly one of --classes and --classes-file")
+    check_out(out, folder=True)
     try:
         vocabulary = Vocabulary.parse(classes) if classes is not None else Vocabulary.from_file(classes_file)
         if background:
@@ -189,7 +192,6 @@ def segment(
 
 
 def _print_segment_summary(report, class_names, not_images: int, out: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     counts = Table("images", "count", title=f"segment -> {out}")
@@ -200,7 +202,7 @@ def _print_segment_summary(report, class_names, not_images: int, out: Path) -> N
     classes = Table("class", "mean pixel fraction", title=f"classes over {len(report.records)} image(s)")
     for name, frac in report.class_fractions(class_names).items():
         classes.add_row(name, f"{100 * frac:.1f}%")
-    console = Console()
+    console = out_console()
     console.print(counts)
     console.print(classes)
     if report.failed:
@@ -272,6 +274,7 @@ def eval_cmd(
     from .protocols import PROTOCOLS
     from .results import ConfigMismatchError
 
+    check_out(out, folder=False)
     try:
         bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
         bench.samples(root)  # fail on a missing dataset before loading the model
@@ -282,8 +285,7 @@ def eval_cmd(
     clip = load_model(model, pretrained, device, precision)
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
                      bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size)
-    if out is not None and out.exists() and not overwrite:
-        err_console.print(f"{out} exists: showing it, not recomputing (--overwrite recomputes)", highlight=False)
+    shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     try:
         record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
                           limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates)
@@ -291,11 +293,15 @@ def eval_cmd(
         fail(str(e))
     if rank > 0:
         return
-    from rich.console import Console
-
-    Console().print(_result_table(record))
+    _note_shown(out, shown)
+    out_console().print(_result_table(record))
     if out is not None:
         err_console.print(f"result: {out}", highlight=False)
+
+
+def _note_shown(out: Path | None, shown: bool) -> None:
+    if shown:
+        err_console.print(f"{out} holds this configuration's finished result: showing it, not recomputing (--overwrite recomputes)", highlight=False, soft_wrap=True)
 
 
 def _result_table(record: dict):
@@ -401,6 +407,7 @@ def fgovd(
     from .fgovd.report import metrics_table
     from .inference import InferenceSettings
 
+    check_out(out, folder=False)
     for path in benchmark:  # before loading the model
         if not path.is_file():
             fail(f"{path}: benchmark file not found")
@@ -415,17 +422,15 @@ def fgovd(
         fail(str(e))
     kwargs = {k: v for k, v in {"scale_factor": scale_factor, "negatives": negatives}.items() if v is not None}
     clip = load_model(model, pretrained, device, precision)
-    if out is not None and out.exists() and not overwrite:
-        err_console.print(f"{out} exists: showing it, not recomputing (--overwrite recomputes)", highlight=False)
+    shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     try:
         result = evaluate_fgovd(
             clip, benchmark, images, spec, region=region.value, settings=settings, templates=templates, limit=limit, out=out, overwrite=overwrite, **kwargs
         )
     except (OSError, ValueError) as e:  # missing files, malformed benchmark, config mismatch, unreadable image
         fail(str(e))
-    from rich.console import Console
-
-    Console().print(metrics_table(result["metrics"], result["config"]["benchmarks"], result["config"]["negatives"]))
+    _note_shown(out, shown)
+    out_console().print(metrics_table(result["metrics"], result["config"]["benchmarks"], result["config"]["negatives"]))
     if out is not None:
         err_console.print(f"result: {out}", highlight=False)
 
@@ -465,8 +470,13 @@ def _print_summary(summary, out: Path) -> None:
 
 
 def _run_grid(grid, paths, device: Device):
+    from .model import resolve_device
     from .sweep import run_sweep
 
+    try:  # a missing GPU would otherwise fail every cell
+        resolve_device(device.value)
+    except ValueError as e:
+        fail(str(e))
     summary = run_sweep(grid, paths, device=device.value)
     _print_summary(summary, paths.out)
     return summary
@@ -488,7 +498,7 @@ def sweep(
     pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Weights for every model: a tag, a checkpoint, or none.")] = None,
     precision: Annotated[Optional[Precision], typer.Option("--precision", help="Model precision.")] = None,
     protocol: Annotated[Optional[str], typer.Option("--protocol", help="Evaluation protocol (sclip, clearclip, ...).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="Evaluate only the first N images / annotations per cell.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N images / annotations per cell.")] = None,
     templates: Annotated[Optional[str], typer.Option("--templates", help="Prompt templates: openai, single, none or a file (default: each runner's own).")] = None,
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
@@ -497,6 +507,7 @@ def sweep(
     """Run a grid of eval / FG-OVD runs; done cells are skipped, failures recorded, interruptions resumed."""
     from .sweep import Grid, SweepPaths, parse_roots, read_grid_file
 
+    check_out(out, folder=True)
     given = {
         "datasets": _split(datasets), "fgovd": [str(f) for f in fgovd] if fgovd else None, "presets": _split(presets),
         "sources": _split(sources), "normalizers": _split(normalizers), "alphas": _split(alphas), "specs": _split(specs),
@@ -504,11 +515,13 @@ def sweep(
         "precision": precision.value if precision else None, "protocol": protocol, "limit": limit, "templates": templates,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
+    for key, kind in (("resolutions", int), ("alphas", float)):
+        try:
+            if key in given:
+                given[key] = [kind(v) for v in given[key]]
+        except ValueError:
+            fail(f"--{key} {','.join(given[key])}: expected comma-separated {'integers' if kind is int else 'numbers'}")
     try:
-        if given.get("resolutions"):
-            given["resolutions"] = [int(r) for r in given["resolutions"]]
-        if given.get("alphas"):
-            given["alphas"] = [float(a) for a in given["alphas"]]
         if grid is not None:
             grid_file_spec = read_grid_file(grid, overrides=given)
             the_grid, roots, images = grid_file_spec.grid, dict(grid_file_spec.roots), grid_file_spec.images_root
@@ -546,8 +559,6 @@ def report(
 
 def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite: bool) -> None:
     """Tables to stdout, optional Markdown / CSV files and plots; raises ReportError on bad input."""
-    from rich.console import Console
-
     from .report import PLOT_FILES, ReportError, default_metric, pivot, to_csv, to_markdown, to_rich, write_plots
 
     for path in (markdown, csv, *(plots / n for n in PLOT_FILES if plots is not None)):
@@ -555,7 +566,7 @@ def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite:
             raise ReportError(f"{path} exists; pass --overwrite to replace it")
     metric = metric or (default_metric(records) if records else "mIoU")
     tables = pivot(records, rows=rows, cols=cols, metric=metric)
-    console = Console()
+    console = out_console()
     for table in tables:
         console.print(to_rich(table))
     for path, text in ((markdown, to_markdown(tables) if markdown else ""), (csv, to_csv(tables) if csv else "")):
@@ -579,18 +590,16 @@ def reproduce(
     benchmarks: Annotated[Optional[Path], typer.Option("--benchmarks", help="Folder of the FG-OVD benchmark JSON files.")] = None,
     models: Annotated[Optional[str], typer.Option("--models", help="Replace the grid's models (e.g. a model-config JSON for a smoke run).")] = None,
     pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Replace the grid's weights (tag, checkpoint or none).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images / annotations per cell (smoke run).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N images / annotations per cell (smoke run).")] = None,
     device: DeviceOpt = Device.auto,
 ) -> None:
     """Run a shipped grid (a published table) and render its report (OUT/report.md, report.csv, plots/)."""
-    from rich.console import Console
-
     from .report import ReportError, collect
     from .sweep import GRIDS, SweepPaths, parse_roots, read_grid_file
     from .registry import UnknownNameError
 
     if list_ or table is None:
-        Console().print(_grids_table())
+        out_console().print(_grids_table())
         return
     given = {k: v for k, v in {"models": _split(models), "pretrained": pretrained, "limit": limit}.items() if v is not None}
     try:
@@ -602,6 +611,7 @@ def reproduce(
     if missing:
         fail(f"{len(missing)} FG-OVD benchmark file(s) not found, e.g. {missing[0]}; pass --benchmarks DIR (the folder holding them)")
     out = out or Path("results") / grid_file.stem
+    check_out(out, folder=True)
     paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root)
     summary = _run_grid(grid_file_spec.grid, paths, device)
     report = grid_file_spec.report
@@ -622,8 +632,6 @@ def bench(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Benchmark only this model (name or config JSON).")] = None,
 ) -> None:
     """Time fast entmax vs the entmax package vs softmax, the patched forward, and segmentation overhead."""
-    from rich.console import Console
-
     from .bench import run_all, rich_tables
     from .model import resolve_device
 
@@ -631,7 +639,7 @@ def bench(
         rows = run_all(quick=quick, device=str(resolve_device(device.value)), precision=precision.value, model=model)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    console = Console()
+    console = out_console()
     for table in rich_tables(rows):
         console.print(table)
 

@@ -7,6 +7,7 @@ before the library is called, so precedence is command line > preset/protocol > 
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
 import typer
@@ -46,10 +47,31 @@ TemplatesOpt = Annotated[
 ]
 
 
+def out_console():
+    """The console for tables on stdout. Off a terminal rich cuts lines at 80 columns, which truncates
+    cells ("entmax:1…"); redirected output (`cmd > out.txt`) gets wide lines instead, unless COLUMNS is set."""
+    import os
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 240)
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """One-line error on stderr and a non-zero exit (2 = bad usage or input)."""
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def check_out(out: Path | None, folder: bool) -> None:
+    """Fail early when --out is the wrong kind of path: a file where a folder goes, or the reverse."""
+    if out is None:
+        return
+    if folder and out.exists() and not out.is_dir():
+        fail(f"--out {out}: is a file; this command writes a folder of outputs there")
+    if not folder and out.is_dir():
+        fail(f"--out {out}: is a folder; give the result file to write, e.g. {out / 'result.json'}")
 
 
 def resolve_attention(preset: str | None, attn: str | None, default: str = "sclip"):

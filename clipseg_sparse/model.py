@@ -9,6 +9,8 @@ open_clip's code, nothing patched in place), so one loaded model serves any numb
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import zipfile
 from dataclasses import dataclass, field
@@ -28,15 +30,26 @@ class WeightsUnavailableError(RuntimeError):
     """CLIP weights could not be found locally nor downloaded."""
 
 
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _mps_available() -> bool:
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """`auto` picks CUDA, then Apple MPS, then CPU."""
+    """`auto` picks CUDA, then Apple MPS, then CPU; ValueError for a device this machine lacks."""
     if device is None or str(device) == "auto":
-        if torch.cuda.is_available():
+        if _cuda_available():
             return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        if _mps_available():
             return torch.device("mps")
         return torch.device("cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if (dev.type == "cuda" and not _cuda_available()) or (dev.type == "mps" and not _mps_available()):
+        raise ValueError(f"device {str(dev)!r} is not available on this machine (torch {torch.__version__}); use --device cpu or auto")
+    return dev
 
 
 def _is_torchscript_archive(path: Path) -> bool:
@@ -58,6 +71,38 @@ def _weights_help(model_name: str, pretrained: str) -> str:
     )
 
 
+def _unsupported(config: dict) -> str | None:
+    """Why an open_clip model config cannot be used here (None if it can)."""
+    if "timm_model_name" in config.get("vision_cfg", {}):
+        return "its image tower is a timm model (SigLIP, ViTamin, ...), not open_clip's VisionTransformer"
+    if "hf_tokenizer_name" in config.get("text_cfg", {}):
+        return "its text tower uses a Hugging Face tokenizer (CLIPA, worldwide, ...)"
+    return None
+
+
+def supported_models() -> list[str]:
+    """open_clip ViT names `load_clip` accepts: open_clip's own VisionTransformer and CLIP tokenizer."""
+    import open_clip
+
+    return [m for m in open_clip.list_models() if m.startswith("ViT") and _unsupported(open_clip.get_model_config(m)) is None]
+
+
+@contextlib.contextmanager
+def _no_stray_open_clip_logs():
+    """open_clip logs a failed download on the root logger and then raises the same text; with logging
+    unconfigured that reaches stderr raw ("ERROR:root:..."). Our own error says it, so drop those records
+    unless the application configured logging (root has handlers)."""
+    root = logging.getLogger()
+    sink = logging.NullHandler() if not root.handlers else None
+    if sink is not None:
+        root.addHandler(sink)
+    try:
+        yield
+    finally:
+        if sink is not None:
+            root.removeHandler(sink)
+
+
 def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool | None, cache_dir: str | None):
     """(open_clip model, canonical name, weights: checkpoint path | tag | None, QuickGELU used)."""
     import open_clip
@@ -70,20 +115,26 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
         open_clip.add_model_config(path)
         name = path.stem
     elif open_clip.get_model_config(name.replace("/", "-")) is None:
-        vits = [m for m in open_clip.list_models() if m.startswith("ViT")]
-        raise ValueError(f"unknown model {model_name!r}; open_clip ViTs include: {', '.join(vits[:12])}, ...")
+        raise ValueError(f"unknown model {model_name!r}; supported ViTs include: {', '.join(supported_models()[:12])}, ... (`ls models`)")
     name = name.replace("/", "-")
+    reason = _unsupported(open_clip.get_model_config(name))
+    if reason:
+        raise ValueError(f"model {model_name!r} is not supported: {reason}; see `clipseg-sparse ls models`")
 
     if pretrained is None:
         gelu = bool(quick_gelu)
-        return open_clip.create_model(name, pretrained=None, force_quick_gelu=gelu), name, None, gelu
+        with _no_stray_open_clip_logs():
+            return open_clip.create_model(name, pretrained=None, force_quick_gelu=gelu), name, None, gelu
     path = Path(pretrained).expanduser()
     if path.suffix in CHECKPOINT_SUFFIXES or os.sep in pretrained:
         if not path.is_file():
-            raise WeightsUnavailableError(f"{pretrained}: checkpoint file not found. " + _weights_help(name, pretrained))
+            raise WeightsUnavailableError(
+                f"{pretrained}: checkpoint file not found (--pretrained takes an existing .pt/.pth/.bin/.safetensors file, an open_clip tag, or none)"
+            )
         gelu = _is_torchscript_archive(path) if quick_gelu is None else quick_gelu
         try:
-            model = open_clip.create_model(name, pretrained=str(path), force_quick_gelu=gelu)
+            with _no_stray_open_clip_logs():
+                model = open_clip.create_model(name, pretrained=str(path), force_quick_gelu=gelu)
         except Exception as e:  # wrong architecture, truncated file, ...
             raise WeightsUnavailableError(f"{pretrained}: cannot load as {name} weights: {e}") from e
         return model, name, str(path), gelu
@@ -96,7 +147,8 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
         )
     gelu = cfg.get("quick_gelu", False) if quick_gelu is None else quick_gelu
     try:
-        model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=gelu, cache_dir=cache_dir)
+        with _no_stray_open_clip_logs():
+            model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=gelu, cache_dir=cache_dir)
     except Exception as e:
         raise WeightsUnavailableError(_weights_help(name, pretrained)) from e
     return model, name, pretrained, gelu
