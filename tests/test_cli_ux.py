@@ -1,6 +1,5 @@
 """User-facing CLI behaviour found by a new-user review: one-line errors, clean stdout, honest notes."""
 
-import json
 
 import numpy as np
 import pytest
