@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, edited_block_forward, resolve_spec
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+RANDOM_WEIGHTS_SEED = 0
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 
 
@@ -103,15 +104,18 @@ def _no_stray_open_clip_logs():
             root.removeHandler(sink)
 
 
-def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool | None, cache_dir: str | None):
-    """(open_clip model, canonical name, weights: checkpoint path | tag | None, QuickGELU used)."""
+def check_model_name(model_name: str) -> str:
+    """The open_clip name of a supported model (a config JSON is registered); ValueError otherwise.
+
+    Cheap (reads configs only), so grids can be checked before any model is built.
+    """
     import open_clip
 
     name = model_name
     if name.endswith(".json"):  # a custom architecture, e.g. a tiny ViT for tests
         path = Path(name)
         if not path.is_file():
-            raise FileNotFoundError(f"{name}: model config file not found")
+            raise ValueError(f"{name}: model config file not found")
         open_clip.add_model_config(path)
         name = path.stem
     elif open_clip.get_model_config(name.replace("/", "-")) is None:
@@ -120,10 +124,19 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
     reason = _unsupported(open_clip.get_model_config(name))
     if reason:
         raise ValueError(f"model {model_name!r} is not supported: {reason}; see `clipseg-sparse ls models`")
+    return name
 
+
+def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool | None, cache_dir: str | None):
+    """(open_clip model, canonical name, weights: checkpoint path | tag | None, QuickGELU used)."""
+    import open_clip
+
+    name = check_model_name(model_name)
     if pretrained is None:
         gelu = bool(quick_gelu)
-        with _no_stray_open_clip_logs():
+        # random weights are for tests and demos: seeded, so a resumed run uses the same model
+        with _no_stray_open_clip_logs(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_WEIGHTS_SEED)
             return open_clip.create_model(name, pretrained=None, force_quick_gelu=gelu), name, None, gelu
     path = Path(pretrained).expanduser()
     if path.suffix in CHECKPOINT_SUFFIXES or os.sep in pretrained:

@@ -89,6 +89,10 @@ class Grid:
             AttentionSpec.parse(spec)
         if not self.models:
             raise ValueError("the grid names no model")
+        from .model import check_model_name
+
+        for model in self.models:
+            check_model_name(model)  # a typo fails the grid, not every cell
         if not self.datasets and not self.fgovd:
             raise ValueError("the grid names no data: give datasets and/or FG-OVD benchmark files")
         if any(int(r) <= 0 for r in self.resolutions):
@@ -295,8 +299,6 @@ def run_sweep(
 ) -> SweepSummary:
     """Run every cell not done yet; see the module doc. KeyboardInterrupt stops the sweep (resume by
     running it again); any other exception fails only its cell."""
-    import torch
-
     from .progress import progress_bar
     from .model import load_clip
 
@@ -322,8 +324,6 @@ def run_sweep(
             try:
                 if loaded != cell.model_key:
                     clip, loaded = None, cell.model_key
-                    if cell.grid.pretrained.lower() == "none":  # random weights: the same ones on every (re)run
-                        torch.manual_seed(0)
                     clip = load_clip(cell.model, pretrained=cell.grid.pretrained, device=device, precision=cell.grid.precision)
                 if clip is None:
                     raise RuntimeError(f"model {cell.model} ({cell.grid.pretrained}) could not be loaded; see the first failure")

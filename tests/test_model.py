@@ -144,3 +144,13 @@ def test_offline_error_is_one_clear_message(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.startswith("ERR could not obtain weights 'openai' for ViT-B-16")
     assert "--pretrained /path/to/model.pt" in out.stdout and "HF_HUB_OFFLINE" in out.stdout
+
+
+def test_random_weights_are_seeded_and_leave_the_global_rng_alone():
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    a = load_clip(TINY_CONFIG, pretrained=None)
+    assert torch.equal(torch.rand(1), expected_next)  # building the model did not consume the caller's RNG
+    b = load_clip(TINY_CONFIG, pretrained=None)
+    assert all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))

@@ -134,3 +134,10 @@ def test_cli_lists_grids_and_checks_fgovd_files_first(tmp_path):
     assert unknown.exit_code == 2 and "unknown grid 'table1'" in unknown.output
     bad = runner.invoke(app, ["sweep", "--datasets", "voc21", "--alphas", "3", "--out", str(tmp_path / "s")])
     assert bad.exit_code == 2 and "alpha must be in" in bad.output
+
+
+def test_model_typos_fail_the_grid_before_any_cell(tmp_path):
+    with pytest.raises(ValueError, match="unknown model 'ViT-B-61'"):
+        Grid(datasets=["voc21"], models=["ViT-B-61"])
+    with pytest.raises(ValueError, match="model config file not found"):
+        Grid(datasets=["voc21"], models=[str(tmp_path / "missing.json")])
