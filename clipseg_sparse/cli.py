@@ -644,5 +644,16 @@ def bench(
         console.print(table)
 
 
+INTERRUPTED = (
+    "interrupted: finished work is kept; run the same command again to resume "
+    "(segment and sweep always resume, eval and fgovd when given --out)"
+)
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        if e.code == 130:  # typer's exit status for Ctrl-C
+            err_console.print(INTERRUPTED, highlight=False)
+        raise

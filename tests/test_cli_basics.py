@@ -24,3 +24,19 @@ def test_version_and_help_are_fast_and_do_not_import_torch():
     assert out.stdout.strip() == "False"
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output.startswith("clipseg-sparse ")
+
+
+def test_ctrl_c_says_how_to_resume(monkeypatch, capsys):
+    import pytest
+
+    from clipseg_sparse import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("clipseg_sparse.attention.PRESETS.help", interrupted)
+    monkeypatch.setattr(sys, "argv", ["clipseg-sparse", "ls", "presets"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
