@@ -12,7 +12,6 @@ A finished result whose configuration matches is returned as is, not recomputed,
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -29,7 +28,7 @@ from .inference import Segmenter
 from .metrics import areas_to_record, intersect_and_union, record_to_areas, segmentation_metrics
 from .model import DenseCLIP
 from .protocols import PROTOCOLS
-from .results import ItemLog, open_run, result_record, write_json_atomic
+from .results import ItemLog, logged_or_computed, open_run, result_record, write_json_atomic
 
 
 def prediction_path(save_pred: Path, sample: Sample) -> Path:
@@ -120,18 +119,13 @@ def _run(segmenter: Segmenter, bench: Benchmark, samples: list[Sample], log: Ite
     totals = np.zeros((3, C), dtype=np.int64)
     seconds, reused = 0.0, 0
     for sample in samples:
-        done = log.done.get(sample.id) if log is not None else None
-        if done is not None and (save_pred is None or prediction_path(Path(save_pred), sample).is_file()):
-            areas, took = record_to_areas(done["areas"], C), float(done["seconds"])
-            reused += 1
-        else:
-            start = time.perf_counter()
-            areas = _score(segmenter, bench, sample, save_pred)
-            took = time.perf_counter() - start
-            if log is not None:
-                log.append(sample.id, {"areas": areas_to_record(areas), "seconds": took})
-        totals += areas
-        seconds += took
+        has_pred = save_pred is None or prediction_path(Path(save_pred), sample).is_file()
+        rec, was_logged = logged_or_computed(
+            log, sample.id, lambda: {"areas": areas_to_record(_score(segmenter, bench, sample, save_pred))}, reusable=has_pred
+        )
+        totals += record_to_areas(rec["areas"], C)
+        seconds += float(rec["seconds"])
+        reused += was_logged
         advance()
     return totals, seconds, reused
 

@@ -13,11 +13,12 @@ import hashlib
 import json
 import os
 import platform
+import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 RESULT_SCHEMA = 1
 
@@ -132,6 +133,25 @@ class ItemLog:
             f.flush()
             os.fsync(f.fileno())
         self._done[str(item_id)] = rec
+
+
+def logged_or_computed(
+    log: ItemLog | None, item_id: str, compute: Callable[[], dict], reusable: bool = True
+) -> tuple[dict, bool]:
+    """The record `log` holds for `item_id`, else `compute()` timed (its "seconds") and appended.
+
+    Returns (record, reused). `reusable=False` recomputes a logged item (e.g. its side output is missing).
+    This is the one resume rule of `eval` and `fgovd`.
+    """
+    done = log.done.get(str(item_id)) if log is not None else None
+    if done is not None and reusable:
+        return done, True
+    start = time.perf_counter()
+    record = compute()
+    record["seconds"] = time.perf_counter() - start
+    if log is not None:
+        log.append(item_id, record)
+    return record, False
 
 
 def progress_path(out: Path, rank: int = 0, world: int = 1) -> Path:

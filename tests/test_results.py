@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from clipseg_sparse.results import ConfigMismatchError, ItemLog, config_hash, package_versions, write_json_atomic
+from clipseg_sparse.results import ConfigMismatchError, ItemLog, logged_or_computed, config_hash, package_versions, write_json_atomic
 
 
 def test_item_log_resumes_and_ignores_torn_line(tmp_path):
@@ -53,3 +53,18 @@ def test_write_json_atomic(tmp_path):
 def test_package_versions():
     v = package_versions()
     assert v["torch"] != "not installed" and "python" in v
+
+
+def test_logged_or_computed_reuses_unless_told_not_to(tmp_path):
+    log = ItemLog(tmp_path / "run.jsonl", {"a": 1})
+    calls = []
+    compute = lambda: calls.append(1) or {"x": len(calls)}  # noqa: E731
+    first, reused = logged_or_computed(log, "img", compute)
+    assert (first["x"], reused, len(calls)) == (1, False, 1) and first["seconds"] >= 0
+    again, reused = logged_or_computed(ItemLog(tmp_path / "run.jsonl", {"a": 1}), "img", compute)
+    assert (again["x"], reused, len(calls)) == (1, True, 1)
+    redone, reused = logged_or_computed(log, "img", compute, reusable=False)
+    assert (redone["x"], reused, len(calls)) == (2, False, 2)
+    assert ItemLog(tmp_path / "run.jsonl", {"a": 1}).done["img"]["x"] == 2
+    alone, reused = logged_or_computed(None, "img", compute)
+    assert (alone["x"], reused) == (3, False)

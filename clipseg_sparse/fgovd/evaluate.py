@@ -10,7 +10,6 @@ uninterrupted one. A finished result with the same configuration is returned, no
 from __future__ import annotations
 
 import dataclasses
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Sequence
@@ -23,7 +22,7 @@ from ..images import load_image
 from ..inference import InferenceSettings, resized_shape, to_pixels
 from ..model import DenseCLIP
 from ..registry import Registry
-from ..results import open_run, result_record, write_json_atomic
+from ..results import logged_or_computed, open_run, result_record, write_json_atomic
 from ..text import embed_names, resolve_templates, templates_id
 from .data import Benchmark, RegionAnnotation, check_images, check_segmentations, read_benchmark
 from .metrics import fgovd_metrics
@@ -163,24 +162,20 @@ def evaluate_fgovd(
     with progress_bar("images") if progress else nullcontext() as bar:
         task = bar.add_task("fgovd", total=len(groups)) if bar else None
         for file_name, anns in groups.items():
-            done = log.done.get(file_name) if log is not None else None
-            if done is not None:
-                recs, took = done["annotations"], float(done["seconds"])
-                reused += 1
-            else:
-                start = time.perf_counter()
-                with torch.inference_mode():
-                    rgb = _read_image(Path(images_root) / file_name, anns[0])
-                    emb = region_embeddings(clip, rgb, anns, spec, region, settings, scale_factor)
-                    recs = [
-                        {"id": a.id, "split": a.split, "scores": (text[[row[c] for c in a.captions[: negatives + 1]]] @ e).tolist()}
-                        for a, e in zip(anns, emb)
-                    ]
-                took = time.perf_counter() - start
-                if log is not None:
-                    log.append(file_name, {"annotations": recs, "seconds": took})
-            records += recs
-            seconds += took
+
+            @torch.inference_mode()
+            def score_image() -> dict:
+                rgb = _read_image(Path(images_root) / file_name, anns[0])
+                emb = region_embeddings(clip, rgb, anns, spec, region, settings, scale_factor)
+                return {"annotations": [
+                    {"id": a.id, "split": a.split, "scores": (text[[row[c] for c in a.captions[: negatives + 1]]] @ e).tolist()}
+                    for a, e in zip(anns, emb)
+                ]}  # fmt: skip
+
+            rec, was_logged = logged_or_computed(log, file_name, score_image)
+            records += rec["annotations"]
+            seconds += float(rec["seconds"])
+            reused += was_logged
             if bar:
                 bar.advance(task)
 
