@@ -240,17 +240,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSp
     out = torch.zeros_like(v)
     for term in spec.source:
         a, b = proj[term[0]], proj[term[1]]
+        scores = None  # the N x N matrix, built only where a path needs it, and then once
         if norm.kind == "softmax":  # fused kernel, no N x N matrix kept around
             out = out + F.scaled_dot_product_attention(a, b, v, attn_mask=prior, scale=scale)
         elif norm.kind in ("entmax", "sparsemax") and can_use_adasplash(a, prior is not None):
             out = out + adasplash_entmax_attention(a, b, v, norm.alpha, scale)
         else:
             scores = (a @ b.transpose(-2, -1)) * scale
-            if prior is not None:
-                scores = scores + prior
-            out = out + normalize(scores, norm) @ v
+            out = out + normalize(scores if prior is None else scores + prior, norm) @ v
         if spec.negative:
-            scores = (a @ b.transpose(-2, -1)) * scale
+            if scores is None:
+                scores = (a @ b.transpose(-2, -1)) * scale
             out = out + spec.negative * (torch.softmax(-scores.float(), dim=-1).to(v.dtype) @ v)
     return out
 

@@ -104,3 +104,19 @@ def test_entmax_block_matches_explicit_computation(tiny_clip):
         attn = entmax.entmax15(k @ k.transpose(-1, -2) * (C // H) ** -0.5, dim=-1)
         ref = blk.attn.out_proj((attn @ v).transpose(1, 2).reshape(B, N, C))
         assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax:1.5"])
+def test_negative_branch_adds_weighted_softmin(tiny_clip, normalizer):
+    blk, x = _block_and_tokens(tiny_clip)
+    with torch.no_grad():
+        with_neg = edited_block_forward(blk, x, AttentionSpec.parse(f"qq/{normalizer}/nores/noffn/neg:0.3"), (4, 4))
+        without = edited_block_forward(blk, x, AttentionSpec.parse(f"qq/{normalizer}/nores/noffn"), (4, 4))
+        B, N, C = x.shape
+        H = blk.attn.num_heads
+        q, _, v = torch.nn.functional.linear(blk.ln_1(x), blk.attn.in_proj_weight, blk.attn.in_proj_bias).chunk(3, -1)
+        q = q.view(B, N, H, -1).transpose(1, 2)
+        v = v.view(B, N, H, -1).transpose(1, 2)
+        softmin = torch.softmax(-(q @ q.transpose(-1, -2)) * (C // H) ** -0.5, dim=-1)
+        extra = (0.3 * softmin @ v).transpose(1, 2).reshape(B, N, C) @ blk.attn.out_proj.weight.T
+        assert torch.allclose(with_neg - without, extra, atol=1e-5)
