@@ -58,7 +58,7 @@ def evaluate(
 
     spec / class_names None take the protocol's pairing (its attention preset, its class-name set).
     overrides: InferenceSettings fields (resolution, window, stride, logit_scale, bg_threshold,
-    area_threshold, batch_size) that win over the protocol. limit: the first N images only.
+    area_threshold, batch_size, pamr, resize, pos_interp, remainder, ...) that win over the protocol. limit: the first N images only.
     out: result JSON (written atomically) with its checkpoint log beside it; resume=False restarts the
     log; overwrite=True recomputes a finished result. save_pred: a folder for palette PNG predictions
     in the dataset's own label encoding (reduce_zero_label datasets store class k as k + 1).

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .attention import AttentionSpec, resolve_spec
 from .images import load_image
-from .model import DenseCLIP
+from .model import POS_INTERP_RULES, DenseCLIP
 from .stages import Stage, resolve_stages
 from .text import Vocabulary, embed_names, resolve_templates, templates_id
 
@@ -40,8 +40,16 @@ class InferenceSettings:
     batch_size: int = 16
     pamr: bool = False  # PAMR post stage (stages.py), NACLIP's default
     stages: tuple[str, ...] = ()  # further registered stages (`ls stages`), as text: NAME[:ARGS]
+    # how the published mmseg code differs from our defaults (the protocols choose theirs):
+    resize: str = "torch"  # torch: bilinear on floats; opencv: cv2.resize on the uint8 image (mmcv)
+    pos_interp: str = "size"  # positional embeddings: "size" (exact grid) or "scale" ((n + 0.1) / native)
+    remainder: str = "pad"  # window pixels past the last whole patch: pad, centre or drop (see window_geometry)
+    renormalize: bool = False  # saved probabilities divided by their sum after the synonym max (NACLIP)
 
     def __post_init__(self) -> None:
+        for name, choices in (("resize", RESIZE_METHODS), ("pos_interp", POS_INTERP_RULES), ("remainder", REMAINDER_RULES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)} (got {getattr(self, name)!r})")
         if isinstance(self.stages, str):
             raise ValueError(f"stages must be a list of stage names (got the string {self.stages!r})")
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -70,6 +78,10 @@ class InferenceSettings:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
+RESIZE_METHODS = ("torch", "opencv")
+REMAINDER_RULES = ("pad", "centre", "drop")
+
+
 def resized_shape(height: int, width: int, short_side: int, long_cap: int = 2048) -> tuple[int, int]:
     """mmcv's keep-ratio rescale to (long_cap, short_side): scale = min(long_cap/long, short/short)."""
     if not short_side:
@@ -92,14 +104,47 @@ def window_boxes(height: int, width: int, window: int, stride: int) -> list[tupl
     return boxes
 
 
-def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int]) -> torch.Tensor:
-    """uint8 H x W x 3 -> 1 x 3 x size CLIP-normalised fp32 (bilinear resize, as mmcv does)."""
+def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int], method: str = "torch") -> torch.Tensor:
+    """uint8 H x W x 3 -> 1 x 3 x size CLIP-normalised fp32, resized bilinearly (align_corners=False).
+
+    method "torch": resize the float image (no rounding). "opencv": what mmcv's `imresize` does in the
+    published pipelines, `cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)` on the uint8 image,
+    whose fixed-point result is rounded to uint8 (up to about 0.8 grey levels from the float resize).
+    """
+    if method not in RESIZE_METHODS:
+        raise ValueError(f"unknown resize method {method!r}; choose {', '.join(RESIZE_METHODS)}")
+    if method == "opencv" and tuple(image.shape[:2]) != tuple(size):
+        import cv2
+
+        image = cv2.resize(np.ascontiguousarray(image), (size[1], size[0]), interpolation=cv2.INTER_LINEAR)
     x = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float()  # a copy: inputs may be read-only
     if tuple(x.shape[-2:]) != tuple(size):
         x = F.interpolate(x, size=size, mode="bilinear", align_corners=False).clamp(0, 255)
     mean = torch.tensor(clip.mean).view(1, 3, 1, 1) * 255
     std = torch.tensor(clip.std).view(1, 3, 1, 1) * 255
     return (x - mean) / std
+
+
+def window_geometry(side: int, patch: int, rule: str = "pad", whole_image: bool = False) -> tuple[int, int, int, int]:
+    """How a window side that is not a whole number of patches is encoded: (patches, pad before, pad
+    after, upsampled size). A negative pad after drops pixels. The patch map is upsampled bilinearly to
+    `upsampled` pixels and rows `pad before` .. `pad before + side` of it are the window's.
+
+    pad (our default): zero-pad at the end; patch i covers pixels i*patch .. (i+1)*patch.
+    centre (ClearCLIP's sliding windows, `compute_padsize`): zero-pad half before (rounded down), half
+    after, then crop the upsampled map; a whole image (no windows) is encoded as with drop, as there.
+    drop (SCLIP, NACLIP and ClearCLIP without windows): the patch convolution ignores the last
+    side % patch pixels and the floor(side / patch) patch map is stretched over the whole side.
+    """
+    if rule not in REMAINDER_RULES:
+        raise ValueError(f"unknown remainder rule {rule!r}; choose {', '.join(REMAINDER_RULES)}")
+    extra = -side % patch
+    if rule == "drop" or (rule == "centre" and whole_image):
+        if side < patch:
+            raise ValueError(f"a {side}-pixel window side is smaller than one {patch}-pixel patch")
+        return side // patch, 0, -(side % patch), side
+    before = extra // 2 if rule == "centre" else 0
+    return (side + extra) // patch, before, extra - before, side + extra
 
 
 def iter_window_features(
@@ -110,22 +155,25 @@ def iter_window_features(
     stride: int = 112,
     batch_size: int = 16,
     token_stages: Sequence[Stage] = (),
+    pos_interp: str = "size",
+    remainder: str = "pad",
 ) -> Iterator[tuple[list[tuple[int, int, int, int]], torch.Tensor]]:
     """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
 
     Yields (window boxes (y1, y2, x1, x2), B x h x w x D features). Windows whose sides are not multiples
-    of the patch size are zero-padded at the bottom and right, so patch (i, j) of a window covers pixels
+    of the patch size follow `remainder` (see `window_geometry`); with the default, pad, they are
+    zero-padded at the bottom and right, so patch (i, j) of a window covers pixels
     y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
     """
     _, _, H, W = pixels.shape
     boxes = window_boxes(H, W, window, stride)
     wh, ww = boxes[0][1] - boxes[0][0], boxes[0][3] - boxes[0][2]
-    ps = clip.patch_size
-    pad_h, pad_w = -wh % ps, -ww % ps
+    _, top, bottom, _ = window_geometry(wh, clip.patch_size, remainder, not window)
+    _, left, right, _ = window_geometry(ww, clip.patch_size, remainder, not window)
     for i in range(0, len(boxes), batch_size):
         chunk = boxes[i : i + batch_size]
         crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
-        yield chunk, clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec, token_stages)
+        yield chunk, clip.encode_dense(F.pad(crops, (left, right, top, bottom)), spec, token_stages, pos_interp)
 
 
 def dense_cosine(
@@ -138,22 +186,24 @@ def dense_cosine(
     batch_size: int = 16,
     out_size: tuple[int, int] | None = None,
     token_stages: Sequence[Stage] = (),
+    pos_interp: str = "size",
+    remainder: str = "pad",
 ) -> torch.Tensor:
     """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size
     (or at `out_size`, as if that map were then resized bilinearly).
 
     Windows run as batches of `batch_size` through the model; each window's patch map is upsampled
-    bilinearly to the window (zero-padded up to a multiple of the patch size, then cropped) and the
-    overlaps are averaged. Bilinear resizing is separable and linear, and the windows form a grid of row
+    bilinearly to the window (by default zero-padded up to a multiple of the patch size, then cropped;
+    `remainder` and `pos_interp` as in `iter_window_features`) and the overlaps are averaged. Bilinear resizing is separable and linear, and the windows form a grid of row
     and column intervals, so upsample -> place -> average -> resize is one product per name,
     Ly @ G @ Lx^T, with G the grid of all windows' patch maps (N_names x rows*h x cols*w) and Ly, Lx
     small interpolation matrices: no per-window work or window-sized temporaries beyond the model call.
     """
     _, _, H, W = pixels.shape
-    ps = clip.patch_size
     text = text.to(clip.device)
     boxes, cos = [], []
-    for chunk, feats in iter_window_features(clip, pixels, spec, window, stride, batch_size, token_stages):
+    windows = iter_window_features(clip, pixels, spec, window, stride, batch_size, token_stages, pos_interp, remainder)
+    for chunk, feats in windows:
         boxes += chunk
         cos.append(torch.einsum("bhwd,nd->bnhw", feats, text))
     cos = torch.cat(cos)  # windows row-major over the grid of row and column intervals
@@ -162,8 +212,10 @@ def dense_cosine(
     _, n, h, w = cos.shape
     grid = cos.view(len(rows), len(cols), n, h, w).permute(2, 0, 3, 1, 4).reshape(n, len(rows) * h, len(cols) * w)
     out_h, out_w = out_size or (H, W)
-    ly = _window_interpolation(rows, H, h, h * ps, out_h).to(clip.device)
-    lx = _window_interpolation(cols, W, w, w * ps, out_w).to(clip.device)
+    _, top, _, up_h = window_geometry(rows[0][1] - rows[0][0], clip.patch_size, remainder, not window)
+    _, left, _, up_w = window_geometry(cols[0][1] - cols[0][0], clip.patch_size, remainder, not window)
+    ly = _window_interpolation(rows, H, h, up_h, top, out_h).to(clip.device)
+    lx = _window_interpolation(cols, W, w, up_w, left, out_w).to(clip.device)
     # computed as H x W x N and returned as an N x H x W view: reductions over names (softmax, max) then
     # run along contiguous memory, about twice as fast as over the leading dimension of a C x H x W tensor
     return torch.einsum("hr,nrc,wc->hwn", ly, grid, lx).permute(2, 0, 1)
@@ -174,10 +226,13 @@ def _resize_matrix(src: int, dst: int) -> torch.Tensor:
     return F.interpolate(torch.eye(src)[None], size=dst, mode="linear", align_corners=False)[0].T
 
 
-def _window_interpolation(spans: list[tuple[int, int]], size: int, patches: int, padded: int, out: int) -> torch.Tensor:
-    """out x (len(spans) * patches): upsample each window's `patches` to `padded` pixels, crop to its
-    span, place it, average where spans overlap, then resize `size` -> `out` (all along one axis)."""
-    up = _resize_matrix(patches, padded)
+def _window_interpolation(
+    spans: list[tuple[int, int]], size: int, patches: int, upsampled: int, offset: int, out: int
+) -> torch.Tensor:
+    """out x (len(spans) * patches): upsample each window's `patches` to `upsampled` pixels, keep the
+    window's rows from `offset` on, place them at its span, average where spans overlap, then resize
+    `size` -> `out` (all along one axis)."""
+    up = _resize_matrix(patches, upsampled)[offset:]
     place = torch.zeros(size, len(spans) * patches)
     coverage = torch.zeros(size, 1)
     for i, (a, b) in enumerate(spans):
@@ -203,19 +258,25 @@ def class_probabilities(
     return out.scatter_reduce_(0, index, probs, reduce="amax", include_self=False)
 
 
+def drop_small_classes(probs: torch.Tensor, area_threshold: float) -> torch.Tensor:
+    """SCLIP's `area_thd`: the probabilities of classes 1.. whose argmax area is at most `area_threshold`
+    of all pixels predicted as classes 1.. are zeroed (a new tensor; `probs` itself when nothing to do).
+    SCLIP stores these zeroed probabilities, so the saved probabilities follow the labels."""
+    if area_threshold <= 0 or probs.shape[0] < 2:
+        return probs
+    pred = probs.argmax(0)
+    area = torch.bincount(pred.flatten(), minlength=probs.shape[0])[1:].to(probs.dtype)
+    keep = (area > area_threshold * area.sum()).to(probs.dtype)
+    return torch.cat([probs[:1], probs[1:] * keep.view(-1, 1, 1)])
+
+
 def probabilities_to_labels(probs: torch.Tensor, bg_threshold: float = 0.0, area_threshold: float = 0.0) -> torch.Tensor:
     """Argmax labels with SCLIP's background rules; class 0 is the background class.
 
-    area_threshold: classes 1.. whose predicted area is at most this fraction of all non-background
-    predicted pixels are dropped (their probabilities zeroed). bg_threshold: pixels whose top probability
-    is below it become class 0.
+    area_threshold: classes dropped by `drop_small_classes` first. bg_threshold: pixels whose top
+    probability is below it become class 0.
     """
-    if area_threshold > 0 and probs.shape[0] > 1:
-        pred = probs.argmax(0)
-        area = torch.bincount(pred.flatten(), minlength=probs.shape[0])[1:].to(probs.dtype)
-        keep = (area > area_threshold * area.sum()).to(probs.dtype)
-        probs = torch.cat([probs[:1], probs[1:] * keep.view(-1, 1, 1)])
-    top, labels = probs.max(0)
+    top, labels = drop_small_classes(probs, area_threshold).max(0)
     if bg_threshold > 0:
         labels[top < bg_threshold] = 0
     return labels
@@ -294,10 +355,11 @@ class Segmenter:
         s = self.settings
         height, width = image.shape[:2]
         size = resized_shape(height, width, s.resolution, s.max_long_side)
-        pixels = to_pixels(image, self.clip, size)
+        pixels = to_pixels(image, self.clip, size, s.resize)
         cos = dense_cosine(
-            self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width), self._stages("token")
-        )
+            self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width),
+            self._stages("token"), s.pos_interp, s.remainder,
+        )  # fmt: skip
         post = self._stages("post")
         if post:
             # the guide of published PAMR: the network input brought back to the original size
@@ -312,9 +374,17 @@ class Segmenter:
 
     @torch.inference_mode()
     def predict(self, image) -> SegmentationResult:
-        """Segment one image (a path, a PIL image or an H x W x 3 array)."""
-        probs = self._probabilities(load_image(image))
-        labels = probabilities_to_labels(probs, self.settings.bg_threshold, self.settings.area_threshold)
+        """Segment one image (a path, a PIL image or an H x W x 3 array).
+
+        The probabilities are those the labels come from: classes dropped by the area threshold are
+        zeroed (SCLIP); with `renormalize` they are divided by their per-pixel sum after the labels are
+        taken (NACLIP), which changes no label.
+        """
+        s = self.settings
+        probs = drop_small_classes(self._probabilities(load_image(image)), s.area_threshold)
+        labels = probabilities_to_labels(probs, s.bg_threshold)
+        if s.renormalize:
+            probs = probs / probs.sum(0, keepdim=True)
         return SegmentationResult(
             labels=labels.cpu().numpy(),
             probs=probs.float().cpu().numpy(),

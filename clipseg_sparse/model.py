@@ -25,6 +25,7 @@ from .attention import AttentionSpec, edited_block_forward, resolve_spec
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RANDOM_WEIGHTS_SEED = 0
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+POS_INTERP_RULES = ("size", "scale")  # see DenseCLIP.positional_embedding
 
 
 class WeightsUnavailableError(RuntimeError):
@@ -273,31 +274,52 @@ class DenseCLIP:
             feats.append(F.normalize(self.model.encode_text(tokens).float(), dim=-1))
         return torch.cat(feats) if feats else torch.zeros(0, self.embed_dim)
 
-    def positional_embedding(self, grid: tuple[int, int]) -> torch.Tensor:
-        """Positional embeddings (1 + h*w) x C, bicubically interpolated from the native grid."""
+    def positional_embedding(self, grid: tuple[int, int], rule: str = "size") -> torch.Tensor:
+        """Positional embeddings (1 + h*w) x C for a patch grid, bicubic from the native grid.
+
+        rule "size": interpolate to exactly `grid` (source coordinate (i + 0.5) * native / h - 0.5).
+        rule "scale": the published repositories' `interpolate_pos_encoding` (SCLIP, NACLIP, ClearCLIP,
+        from DINO): `scale_factor=(h + 0.1) / native`, so the source coordinate is
+        (i + 0.5) * native / (h + 0.1) - 0.5; and, as there, the native embedding is used unchanged
+        whenever the token count matches (so a non-square grid of native-many patches gets it too).
+        """
+        if rule not in POS_INTERP_RULES:
+            raise ValueError(f"unknown positional-embedding rule {rule!r}; choose {', '.join(POS_INTERP_RULES)}")
         pos = self.visual.positional_embedding
         native = tuple(self.visual.grid_size)
-        if tuple(grid) == native:
+        h, w = grid
+        if (h * w == native[0] * native[1]) if rule == "scale" else (tuple(grid) == native):
             return pos
-        key = (grid, pos.dtype, pos.device)
+        key = (tuple(grid), rule, pos.dtype, pos.device)
         if key not in self._pos_cache:
             cls, patches = pos[:1], pos[1:]
             patches = patches.reshape(1, *native, -1).permute(0, 3, 1, 2).float()
-            patches = F.interpolate(patches, size=grid, mode="bicubic", align_corners=False)
-            patches = patches.permute(0, 2, 3, 1).reshape(grid[0] * grid[1], -1).to(pos.dtype)
+            if rule == "size":
+                patches = F.interpolate(patches, size=grid, mode="bicubic", align_corners=False)
+            else:
+                factor = ((h + 0.1) / native[0], (w + 0.1) / native[1])
+                patches = F.interpolate(patches, scale_factor=factor, mode="bicubic", align_corners=False)
+                if tuple(patches.shape[-2:]) != (h, w):  # the published code asserts the same
+                    raise ValueError(f"scale-factor interpolation gave {tuple(patches.shape[-2:])}, not {grid}")
+            patches = patches.permute(0, 2, 3, 1).reshape(h * w, -1).to(pos.dtype)
             self._pos_cache[key] = torch.cat([cls, patches])
         return self._pos_cache[key]
 
     @torch.inference_mode()
     def encode_dense(
-        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
+        self,
+        pixels: torch.Tensor,
+        spec: AttentionSpec | str | None = None,
+        token_hooks: Sequence[Callable] = (),
+        pos_interp: str = "size",
     ) -> torch.Tensor:
         """Dense features B x h x w x D, after ln_post and proj, L2-normalised, CLS dropped.
 
         pixels: B x 3 x H x W CLIP-normalised, H and W multiples of the patch size; h = H / patch.
         spec: AttentionSpec, its text form or a preset name (None = unmodified CLIP).
         token_hooks: token stages (stages.py), each `hook(x, grid) -> x` on the B x (1 + h*w) x C
-        hidden states entering the edited blocks, in order.
+        hidden states entering the edited blocks, in order. pos_interp: the positional-embedding rule,
+        "size" or the published repositories' "scale" (see `positional_embedding`).
         """
         spec = resolve_spec(spec)
         v = self.visual
@@ -311,7 +333,7 @@ class DenseCLIP:
             raise ValueError(f"spec edits {spec.layers} blocks but the model has {len(blocks)}")
         x = v.conv1(pixels.to(device=self.device, dtype=self.dtype)).flatten(2).transpose(1, 2)
         cls = v.class_embedding.to(x.dtype).view(1, 1, -1).expand(B, -1, -1)
-        x = torch.cat([cls, x], dim=1) + self.positional_embedding(grid).to(x.dtype)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding(grid, pos_interp).to(x.dtype)
         x = v.ln_pre(v.patch_dropout(x))
         if not v.transformer.batch_first:
             raise ValueError("only batch-first open_clip transformers are supported (open_clip >= 2.24 default)")

@@ -1,9 +1,13 @@
 """Evaluation protocols: the inference settings each published repository uses per benchmark.
 
 A protocol maps a dataset to `InferenceSettings` (short side, sliding window, logit scale, background
-probability threshold `prob_thd`, SCLIP's `area_thd`) and names the attention preset and class-name
-set it pairs with. Values are read from the repositories' mmseg configs (`configs/cfg_*.py`) and their
-segmentor defaults, at the commits given in `source`. Precedence, written once in `Protocol.settings`:
+probability threshold `prob_thd`, SCLIP's `area_thd`, PAMR) and names the attention preset and
+class-name set it pairs with. Values are read from the repositories' mmseg configs (`configs/cfg_*.py`)
+and their segmentor defaults, at the commits given in `source`. The protocols also follow the code
+below the configs: mmcv's OpenCV resize of the uint8 image (`resize="opencv"`), the positional-embedding
+scale factor (n + 0.1) / native (`pos_interp="scale"`), window sides that are not whole patches cut by
+the patch convolution (SCLIP, NACLIP) or zero-padded centred (ClearCLIP) (`remainder`), and the saved
+probabilities (SCLIP's area threshold zeroes classes; NACLIP renormalises, `renormalize`). Precedence, written once in `Protocol.settings`:
 overrides (command line) > protocol per dataset > protocol defaults > `InferenceSettings` defaults.
 
 Not reproduced: every published repository runs CLIP in fp16 on GPU (ClearCLIP creates its OpenCLIP
@@ -44,8 +48,12 @@ class Protocol:
 
 PROTOCOLS: Registry[Protocol] = Registry("protocol")
 
+# What every published pipeline does below the configs (mmcv / mmseg, the repos' CLIP code): mmcv's
+# cv2.resize of the uint8 image, positional embeddings by scale factor (n + 0.1) / native, and window or
+# image sides that are not whole patches cut by the patch convolution (ClearCLIP pads its windows, centred).
+_MMSEG_CODE = dict(resize="opencv", pos_interp="scale", remainder="drop")
 # NACLIP's configs are SCLIP's with the logit scale and area threshold left at their defaults.
-_SCLIP_LINE = dict(resolution=336, window=224, stride=112, logit_scale=40.0)
+_SCLIP_LINE = dict(resolution=336, window=224, stride=112, logit_scale=40.0, **_MMSEG_CODE)
 _SCLIP_LINE_SIZES = {"coco-stuff": dict(resolution=448), "cityscapes": dict(resolution=560)}
 _BG_DATASETS = ("voc21", "context60", "coco-object")
 
@@ -74,7 +82,7 @@ PROTOCOLS.register(
         attention="clearclip",
         class_names="plain",
         source="mc-lan/ClearCLIP@fd05ce4 configs/cfg_*.py, clearclip_segmentor.py",
-        defaults=dict(resolution=448, window=448, stride=224, logit_scale=50.0),
+        defaults={**_MMSEG_CODE, **dict(resolution=448, window=448, stride=224, logit_scale=50.0, remainder="centre")},
         per_dataset={
             "voc21": dict(bg_threshold=0.5),
             "context60": dict(bg_threshold=0.15),
@@ -95,7 +103,7 @@ PROTOCOLS.register(
         attention="naclip",
         class_names="sclip",
         source="sinahmr/NACLIP@0cac3a6 (Update for v2) configs/cfg_*.py, naclip.py, pamr.py",
-        defaults={**_SCLIP_LINE, "pamr": True},
+        defaults={**_SCLIP_LINE, "pamr": True, "renormalize": True},
         per_dataset={
             "cityscapes": dict(resolution=560),
             "voc21": dict(window=0, bg_threshold=0.1),
