@@ -194,8 +194,8 @@ def dense_cosine(
 
     Windows run as batches of `batch_size` through the model; each window's patch map is upsampled
     bilinearly to the window (by default zero-padded up to a multiple of the patch size, then cropped;
-    `remainder` and `pos_interp` as in `iter_window_features`) and the overlaps are averaged. Bilinear resizing is separable and linear, and the windows form a grid of row
-    and column intervals, so upsample -> place -> average -> resize is one product per name,
+    `remainder` and `pos_interp` as in `iter_window_features`) and the overlaps are averaged. Bilinear
+    resizing is separable and linear, and the windows form a grid of row and column intervals, so upsample -> place -> average -> resize is one product per name,
     Ly @ G @ Lx^T, with G the grid of all windows' patch maps (N_names x rows*h x cols*w) and Ly, Lx
     small interpolation matrices: no per-window work or window-sized temporaries beyond the model call.
     """
