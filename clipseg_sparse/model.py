@@ -295,6 +295,10 @@ class DenseCLIP:
         pixels: B x 3 x H x W CLIP-normalised, H and W multiples of the patch size; h = H / patch.
         spec: AttentionSpec, its text form or a preset name (None = unmodified CLIP).
         """
+        return self.dense_forward(pixels, spec)
+
+    def dense_forward(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:
+        """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         v = self.visual
         ps = self.patch_size
