@@ -65,7 +65,7 @@ def value_subspaces(modules: dict[int, DenoisingAttention]) -> list[dict]:
             angles = principal_angles(p.T, n.T)
             rows.append({
                 "block": block, "head": h, "angle_mean": float(angles.mean()), "angle_min": float(angles.min()),
-                "angle_max": float(angles.max()), "frobenius": frobenius_cosine(p, n), "alpha": float(m.alpha[h]),
+                "angle_max": float(angles.max()), "frobenius": frobenius_cosine(p, n), "alpha": float(m.alpha[h].detach()),
             })
     return rows
 

@@ -235,7 +235,8 @@ def train(
     dataset = TrainingSet(items, config.resolution, clip.mean, clip.std, config.seed, bench, clip.patch_size)
     end = config.steps if stop_after is None else min(config.steps, stop_after)
     sampler = StepBatches(len(items), config.batch_size, end, config.seed, start, rank, world)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers)
+    # its own generator: the global RNG state must not depend on how many times the run was resumed
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, generator=torch.Generator().manual_seed(config.seed))
     trainable = sum(p.numel() for p in params)
 
     def save() -> None:
