@@ -158,6 +158,7 @@ def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: 
 def run(kind: str, seed: int, data: dict, epochs: int, batch: int = 64) -> dict:
     torch.manual_seed(seed)
     model = ViT(kind)
+    init_rows = value_subspaces({i: b.attn for i, b in enumerate(model.blocks)}) if kind == "dna" else []
     x, y = data["train"]
     steps = epochs * math.ceil(len(x) / batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
@@ -184,6 +185,7 @@ def run(kind: str, seed: int, data: dict, epochs: int, batch: int = 64) -> dict:
             result[f"{name}_ece"] = expected_calibration_error(probs, ty)
     if kind == "dna":
         rows = value_subspaces({i: b.attn for i, b in enumerate(model.blocks)})
+        result["v_angle_mean_init"] = float(np.mean([r["angle_mean"] for r in init_rows]))
         result["v_angle_mean"] = float(np.mean([r["angle_mean"] for r in rows]))
         result["v_angle_min"] = float(np.min([r["angle_min"] for r in rows]))
         result["v_frobenius_abs_mean"] = float(np.mean([abs(r["frobenius"]) for r in rows]))
@@ -210,12 +212,12 @@ def main() -> None:
             print(json.dumps(runs[-1]), flush=True)
     load = os.getloadavg()[0]
     print(f"\nload average (1 min) at the end: {load:.1f}; {os.cpu_count()} CPUs; torch threads {args.threads}\n")
-    print("| attention | params | acc (3 distractors) | ECE | acc (6 distractors) | ECE | V+/V- mean angle | train s/run |")
+    print("| attention | params | acc (3 distractors) | ECE | acc (6 distractors) | ECE | V+/V- mean angle (init -> trained) | train s/run |")
     print("|---|---|---|---|---|---|---|---|")
     for kind in args.attentions.split(","):
         rs = [r for r in runs if r["attention"] == kind]
         ms = lambda k: f"{100 * np.mean([r[k] for r in rs]):.1f} ± {100 * np.std([r[k] for r in rs]):.1f}"  # noqa: E731
-        angle = f"{np.mean([r['v_angle_mean'] for r in rs]):.1f}°" if kind == "dna" else "-"
+        angle = f"{np.mean([r['v_angle_mean_init'] for r in rs]):.1f}° -> {np.mean([r['v_angle_mean'] for r in rs]):.1f}°" if kind == "dna" else "-"
         print(f"| {kind} | {rs[0]['parameters']:,} | {ms('test_acc')} | {ms('test_ece')} | {ms('test_shift_acc')} | {ms('test_shift_ece')} | {angle} | {np.mean([r['train_seconds'] for r in rs]):.0f} |")
     if args.out:
         with open(args.out, "w") as f:
