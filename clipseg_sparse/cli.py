@@ -61,11 +61,12 @@ class Listable(str, Enum):
     datasets = "datasets"
     protocols = "protocols"
     grids = "grids"
+    backbones = "backbones"
 
 
 @app.command("ls")
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
-    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids."""
+    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, proxy backbones."""
     from rich.table import Table
 
     console = out_console()
@@ -89,6 +90,10 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
         table = _protocols_table()
     elif what is Listable.grids:
         table = _grids_table()
+    elif what is Listable.backbones:
+        from .cli_proxy import backbones_table
+
+        table = backbones_table()
     else:
         import open_clip
 
