@@ -135,7 +135,7 @@ def segment(
     Default attention preset: sclip. Re-running the same command skips finished images.
     """
     from .discovery import InputError, discover_images
-    from .outputs import OutputOptions
+    from .outputs import ClaimConflictError, OutputOptions
     from .registry import UnknownNameError
     from .text import Vocabulary, resolve_templates
 
@@ -177,19 +177,22 @@ def segment(
         plan = plan_run(found.jobs, out, options, segmenter.config())
     except InputError as e:
         fail(str(e))
+    conflict = "{n} image(s) already have outputs this run would replace ({reason}); use --overwrite or another --out"
     if plan.conflicts:
-        (_, reason), n = plan.conflicts[0], len(plan.conflicts)
-        fail(f"{n} image(s) already have outputs this run would replace ({reason}); use --overwrite or another --out")
+        fail(conflict.format(n=len(plan.conflicts), reason=plan.conflicts[0][1]))
 
-    with progress_bar("images") as bar:
-        task = bar.add_task("segmenting", total=len(plan.todo))
+    try:
+        with progress_bar("images") as bar:
+            task = bar.add_task("segmenting", total=len(plan.todo))
 
-        def on_image(job, error: str | None) -> None:
-            if error:
-                bar.console.print(f"[red]failed:[/] {error}", highlight=False, soft_wrap=True)
-            bar.advance(task)
+            def on_image(job, error: str | None) -> None:
+                if error:
+                    bar.console.print(f"[red]failed:[/] {error}", highlight=False, soft_wrap=True)
+                bar.advance(task)
 
-        report = run_plan(segmenter, plan, options, on_image)
+            report = run_plan(segmenter, plan, options, on_image)
+    except ClaimConflictError as e:  # a concurrent run on the same --out claimed an image first
+        fail(conflict.format(n=1, reason=e) + "; the images this run finished are kept")
 
     _print_segment_summary(report, segmenter.class_names, len(found.not_images), out)
     if report.failed:
