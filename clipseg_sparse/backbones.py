@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .model import CHECKPOINT_SUFFIXES, PRECISIONS, RANDOM_WEIGHTS_SEED, WeightsUnavailableError, resolve_device
+from .model import CHECKPOINT_SUFFIXES, PRECISIONS, RANDOM_WEIGHTS_SEED, WeightsUnavailableError, _weights_help, resolve_device
 from .registry import Registry
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -104,16 +104,6 @@ def require_extra(module: str, what: str):
         ) from None
 
 
-def _weights_help(info: BackboneInfo, pretrained: str) -> str:
-    return (
-        f"could not obtain weights {pretrained!r} for backbone {info.name} ({info.timm_name}). They are "
-        f"downloaded from the Hugging Face Hub on first use and then read from its cache ($HF_HOME, default "
-        f"~/.cache/huggingface). Offline, pass a local checkpoint (--proxy-weights /path/to/file.pth), copy the "
-        f"cache from a machine that has it, or set HF_HUB_OFFLINE=1 to fail fast. Use 'none' for random "
-        f"weights (testing only)."
-    )
-
-
 def create_backbone_model(info: BackboneInfo, pretrained: str | None, cache_dir: str | None = None) -> tuple[torch.nn.Module, str]:
     """(timm model, weights id). pretrained: "hub" (the registered tag, Hub cache), a local checkpoint
     file (the published release, e.g. dino_vitbase8_pretrain.pth or sam_vit_b_01ec64.pth: timm converts
@@ -154,7 +144,7 @@ def _hub_checkpoint(info: BackboneInfo, pretrained: str, cache_dir: str | None) 
             return hf_hub_download(repo, filename, cache_dir=cache_dir)
         except Exception as e:  # offline, not cached, or this file name absent
             error = error or e
-    raise WeightsUnavailableError(_weights_help(info, pretrained)) from error
+    raise WeightsUnavailableError(_weights_help(f"backbone {info.name} ({info.timm_name})", pretrained, "--proxy-weights")) from error
 
 
 # -- positional embeddings ---------------------------------------------------------------------------
