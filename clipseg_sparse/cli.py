@@ -28,6 +28,7 @@ from .cli_common import (
     load_model,
     resolve_attention,
 )
+from .cli_dna import dna_app
 from .progress import err_console, progress_bar
 
 app = typer.Typer(
@@ -65,11 +66,12 @@ class Listable(str, Enum):
     protocols = "protocols"
     grids = "grids"
     stages = "stages"
+    backbones = "backbones"
 
 
 @app.command("ls")
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
-    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages."""
+    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages, proxy backbones."""
     from rich.table import Table
 
     console = out_console()
@@ -99,6 +101,10 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
         table = Table("stage", "kind and meaning")
         for name in STAGES:
             table.add_row(name, STAGES.help(name))
+    elif what is Listable.backbones:
+        from .cli_proxy import backbones_table
+
+        table = backbones_table()
     else:
         import open_clip
 
@@ -338,6 +344,7 @@ def _result_table(record: dict):
 
 convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (see datasets.md).", no_args_is_help=True)
 app.add_typer(convert_app, name="convert")
+app.add_typer(dna_app, name="dna")
 
 
 def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: bool, instances: Path | None = None) -> None:

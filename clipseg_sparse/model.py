@@ -64,13 +64,14 @@ def _is_torchscript_archive(path: Path) -> bool:
         return False
 
 
-def _weights_help(model_name: str, pretrained: str) -> str:
+def _weights_help(model_name: str, pretrained: str, option: str = "--pretrained") -> str:
+    """The one-line advice when Hub weights cannot be had (also used for proxy backbones)."""
     return (
         f"could not obtain weights {pretrained!r} for {model_name}. Model weights are downloaded from the "
         f"Hugging Face Hub on first use and then read from its cache ($HF_HOME, default ~/.cache/huggingface). "
-        f"Offline, either pass a local checkpoint (--pretrained /path/to/model.pt|.bin|.safetensors), copy "
+        f"Offline, either pass a local checkpoint ({option} /path/to/model.pt|.bin|.safetensors), copy "
         f"the cache from a machine that has it, or set HF_HUB_OFFLINE=1 to fail fast. "
-        f"Use --pretrained none for random weights (testing only)."
+        f"Use {option} none for random weights (testing only)."
     )
 
 
@@ -325,6 +326,12 @@ class DenseCLIP:
         hidden states entering the edited blocks, in order. pos_interp: the positional-embedding rule,
         "size" or the published repositories' "scale" (see `positional_embedding`).
         """
+        return self.dense_forward(pixels, spec, token_hooks)
+
+    def dense_forward(
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
+    ) -> torch.Tensor:
+        """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         v = self.visual
         ps = self.patch_size
