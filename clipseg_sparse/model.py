@@ -326,10 +326,14 @@ class DenseCLIP:
         hidden states entering the edited blocks, in order. pos_interp: the positional-embedding rule,
         "size" or the published repositories' "scale" (see `positional_embedding`).
         """
-        return self.dense_forward(pixels, spec, token_hooks)
+        return self.dense_forward(pixels, spec, token_hooks, pos_interp)
 
     def dense_forward(
-        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
+        self,
+        pixels: torch.Tensor,
+        spec: AttentionSpec | str | None = None,
+        token_hooks: Sequence[Callable] = (),
+        pos_interp: str = "size",
     ) -> torch.Tensor:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
