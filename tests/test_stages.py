@@ -123,3 +123,27 @@ def test_text_and_token_stages_run_where_their_kind_says(tiny_clip, monkeypatch)
     h, w = 32 // tiny_clip.patch_size, 48 // tiny_clip.patch_size
     assert seen == [((1, 1 + h * w, tiny_clip.visual.transformer.width), (h, w))]
     assert spied.config()["stages"] == ["spy"]
+
+
+def test_cli_pamr_follows_the_protocol_and_the_flag(tmp_path):
+    """eval: naclip has PAMR on, --no-pamr turns it off; each result file names the stages that ran."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli import app
+    from conftest import TINY_CONFIG
+    from fake_benchmarks import make_benchmark
+
+    make_benchmark("ade20k", tmp_path / "ade", n=1)
+    base = ["eval", "--dataset", "ade20k", "--root", str(tmp_path / "ade"), "--model", TINY_CONFIG, "--pretrained", "none",
+            "--templates", "single", "--resolution", "48", "--window", "32", "--stride", "16", "--protocol", "naclip"]  # fmt: skip
+    configs = {}
+    for flag in ("", "--no-pamr"):
+        out = tmp_path / f"ade{flag}.json"
+        result = CliRunner().invoke(app, base + ["--out", str(out)] + ([flag] if flag else []), env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        configs[flag] = json.loads(out.read_text())["config"]
+    assert (configs[""]["pamr"], configs[""]["stages"]) == (True, ["pamr:10:8,16"])
+    assert (configs["--no-pamr"]["pamr"], configs["--no-pamr"]["stages"]) == (False, [])
+    assert configs[""]["pos_interp"] == "scale" and configs[""]["resize"] == "opencv" and configs[""]["renormalize"] is True
