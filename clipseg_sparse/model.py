@@ -15,7 +15,7 @@ import os
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -306,15 +306,19 @@ class DenseCLIP:
         return x, grid
 
     @torch.inference_mode()
-    def encode_dense(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:
+    def encode_dense(
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
+    ) -> torch.Tensor:
         """Dense features B x h x w x D, after ln_post and proj, L2-normalised, CLS dropped.
 
         pixels: B x 3 x H x W CLIP-normalised, H and W multiples of the patch size; h = H / patch.
         spec: AttentionSpec, its text form or a preset name (None = unmodified CLIP).
+        token_hooks: token stages (stages.py), each `hook(x, grid) -> x` on the B x (1 + h*w) x C
+        hidden states entering the edited blocks, in order, after those the spec names (`hook:`).
         """
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        x = encode_tokens(self.visual, x, spec, grid, pixels)
+        x = encode_tokens(self.visual, x, spec, grid, pixels, token_hooks)
         x = self.visual.ln_post(x[:, 1:]) @ self.visual.proj
         return F.normalize(x.float(), dim=-1).reshape(x.shape[0], *grid, -1)
 

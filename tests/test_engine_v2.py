@@ -51,6 +51,7 @@ def test_canonical_forms():
         ("attn@3-1/softmax", "1 <= A <= B"),
         ("qk[iter:1]/softmax", "self-similarity"),
         ("qq/softmax/hook:nope", "hooks: lof"),
+        ("qq/softmax/hook:pamr", "post stage"),
         ("qq/softmax/in:max@1-2", "sum@A-B or mean@A-B"),
         ("qq/softmax/layers:2/in:sum@1-2", "one edited block"),
         ("qq/softmax/frobnicate", "options: gauss:SIGMA"),

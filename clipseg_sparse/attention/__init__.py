@@ -3,7 +3,7 @@
 A spec has score terms (which features are compared, how, and how the normalised maps are mixed), a row
 *normalizer*, an optional neighbourhood *prior*, a temperature, the block mode (residual, FFN, how many
 final blocks, parallel path, aggregation, extra inputs), an optional negative (DnA-style) branch and
-named hooks. Published methods are named presets (`presets.py`).
+the token stages it needs (`hook:`). Published methods are named presets (`presets.py`).
 
 Compact text form, used on the command line, in sweep grids, result files and table rows:
 
@@ -37,7 +37,7 @@ Compact text form, used on the command line, in sweep grids, result files and ta
                               divided by their sum + 1e-6), e.g. x@9[cos,thresh:0.4] (SC-CLIP)
                 aggout:TERM   the same on the block output
                 in:[W*]sum@A-B | in:[W*]mean@A-B   also run the block on that input and add its output
-                hook:NAME     a registered token or text hook (`clipseg_sparse.hooks`), e.g. lof
+                hook:NAME     a token stage the method needs (`clipseg_sparse.stages`), e.g. lof
                 NAME:ARG      an option registered with `register_option` (extension point)
 
 `str(spec)` writes the canonical form, and `AttentionSpec.parse(str(spec)) == spec`. Every option is

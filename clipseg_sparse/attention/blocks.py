@@ -13,11 +13,11 @@ Nothing is patched in place; the model's weights are only read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..hooks import hooks_of
 from .combine import _attend, aggregate, attention_weights
 from .spec import AttentionSpec
 from .taps import TAPS, BlockContext, clip_attention, tap_kind
@@ -29,7 +29,7 @@ class EncoderState:
 
     x: B x (1 + h*w) x C. hidden: block index (1-based) -> tokens after that block, untouched (output
     aggregation and extra inputs read these). main: the hidden states the main path's score terms and
-    input aggregation read (a token hook may repair them). maps: CLIP's own attention of kept blocks."""
+    input aggregation read (a token stage with `taps` repairs them with x). maps: CLIP's own attention of kept blocks."""
 
     x: torch.Tensor
     grid: tuple[int, int]
@@ -125,18 +125,22 @@ def encode_tokens(
     spec: AttentionSpec,
     grid: tuple[int, int],
     pixels: torch.Tensor | None = None,
+    token_hooks: Sequence[Callable] = (),
     sink: list | None = None,
 ) -> torch.Tensor:
     """Tokens B x (1 + h*w) x C after the last block, the last `spec.layers` blocks edited.
 
-    x: B x (1 + h*w) x C after ln_pre. sink: see `edited_block_forward` (filled by the last edited
-    block's main path)."""
+    x: B x (1 + h*w) x C after ln_pre. token_hooks: token stages (`stages.py`) to run after the spec's
+    own (`hook:`), before the edited blocks. sink: see `edited_block_forward` (filled by the last
+    edited block's main path)."""
     blocks = visual.transformer.resblocks
     if spec.layers > len(blocks):
         raise ValueError(f"spec edits {spec.layers} blocks but the model has {len(blocks)}")
     if spec.is_identity and sink is None:
         for blk in blocks:
             x = blk(x)
+        for hook in token_hooks:  # no block is edited: the hooks see the last block's output
+            x = hook(x, grid)
         return x
     n_plain = len(blocks) - spec.layers
     need_main, need_raw, need_maps = _tap_needs(spec)
@@ -152,8 +156,10 @@ def encode_tokens(
             state.hidden[i] = x
     state.x = x
     state.main = {i: state.hidden[i] for i in need_main}
-    for hook in hooks_of(spec.hooks, "token"):
-        hook(state)
+    from ..stages import parse_stage
+
+    for hook in [parse_stage(h) for h in spec.hooks] + list(token_hooks):
+        state.x = hook(state.x, grid, state.main) if getattr(hook, "taps", False) else hook(state.x, grid)
     edited = blocks[n_plain:]
     if spec.parallel:
         return _parallel(edited, state, spec, sink)

@@ -287,7 +287,7 @@ class AttentionSpec:
         the original path's ln_1 state (GEM, CLIP Surgery). average: divide the sum of groups by their
         number. aggregate_in/out: identity-value aggregation x <- R(support(S)) x before / after the block
         (R: row sums + 1e-6, SC-CLIP). inputs: extra inputs of the block (SC-CLIP's multi-level sum).
-        hooks: registered token/text hooks (`clipseg_sparse.hooks`). extras: registered options.
+        hooks: token stages the method needs (`clipseg_sparse.stages`, e.g. lof). extras: registered options.
     """
 
     source: tuple[str, ...] = ("qk",)
@@ -339,11 +339,7 @@ class AttentionSpec:
         object.__setattr__(self, "inputs", tuple(str(BlockInput.parse(i)) for i in self.inputs))
         if self.inputs and (self.parallel or self.layers != 1):
             raise ValueError("extra block inputs (in:...) need one edited block in replace mode (layers:1, no parallel)")
-        from ..hooks import check_hook
-
-        object.__setattr__(self, "hooks", tuple(self.hooks))
-        for hook in self.hooks:
-            check_hook(hook)
+        object.__setattr__(self, "hooks", tuple(_check_hook(h) for h in self.hooks))
         extras = []
         for name, arg in self.extras:
             extras.append((name, OPTIONS.get(name).check(arg)))
@@ -478,3 +474,22 @@ def _taps_help() -> str:
     from .taps import TAPS
 
     return ", ".join(TAPS.help(n) for n in TAPS.names())
+
+
+def _check_hook(text: str) -> str:
+    """The canonical text of a token stage named by `hook:`; ValueError naming the token stages."""
+    from ..stages import STAGES, parse_stage
+
+    try:
+        stage = parse_stage(text)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_token_stages()}") from None
+    if stage.kind != "token":
+        raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_token_stages()} (post stages go in --stage)")
+    return stage.name
+
+
+def _token_stages() -> str:
+    from ..stages import STAGES
+
+    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith("token"))
