@@ -65,11 +65,12 @@ class Listable(str, Enum):
     protocols = "protocols"
     grids = "grids"
     stages = "stages"
+    backbones = "backbones"
 
 
 @app.command("ls")
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
-    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages."""
+    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages, proxy backbones."""
     from rich.table import Table
 
     console = out_console()
@@ -101,6 +102,10 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
         table = Table("stage", "kind and meaning")
         for name in STAGES:
             table.add_row(name, STAGES.help(name))
+    elif what is Listable.backbones:
+        from .cli_proxy import backbones_table
+
+        table = backbones_table()
     else:
         import open_clip
 
@@ -180,7 +185,7 @@ def segment(
     except ValueError as e:
         fail(str(e))
     clip = load_model(model, pretrained, device, precision)
-    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates)
+    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=True)
     try:
         plan = plan_run(found.jobs, out, options, segmenter.config())
     except InputError as e:

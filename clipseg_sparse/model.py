@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionSpec, resolve_spec
-from .attention.blocks import attention_maps_from_tokens, encode_tokens
+from .attention import blocks as attention_blocks
+from .text_tower import encode_tokens
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RANDOM_WEIGHTS_SEED = 0
@@ -63,13 +64,14 @@ def _is_torchscript_archive(path: Path) -> bool:
         return False
 
 
-def _weights_help(model_name: str, pretrained: str) -> str:
+def _weights_help(model_name: str, pretrained: str, option: str = "--pretrained") -> str:
+    """The one-line advice when Hub weights cannot be had (also used for proxy backbones)."""
     return (
         f"could not obtain weights {pretrained!r} for {model_name}. Model weights are downloaded from the "
         f"Hugging Face Hub on first use and then read from its cache ($HF_HOME, default ~/.cache/huggingface). "
-        f"Offline, either pass a local checkpoint (--pretrained /path/to/model.pt|.bin|.safetensors), copy "
+        f"Offline, either pass a local checkpoint ({option} /path/to/model.pt|.bin|.safetensors), copy "
         f"the cache from a machine that has it, or set HF_HUB_OFFLINE=1 to fail fast. "
-        f"Use --pretrained none for random weights (testing only)."
+        f"Use {option} none for random weights (testing only)."
     )
 
 
@@ -266,13 +268,16 @@ class DenseCLIP:
         return float(self.model.logit_scale.exp())
 
     @torch.inference_mode()
-    def encode_text(self, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-        """L2-normalised text embeddings, T x D (fp32)."""
-        feats = []
-        for i in range(0, len(texts), batch_size):
-            tokens = self.tokenizer(list(texts[i : i + batch_size])).to(self.device)
-            feats.append(F.normalize(self.model.encode_text(tokens).float(), dim=-1))
-        return torch.cat(feats) if feats else torch.zeros(0, self.embed_dim)
+    def encode_text(
+        self, texts: Sequence[str], batch_size: int = 256, advance: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """L2-normalised text embeddings, T x D (fp32), equal to open_clip's `encode_text` (to ~1e-7)
+        but computed only up to each batch's longest prompt where that is exact (see text_tower.py).
+        advance(n) is called as batches of n prompts finish."""
+        if not texts:
+            return torch.zeros(0, self.embed_dim)
+        tokens = self.tokenizer(list(texts)).to(self.device)
+        return F.normalize(encode_tokens(self.model, tokens, batch_size, advance).float(), dim=-1)
 
     def positional_embedding(self, grid: tuple[int, int]) -> torch.Tensor:
         """Positional embeddings (1 + h*w) x C, bicubically interpolated from the native grid."""
@@ -318,7 +323,7 @@ class DenseCLIP:
         """
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        x = encode_tokens(self.visual, x, spec, grid, pixels, token_hooks)
+        x = attention_blocks.encode_tokens(self.visual, x, spec, grid, pixels, token_hooks)
         x = self.visual.ln_post(x[:, 1:]) @ self.visual.proj
         return F.normalize(x.float(), dim=-1).reshape(x.shape[0], *grid, -1)
 
@@ -327,4 +332,4 @@ class DenseCLIP:
         """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        return attention_maps_from_tokens(self.visual, x, spec, grid, pixels).float()
+        return attention_blocks.attention_maps_from_tokens(self.visual, x, spec, grid, pixels).float()
