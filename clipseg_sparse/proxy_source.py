@@ -160,14 +160,15 @@ TAPS.register(
 
 _PROXYCLIP = "ext:{}[cos,shift:1.2,scale:3,pos]/softmax/cls:0/noffn"
 _PROXYCLIP_NOTES = (
-    "copied: cosine of the backbone's last normed patch tokens on its own grid (crop/8 for DINO B/8), "
-    "(S - 1.2 mean(S)) x 3 with the mean over each window's M x M map, -inf below 0, softmax shared by all "
-    "heads, CLIP's values of block L-1 bilinearly resized to that grid, W_o(A V) without residual, FFN or "
-    "CLS, logits on the backbone grid resized to the window; DINO's own position-embedding interpolation "
-    "(backbones.dino_pos_embed); the backbone sees CLIP's crop re-normalised with ImageNet mean/std; "
-    "fixed: non-square crops use (H/p, W/p) (the code assumes square windows and transposes CLIP's grid), "
-    "windows smaller than the crop are zero-padded bottom/right to CLIP's patch (the code pads centred to 56), "
-    "fp32 (the code runs DINO and CLIP in fp16)"
+    "copied: cosine of the backbone's last normed patch tokens on its own grid; (S - 1.2 mean(S)) x 3 with the "
+    "mean over each window's whole map; -inf below 0; one softmax map for all heads; the last block's values "
+    "bilinearly resized to the backbone grid; W_o(A V) without residual, FFN or CLS; logits on the backbone grid "
+    "resized to the window; the backbone sees the CLIP crop re-normalised with ImageNet mean/std at the crop's "
+    "size (SAM: 1024 x 1024); DINO's own position-embedding interpolation; "
+    "fixed: non-square crops use (H/p, W/p) (the code assumes square windows and transposes CLIP's grid); crops "
+    "smaller than the window are padded bottom/right to CLIP's patch (the code pads centred to 56); "
+    "not copied: CLIP's own positional embedding resized DINO-style, fp16, its ';'-separated class files; "
+    "a window whose mean similarity exceeds 1/1.2 gives NaN, as in the published code"
 )
 for _name, _backbone, _what in (
     ("proxyclip", "dino_vitb8", "DINO ViT-B/8"),
