@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionSpec, resolve_spec
-from .attention.blocks import attention_maps_from_tokens, encode_tokens
+from .attention import blocks as attention_blocks
 from .attention.taps import attention_grid
-from .text_tower import encode_tokens as encode_text_tokens
+from .text_tower import encode_tokens
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RANDOM_WEIGHTS_SEED = 0
@@ -278,7 +278,7 @@ class DenseCLIP:
         if not texts:
             return torch.zeros(0, self.embed_dim)
         tokens = self.tokenizer(list(texts)).to(self.device)
-        return F.normalize(encode_text_tokens(self.model, tokens, batch_size, advance).float(), dim=-1)
+        return F.normalize(encode_tokens(self.model, tokens, batch_size, advance).float(), dim=-1)
 
     def positional_embedding(self, grid: tuple[int, int]) -> torch.Tensor:
         """Positional embeddings (1 + h*w) x C, bicubically interpolated from the native grid."""
@@ -322,9 +322,15 @@ class DenseCLIP:
         token_hooks: token stages (stages.py), each `hook(x, grid) -> x` on the B x (1 + h*w) x C
         hidden states entering the edited blocks, in order, after those the spec names (`hook:`).
         """
+        return self.dense_forward(pixels, spec, token_hooks)
+
+    def dense_forward(
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
+    ) -> torch.Tensor:
+        """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        x = encode_tokens(self.visual, x, spec, grid, pixels, token_hooks)
+        x = attention_blocks.encode_tokens(self.visual, x, spec, grid, pixels, token_hooks)
         x = self.visual.ln_post(x[:, 1:]) @ self.visual.proj
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
         return F.normalize(x.float(), dim=-1).reshape(x.shape[0], *out_grid, -1)
@@ -334,4 +340,4 @@ class DenseCLIP:
         """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        return attention_maps_from_tokens(self.visual, x, spec, grid, pixels).float()
+        return attention_blocks.attention_maps_from_tokens(self.visual, x, spec, grid, pixels).float()

@@ -485,7 +485,7 @@ def _check_hook(text: str) -> str:
     except (KeyError, ValueError) as e:
         raise ValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_token_stages()}") from None
     if stage.kind != "token":
-        raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_token_stages()} (post stages go in --stage)")
+        raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_token_stages()} (post stages run with --pamr or InferenceSettings.stages)")
     return stage.name
 
 
