@@ -113,6 +113,18 @@ def test_entmax_to_one_equals_proxyclip_and_keeps_the_support(proxy):
     torch.testing.assert_close(sparse.sum(-1), torch.ones_like(sparse[..., 0]))
 
 
+def test_qk_tap_is_the_cosine_of_q_plus_k(proxy):
+    """ext:NAME.qk (CorrCLIP's features): q + k of the backbone's last block, heads concatenated."""
+    clip, backbone = proxy
+    torch.manual_seed(6)
+    pixels = torch.randn(1, 3, 32, 32)
+    maps = clip.attention_maps(pixels, "ext:dino_vitb8.qk[cos,scale:4]/softmax/cls:0/noffn")
+    f = backbone.features(backbone.from_clip_pixels(pixels, clip.mean, clip.std), want=("qkv",))
+    qk = (f.q + f.k)[0].transpose(0, 1).reshape(16, -1)  # M x (heads * d)
+    expected = torch.softmax(4 * F.normalize(qk, dim=-1) @ F.normalize(qk, dim=-1).T, dim=-1)
+    torch.testing.assert_close(maps[0, 0], expected, atol=1e-6, rtol=1e-5)
+
+
 def test_window_batching_does_not_change_results(proxy):
     clip, _ = proxy
     torch.manual_seed(4)
