@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, resolve_spec
 from .images import load_image
 from .model import POS_INTERP_RULES, DenseCLIP
+from .proxy_source import PROXIES, ext_backbones, proxy_config
 from .stages import Stage, resolve_stages
 from .text import Vocabulary, embed_names, resolve_templates, templates_id
 
@@ -195,9 +196,10 @@ def dense_cosine(
     Windows run as batches of `batch_size` through the model; each window's patch map is upsampled
     bilinearly to the window (by default zero-padded up to a multiple of the patch size, then cropped;
     `remainder` and `pos_interp` as in `iter_window_features`) and the overlaps are averaged. Bilinear
-    resizing is separable and linear, and the windows form a grid of row and column intervals, so upsample -> place -> average -> resize is one product per name,
-    Ly @ G @ Lx^T, with G the grid of all windows' patch maps (N_names x rows*h x cols*w) and Ly, Lx
-    small interpolation matrices: no per-window work or window-sized temporaries beyond the model call.
+    resizing is separable and linear, and the windows form a grid of row and column intervals, so
+    upsample -> place -> average -> resize is one product per name, Ly @ G @ Lx^T, with G the grid of
+    all windows' patch maps (N_names x rows*h x cols*w) and Ly, Lx small interpolation matrices: no
+    per-window work or window-sized temporaries beyond the model call.
     """
     _, _, H, W = pixels.shape
     text = text.to(clip.device)
@@ -212,6 +214,8 @@ def dense_cosine(
     _, n, h, w = cos.shape
     grid = cos.view(len(rows), len(cols), n, h, w).permute(2, 0, 3, 1, 4).reshape(n, len(rows) * h, len(cols) * w)
     out_h, out_w = out_size or (H, W)
+    # a window's map covers the window's encoded pixels (`window_geometry`): h x w patches of CLIP, or
+    # the finer grid of an external backbone's attention (ProxyCLIP's DINO B/8 gives 2h x 2w)
     _, top, _, up_h = window_geometry(rows[0][1] - rows[0][0], clip.patch_size, remainder, not window)
     _, left, _, up_w = window_geometry(cols[0][1] - cols[0][0], clip.patch_size, remainder, not window)
     ly = _window_interpolation(rows, H, h, up_h, top, out_h).to(clip.device)
@@ -326,6 +330,8 @@ class Segmenter:
         self.clip = clip
         self.vocabulary = vocabulary
         self.spec = resolve_spec(spec)
+        if ext_backbones(self.spec):  # ext: terms see this CLIP's crops (its normalisation, precision)
+            PROXIES.configure(clip)
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
         self.stages = resolve_stages(self.settings.stage_texts())
@@ -346,6 +352,7 @@ class Segmenter:
             "classes": [list(syn) for syn in self.vocabulary.names],
             **dataclasses.asdict(self.settings),
             "stages": [s.name for s in self.stages],  # canonical names, PAMR included when on
+            **proxy_config(self.spec),  # backbones of ext: terms, their tags and weights
         }
 
     def _stages(self, kind: str) -> list[Stage]:

@@ -7,8 +7,9 @@ and their segmentor defaults, at the commits given in `source`. The protocols al
 below the configs: mmcv's OpenCV resize of the uint8 image (`resize="opencv"`), the positional-embedding
 scale factor (n + 0.1) / native (`pos_interp="scale"`), window sides that are not whole patches cut by
 the patch convolution (SCLIP, NACLIP) or zero-padded centred (ClearCLIP) (`remainder`), and the saved
-probabilities (SCLIP's area threshold zeroes classes; NACLIP renormalises, `renormalize`). Precedence, written once in `Protocol.settings`:
-overrides (command line) > protocol per dataset > protocol defaults > `InferenceSettings` defaults.
+probabilities (SCLIP's area threshold zeroes classes; NACLIP renormalises, `renormalize`). Precedence,
+written once in `Protocol.settings`: overrides (command line) > protocol per dataset > protocol
+defaults > `InferenceSettings` defaults.
 
 Not reproduced: every published repository runs CLIP in fp16 on GPU (ClearCLIP creates its OpenCLIP
 model with precision='fp16'; SCLIP and NACLIP load OpenAI's `clip`, whose `build_model` converts the
@@ -126,4 +127,25 @@ PROTOCOLS.register(
         per_dataset={**_SCLIP_LINE_SIZES, **{d: dict(bg_threshold=0.1) for d in _BG_DATASETS}},
     ),
     help="NACLIP (WACV 2025) before v2, no PAMR",
+)
+
+# ProxyCLIP ships `; `-separated class files whose VOC21 / COCO-Object person and tvmonitor lines are single
+# names (SCLIP's list several); the SCLIP set is the closest shipped here (datasets.md, Protocols).
+PROTOCOLS.register(
+    "proxyclip",
+    Protocol(
+        name="proxyclip",
+        attention="proxyclip",
+        class_names="sclip",
+        source="mc-lan/ProxyCLIP@05c3c18 configs/cfg_*.py, proxyclip_segmentor.py",
+        defaults=dict(resolution=336, window=336, stride=112, logit_scale=40.0),
+        per_dataset={
+            "ade20k": dict(resolution=448),
+            "cityscapes": dict(resolution=448, window=224),
+            "voc21": dict(bg_threshold=0.2),
+            "context60": dict(bg_threshold=0.15),
+            "coco-object": dict(bg_threshold=0.25),
+        },
+    ),
+    help="ProxyCLIP (ECCV 2024): short side 336 (ADE20K, Cityscapes 448), 336/112 windows (Cityscapes 224), logit scale 40",
 )
