@@ -147,3 +147,25 @@ def test_cli_pamr_follows_the_protocol_and_the_flag(tmp_path):
     assert (configs[""]["pamr"], configs[""]["stages"]) == (True, ["pamr:10:8,16"])
     assert (configs["--no-pamr"]["pamr"], configs["--no-pamr"]["stages"]) == (False, [])
     assert configs[""]["pos_interp"] == "scale" and configs[""]["resize"] == "opencv" and configs[""]["renormalize"] is True
+
+
+def test_cli_sweep_pamr_joins_every_cell(tmp_path):
+    """sweep --pamr adds pamr to the grid's overrides: the sclip protocol's cell (PAMR off there) runs it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli import app
+    from conftest import TINY_CONFIG
+    from fake_benchmarks import make_benchmark
+
+    make_benchmark("ade20k", tmp_path / "data", n=1)
+    out = tmp_path / "sweep"
+    args = ["sweep", "--models", TINY_CONFIG, "--pretrained", "none", "--datasets", "ade20k", "--resolutions", "48",
+            "--templates", "single", "--protocol", "sclip", "--root", str(tmp_path / "data"), "--out", str(out),
+            "--device", "cpu", "--pamr"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (path,) = [p for p in out.glob("*.json") if not p.name.endswith((".error.json", "summary.json"))]
+    config = json.loads(path.read_text())["config"]
+    assert config["pamr"] is True and config["stages"] == ["pamr:10:8,16"]
