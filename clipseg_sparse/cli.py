@@ -26,6 +26,7 @@ from .cli_common import (
     fail,
     out_console,
     load_model,
+    note_softmax_aliases,
     resolve_attention,
 )
 from .progress import err_console, progress_bar
@@ -143,6 +144,7 @@ def segment(
             vocabulary = vocabulary.with_background(background.split(","))
         elif bg_threshold:
             raise ValueError("--bg-threshold needs --background (the class that low-confidence pixels become)")
+        vocabulary.check_unique()
         prompt_templates = resolve_templates(templates)
         options = OutputOptions(mask_format=mask_format, save_probs=save_probs, overwrite=overwrite)
         options.check_classes(len(vocabulary))
@@ -167,7 +169,10 @@ def segment(
     except ValueError as e:
         fail(str(e))
     clip = load_model(model, pretrained, device, precision)
-    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates)
+    try:
+        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates)
+    except ValueError as e:  # a spec the model cannot run
+        fail(str(e))
     try:
         plan = plan_run(found.jobs, out, options, segmenter.config())
     except InputError as e:
@@ -271,18 +276,22 @@ def eval_cmd(
 
     Several processes: `torchrun --nproc-per-node N -m clipseg_sparse eval ...` shards the images.
     """
-    from .datasets import DATASETS, DatasetError
+    from .datasets import DATASETS, DatasetError, class_vocabulary
     from .distributed import init_from_env
     from .evaluate import evaluate
     from .protocols import PROTOCOLS
     from .results import ConfigMismatchError
 
     check_out(out, folder=False)
+    check_out(save_pred, folder=True, option="--save-pred")
     try:
         bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
-        bench.samples(root)  # fail on a missing dataset before loading the model
-    except (KeyError, DatasetError) as e:
+        bench.samples(root)  # fail on a missing dataset or class-name file before loading the model
+        vocabulary, _ = class_vocabulary(bench.name, class_names or proto.class_names)
+    except (KeyError, DatasetError, ValueError) as e:
         fail(str(e))
+    for repeated in vocabulary.repeated_names():  # published name sets are kept as published (SCLIP's COCO-Object)
+        err_console.print(f"note: prompt names of {bench.name}: {repeated}; kept as given, the later class cannot win on that name", highlight=False, soft_wrap=True)
     spec = resolve_attention(preset, attn, default=proto.attention)
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
@@ -518,6 +527,7 @@ def sweep(
         "precision": precision.value if precision else None, "protocol": protocol, "limit": limit, "templates": templates,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
+    note_softmax_aliases([*given.get("normalizers", []), *(f"entmax:{a}" for a in given.get("alphas", []))])
     for key, kind in (("resolutions", int), ("alphas", float)):
         try:
             if key in given:
@@ -585,7 +595,7 @@ def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite:
 
 @app.command("reproduce")
 def reproduce(
-    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a [report] table.")] = None,
+    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a \\[report] table (rows, cols, metric).")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the shipped grids and exit.")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results folder (default results/TABLE).")] = None,
     root: RootOpt = None,

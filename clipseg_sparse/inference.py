@@ -245,6 +245,7 @@ class Segmenter:
         self.clip = clip
         self.vocabulary = vocabulary
         self.spec = resolve_spec(spec)
+        clip.check_spec(self.spec)
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
         self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir)

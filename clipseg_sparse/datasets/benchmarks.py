@@ -79,7 +79,8 @@ class Benchmark:
             n = len(self.img_suffix)
             ids = sorted(p.relative_to(img_dir).as_posix()[:-n] for p in img_dir.rglob(f"*{self.img_suffix}"))
         if not ids:
-            raise self._error(f"no images ending in {self.img_suffix} in {img_dir}")
+            where = f"split file {base / self.split} lists no image ids" if self.split else f"no images ending in {self.img_suffix} in {img_dir}"
+            raise self._error(where)
         samples = [Sample(i, img_dir / f"{i}{self.img_suffix}", ann_dir / f"{i}{self.seg_suffix}") for i in ids]
         for s in samples:
             for path, what in ((s.image, "image"), (s.label, "label")):
