@@ -16,7 +16,7 @@ import os
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -324,11 +324,15 @@ class DenseCLIP:
             raise ValueError(f"attention spec {spec} edits the last {spec.layers} blocks, but {self.model_name} has {self.depth}")
 
     @torch.inference_mode()
-    def encode_dense(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:
+    def encode_dense(
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
+    ) -> torch.Tensor:
         """Dense features B x h x w x D, after ln_post and proj, L2-normalised, CLS dropped.
 
         pixels: B x 3 x H x W CLIP-normalised, H and W multiples of the patch size; h = H / patch.
         spec: AttentionSpec, its text form or a preset name (None = unmodified CLIP).
+        token_hooks: token stages (stages.py), each `hook(x, grid) -> x` on the B x (1 + h*w) x C
+        hidden states entering the edited blocks, in order.
         """
         spec = resolve_spec(spec)
         v = self.visual
@@ -349,6 +353,8 @@ class DenseCLIP:
         n_plain = len(blocks) if spec.is_identity else len(blocks) - spec.layers
         for blk in blocks[:n_plain]:
             x = blk(x)
+        for hook in token_hooks:
+            x = hook(x, grid)
         for blk in blocks[n_plain:]:
             x = edited_block_forward(blk, x, spec, grid)
         x = v.ln_post(x[:, 1:]) @ v.proj
