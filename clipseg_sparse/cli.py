@@ -163,9 +163,10 @@ def segment(
     except (ValueError, FileNotFoundError, InputError, UnknownNameError) as e:
         fail(str(e))
     spec = resolve_attention(preset, attn, default="sclip")
-    if found.not_images:
-        names = ", ".join(str(p) for p in found.not_images[:5]) + (", ..." if len(found.not_images) > 5 else "")
-        err_console.print(f"note: skipping {len(found.not_images)} file(s) that are not images: {names}", highlight=False)
+    for skipped, what in ((found.not_images, "that are not images"), (found.special, "that are not regular files (FIFO, socket, device)")):
+        if skipped:
+            names = ", ".join(str(p) for p in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+            err_console.print(f"note: skipping {len(skipped)} file(s) {what}: {names}", highlight=False, soft_wrap=True)
     if not found.jobs:
         fail("no images found in the inputs")
 
@@ -205,7 +206,7 @@ def segment(
     except ClaimConflictError as e:  # a concurrent run on the same --out claimed an image first
         fail(conflict.format(n=1, reason=e) + "; the images this run finished are kept")
 
-    _print_segment_summary(report, segmenter.class_names, len(found.not_images), out)
+    _print_segment_summary(report, segmenter.class_names, len(found.not_images) + len(found.special), out)
     if report.failed:
         raise typer.Exit(1)
 
@@ -680,10 +681,28 @@ INTERRUPTED = (
 )
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, Slurm's time limit, docker stop) handled as Ctrl-C: the run stops where it is and
+    keeps its finished work (every write is atomic), then exits with 143 (128 + SIGTERM)."""
+
+
+_signals: list[int] = []
+
+
+def _on_sigterm(signum: int, frame) -> None:
+    _signals.append(signum)
+    raise Terminated()
+
+
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         app()
     except SystemExit as e:
-        if e.code == 130:  # typer's exit status for Ctrl-C
+        if e.code == 130:  # typer's exit status for Ctrl-C, and for SIGTERM (raised as a KeyboardInterrupt)
             err_console.print(INTERRUPTED, highlight=False)
+            if _signals:
+                raise SystemExit(128 + _signals[0]) from None
         raise

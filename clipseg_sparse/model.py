@@ -184,12 +184,67 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
             f"or give a checkpoint path, or 'none'"
         )
     gelu = cfg.get("quick_gelu", False) if quick_gelu is None else quick_gelu
+    unreachable = _unreachable_hub(cfg)
     try:
-        with _no_stray_open_clip_logs():
+        with _no_stray_open_clip_logs(), _hub_offline(unreachable is not None):
             model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=gelu, cache_dir=cache_dir)
     except Exception as e:
-        raise WeightsUnavailableError(_weights_help(name, pretrained)) from e
+        why = f"{unreachable} is unreachable and the weights are not in the cache. " if unreachable else ""
+        raise WeightsUnavailableError(why + _weights_help(name, pretrained)) from e
     return model, name, pretrained, gelu
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def _unreachable_hub(cfg: dict) -> str | None:
+    """The host serving a pretrained tag when it cannot be reached now, else None.
+
+    Offline, huggingface_hub retries for about a minute before failing; one TCP connection with a short
+    timeout (name lookup included) tells the same in seconds. Skipped, returning None, when offline mode
+    is already set or a proxy is configured (the proxy, not the host, would have to be reached).
+    """
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return None
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = os.environ.get("HF_ENDPOINT", "https://huggingface.co") if cfg.get("hf_hub") or not cfg.get("url") else cfg["url"]
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "huggingface.co", parsed.port or (80 if parsed.scheme == "http" else 443)
+    reached: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+            reached.append(True)
+        except OSError:
+            pass
+
+    worker = threading.Thread(target=probe, daemon=True)  # a hanging name lookup is abandoned, not waited for
+    worker.start()
+    worker.join(HUB_PROBE_TIMEOUT_S + 0.5)
+    return None if reached else host
+
+
+@contextlib.contextmanager
+def _hub_offline(offline: bool):
+    """huggingface_hub's offline mode for the block (it reads the flag per request): cached weights still
+    load, and a download fails at once instead of after its retries."""
+    if not offline:
+        yield
+        return
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
 
 
 def load_clip(
