@@ -29,6 +29,7 @@ from .cli_common import (
     note_softmax_aliases,
     resolve_attention,
 )
+from .cli_dna import dna_app
 from .progress import err_console, progress_bar
 
 app = typer.Typer(
@@ -66,11 +67,12 @@ class Listable(str, Enum):
     protocols = "protocols"
     grids = "grids"
     stages = "stages"
+    backbones = "backbones"
 
 
 @app.command("ls")
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
-    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages."""
+    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages, proxy backbones."""
     from rich.table import Table
 
     console = out_console()
@@ -100,6 +102,10 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
         table = Table("stage", "kind and meaning")
         for name in STAGES:
             table.add_row(name, STAGES.help(name))
+    elif what is Listable.backbones:
+        from .cli_proxy import backbones_table
+
+        table = backbones_table()
     else:
         import open_clip
 
@@ -182,7 +188,7 @@ def segment(
         fail(str(e))
     clip = load_model(model, pretrained, device, precision)
     try:
-        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates)
+        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=True)
     except ValueError as e:  # a spec the model cannot run
         fail(str(e))
     try:
@@ -348,6 +354,7 @@ def _result_table(record: dict):
 
 convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (see datasets.md).", no_args_is_help=True)
 app.add_typer(convert_app, name="convert")
+app.add_typer(dna_app, name="dna")
 
 
 def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: bool, instances: Path | None = None) -> None:

@@ -244,7 +244,8 @@ class Segmenter:
         seg = Segmenter(load_clip("ViT-B-16"), "cat,dog,grass", spec="sclip")
         result = seg.predict("photo.jpg")        # result.labels, result.probs, result.class_names
 
-    The vocabulary is embedded once (and cached on disk) when the segmenter is built.
+    The vocabulary is embedded once (and cached on disk) when the segmenter is built; `progress` shows a
+    progress bar on stderr while it is (or a note that the cache is reused).
     """
 
     def __init__(
@@ -255,6 +256,7 @@ class Segmenter:
         settings: InferenceSettings | None = None,
         templates: str | Sequence[str] = "openai",
         cache_dir: str | Path | None = None,
+        progress: bool = False,
     ) -> None:
         if isinstance(vocabulary, str):
             vocabulary = Vocabulary.parse(vocabulary)
@@ -267,7 +269,7 @@ class Segmenter:
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
         self.stages = resolve_stages(self.settings.stage_texts())
-        self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir)
+        self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir, progress=progress)
         for stage in self._stages("text"):
             self.text = stage(self.text)
 
