@@ -147,3 +147,29 @@ def test_entmax_alpha_one_says_it_is_softmax(image, tmp_path):
     assert json.loads((tmp_path / "o" / "x.json").read_text())["settings"]["attention"] == "qk/softmax"
     quiet = invoke("segment", image, "--classes", "a,b", "--out", tmp_path / "o2", *TINY, "--resolution", "32", "--attn", "qk/entmax:1.5")
     assert quiet.exit_code == 0 and "is softmax" not in quiet.stderr
+
+
+def test_offline_with_an_empty_cache_fails_in_seconds(tmp_path):
+    """Issue 15 finding 11: without HF_HUB_OFFLINE, huggingface_hub retried for ~51 s before our message.
+    The sandbox has no network, so this measures the real path; where the Hub host resolves, an endpoint
+    on a closed local port stands in for it, so the test never downloads."""
+    import socket
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    try:
+        socket.getaddrinfo("huggingface.co", 443)
+        env["HF_ENDPOINT"] = "https://127.0.0.1:9"
+    except OSError:
+        pass
+    script = (
+        "import time\nfrom clipseg_sparse.model import WeightsUnavailableError, load_clip\nstart = time.perf_counter()\n"
+        "try:\n    load_clip('ViT-B-16', 'openai', device='cpu')\nexcept WeightsUnavailableError as e:\n"
+        "    print(f'{time.perf_counter() - start:.2f}', e)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    seconds, message = run.stdout.split(" ", 1)
+    assert float(seconds) < 10, run.stdout  # the load itself, imports excluded
+    assert "unreachable" in message and "could not obtain weights 'openai' for ViT-B-16" in message
