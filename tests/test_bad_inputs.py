@@ -165,11 +165,12 @@ def test_offline_with_an_empty_cache_fails_in_seconds(tmp_path):
     except OSError:
         pass
     script = (
-        "import time\nfrom clipseg_sparse.model import WeightsUnavailableError, load_clip\nstart = time.perf_counter()\n"
+        "import time\nimport huggingface_hub, open_clip\nfrom clipseg_sparse.model import WeightsUnavailableError, load_clip\n"
+        "start = time.perf_counter()\n"
         "try:\n    load_clip('ViT-B-16', 'openai', device='cpu')\nexcept WeightsUnavailableError as e:\n"
         "    print(f'{time.perf_counter() - start:.2f}', e)\n"
     )
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
     seconds, message = run.stdout.split(" ", 1)
-    assert float(seconds) < 10, run.stdout  # the load itself, imports excluded
+    assert float(seconds) < 10, run.stdout  # the load itself, imports excluded (it took 51-56 s)
     assert "unreachable" in message and "could not obtain weights 'openai' for ViT-B-16" in message
