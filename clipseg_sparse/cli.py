@@ -506,14 +506,17 @@ def _print_summary(summary, out: Path) -> None:
         err_console.print(f"  [red]failed[/] {failure.cell.label}: {failure.error}  ({failure.cell.hash}.error.json)", highlight=False)
 
 
-def _run_grid(grid, paths, device: Device):
+def _run_grid(grid, paths, device: Device, metric: str | None = None):
     from .model import resolve_device
-    from .sweep import run_sweep
+    from .sweep import check_fgovd_negatives, run_sweep
 
-    try:  # a missing GPU would otherwise fail every cell
+    try:  # a missing GPU would otherwise fail every cell; a report metric no file can give, the report
         resolve_device(device.value)
+        notes = check_fgovd_negatives(grid, metric)
     except ValueError as e:
         fail(str(e))
+    for note in notes:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
     summary = run_sweep(grid, paths, device=device.value)
     _print_summary(summary, paths.out)
     return summary
@@ -656,8 +659,8 @@ def reproduce(
     out = out or Path("results") / grid_file.stem
     check_out(out, folder=True)
     paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root)
-    summary = _run_grid(grid_file_spec.grid, paths, device)
     report = grid_file_spec.report
+    summary = _run_grid(grid_file_spec.grid, paths, device, report.get("metric"))
     try:  # report files are derived from the results in OUT, so they are regenerated each time
         _render_report(collect(summary.results), report.get("rows", "source"), report.get("cols", "normalizer"),
                        report.get("metric"), out / "report.md", out / "report.csv", out / "plots", overwrite=True)  # fmt: skip

@@ -188,6 +188,32 @@ class Cell:
         return f"{Path(self.model).stem} {data} {self.attention}{res}"
 
 
+def check_fgovd_negatives(grid: Grid, metric: str | None = None) -> list[str]:
+    """Before any cell runs: a note per FG-OVD file that is reported below the grid's `negatives` (each
+    split at the N most of its regions reach, `fgovd.metrics.supported_negatives`); ValueError when
+    `metric` names an N (`top1@10`) for which a file has no region, so its split could never be shown."""
+    import re
+
+    from .fgovd.data import negative_counts
+    from .fgovd.metrics import supported_negatives
+
+    asked = re.fullmatch(r"(?:top1|mean_rank|median_rank|count)@(\d+)", metric or "")
+    notes = []
+    for path in grid.fgovd:
+        counts = negative_counts(path)
+        if not counts:
+            continue
+        if asked and max(counts) < int(asked.group(1)):
+            raise ValueError(
+                f"report metric {metric}: {Path(path).name} has no region with {asked.group(1)} hard negatives (at most "
+                f"{max(counts)}); use the metric without @N (each split at the N it supports) or negatives <= {max(counts)}"
+            )
+        n = supported_negatives(counts, grid.negatives)
+        if n is not None and n < grid.negatives:
+            notes.append(f"{Path(path).name}: most regions have fewer than {grid.negatives} hard negatives; reported at N = {n} (`top1` = top1@{n})")
+    return notes
+
+
 # -- running -----------------------------------------------------------------------------------------
 @dataclass
 class SweepPaths:

@@ -4,31 +4,16 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from clipseg_sparse.fgovd import BenchmarkFormatError, evaluate_fgovd, read_benchmark
 from clipseg_sparse.inference import InferenceSettings
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
-from test_cli_ux import assert_one_line_error, invoke
+from test_cli_ux import assert_one_line_error, cache_dir, image, invoke  # noqa: F401 - fixtures
 
 TINY = ["--model", TINY_CONFIG, "--pretrained", "none", "--templates", "single", "--device", "cpu"]
 SUBSET = Path(__file__).parent / "data" / "fgovd" / "subset" / "transparency.json"
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("CLIPSEG_SPARSE_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def image(tmp_path):
-    path = tmp_path / "in" / "x.png"
-    path.parent.mkdir()
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(path)
-    return path
 
 
 def test_unwritable_out_and_save_pred_fail_before_the_model_is_loaded(image, tmp_path):

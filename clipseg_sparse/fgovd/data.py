@@ -193,6 +193,16 @@ def read_benchmark(path: str | Path, split: str | None = None) -> Benchmark:
     return Benchmark(split=split, path=path, annotations=annotations)
 
 
+def negative_counts(path: str | Path) -> list[int]:
+    """How many hard negatives each annotation of a benchmark file has (raw JSON, no validation: a
+    malformed file gives [] here and fails with its own message when read)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return [len(a["neg_category_ids"]) for a in data["annotations"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def check_images(annotations: Iterable[RegionAnnotation], images_root: str | Path) -> None:
     """Raise MissingImageError for the first annotation whose image is not at images_root / file_name."""
     root = Path(images_root)
