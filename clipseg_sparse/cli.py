@@ -712,7 +712,7 @@ def _on_sigterm(signum: int, frame) -> None:
 def main() -> None:
     import signal
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         app()
     except SystemExit as e:
@@ -721,3 +721,5 @@ def main() -> None:
             if _signals:
                 raise SystemExit(128 + _signals[0]) from None
         raise
+    finally:  # main() called in-process (tests, notebooks) leaves the caller's handler as it was
+        signal.signal(signal.SIGTERM, previous)
