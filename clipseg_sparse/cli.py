@@ -644,6 +644,11 @@ def bench(
         console.print(table)
 
 
+from . import cli_analysis  # noqa: E402  (analysis commands live in their own module)
+
+app.command("analyze", no_args_is_help=True)(cli_analysis.analyze)
+
+
 INTERRUPTED = (
     "interrupted: finished work is kept; run the same command again to resume "
     "(segment and sweep always resume, eval and fgovd when given --out)"
