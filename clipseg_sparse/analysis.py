@@ -84,6 +84,17 @@ def patch_labels(labels: torch.Tensor, patch: int, ignore: int = IGNORE_INDEX) -
     return torch.where(top == n_values - 1, -1, top)
 
 
+def row_entropy(rows: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the last dim (nats), with 0 log 0 = 0 so entmax's exact zeros add nothing."""
+    return -torch.special.xlogy(rows, rows).sum(-1)
+
+
+def normalize_rows(maps: torch.Tensor) -> torch.Tensor:
+    """Rows divided by their sum, in float64 (a summed source such as qq+kk has rows summing to 2)."""
+    maps = maps.double()
+    return maps / maps.sum(-1, keepdim=True).clamp_min(1e-300)
+
+
 def attention_statistics(
     maps: torch.Tensor, labels: torch.Tensor, stuff: torch.Tensor | None = None, has_cls: bool = True
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -94,15 +105,14 @@ def attention_statistics(
     stuff: bool mask over class indices (True = background / stuff); None gives stuff_mass NaN.
     Returns ({stat: H x Q float64}, Q query classes) for the Q patches with a known class.
     """
-    maps = maps.double()
-    maps = maps / maps.sum(-1, keepdim=True).clamp_min(1e-300)
+    maps = normalize_rows(maps)
     offset = 1 if has_cls else 0
     labels = labels.to(maps.device)
     query = (labels >= 0).nonzero().squeeze(1)
     rows = maps[:, query + offset]  # H x Q x N
     patches = rows[..., offset:]  # H x Q x P
     q_labels = labels[query]
-    entropy = -torch.special.xlogy(rows, rows).sum(-1)
+    entropy = row_entropy(rows)
     own = (patches * (labels[None, :] == q_labels[:, None])).sum(-1)
     if stuff is None:
         stuff_mass = torch.full_like(own, float("nan"))

@@ -647,6 +647,7 @@ def bench(
 from . import cli_analysis  # noqa: E402  (analysis commands live in their own module)
 
 app.command("analyze", no_args_is_help=True)(cli_analysis.analyze)
+app.command("explain", no_args_is_help=True)(cli_analysis.explain)
 
 
 INTERRUPTED = (

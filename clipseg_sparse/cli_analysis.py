@@ -112,3 +112,55 @@ def analysis_table(records: list[dict]):
         m = rec["metrics"]
         table.add_row(rec["config"]["attention"], *("-" if m[s] is None else f"{m[s]:.3f}" for s in STATS))
     return table
+
+
+def explain(
+    image: Annotated[Path, typer.Argument(help="The image to explain.", show_default=False)],
+    point: Annotated[str, typer.Option("--point", help="X,Y pixel of the original image whose patch's attention is shown.")],
+    classes: Annotated[str, typer.Option("--classes", "-c", help='Classes, comma-separated; "|" joins synonyms.')],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="PNG to write (default IMAGE_STEM.explain.png here).")] = None,
+    preset: PresetsOpt = None,
+    attn: AttnsOpt = None,
+    head: Annotated[Optional[int], typer.Option("--head", min=0, help="Show one attention head (0-based) instead of the mean over heads.")] = None,
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side the image is resized to (default 336).")] = None,
+    templates: Annotated[str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file.")] = "openai",
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
+) -> None:
+    """One PNG: per spec, the attention of the patch under --point over the image (entmax's exact zeros
+    in grey) beside the segmentation overlay, titled with the row's entropy and support size."""
+    from .explain import explain as run_explain, write_explain
+    from .images import ImageReadError
+    from .inference import InferenceSettings
+    from .text import Vocabulary
+
+    out = out or Path(f"{image.stem}.explain.png")
+    if out.exists() and not overwrite:
+        fail(f"--out {out}: exists; pass --overwrite to replace it")
+    if out.is_dir():
+        fail(f"--out {out}: is a folder; give the PNG file to write")
+    try:
+        x, y = (int(v) for v in point.split(","))
+    except ValueError:
+        fail(f"--point {point!r}: expected X,Y in pixels, e.g. 120,80")
+    if not image.is_file():
+        fail(f"{image}: image not found")
+    specs = resolve_specs(preset, attn, default="sclip")
+    try:
+        vocabulary = Vocabulary.parse(classes)
+        settings = InferenceSettings().replace(resolution=resolution)
+    except ValueError as e:
+        fail(str(e))
+    clip = load_model(model, pretrained, device, precision)
+    try:
+        views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head)
+    except (ImageReadError, ValueError) as e:
+        fail(str(e))
+    note = " - RANDOM WEIGHTS: the maps show the mechanics only" if clip.pretrained == "none" else ""
+    write_explain(views, out, caption=f"{image.name}, point ({x}, {y}), {clip.model_name} ({clip.pretrained}){note}")
+    for view in views:
+        out_console().print(view.title.replace("\n", ": "), highlight=False)
+    err_console.print(f"wrote {out}", highlight=False)
