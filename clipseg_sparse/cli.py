@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from . import cli_analysis
 from .cli_common import (
     AttnOpt,
     Device,
@@ -545,6 +546,7 @@ def report(
     markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the tables as Markdown to this file.")] = None,
     csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the tables as CSV to this file.")] = None,
     plots: Annotated[Optional[Path], typer.Option("--plots", help="Write PNG plots (alpha, resolution, datasets) to this folder.")] = None,
+    diffusivity: Annotated[Optional[Path], typer.Option("--diffusivity", help="Also write gain-vs-diffusivity plots and tables to this folder (needs `analyze` results of the softmax specs among RESULTS).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot files.")] = False,
 ) -> None:
     """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots."""
@@ -553,6 +555,8 @@ def report(
     try:
         records = collect(results)
         _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite)
+        if diffusivity is not None:
+            cli_analysis.gain_report(records, results, diffusivity, metric, overwrite)
     except ReportError as e:
         fail(str(e))
 
@@ -643,8 +647,6 @@ def bench(
     for table in rich_tables(rows):
         console.print(table)
 
-
-from . import cli_analysis  # noqa: E402  (analysis commands live in their own module)
 
 app.command("analyze", no_args_is_help=True)(cli_analysis.analyze)
 app.command("explain", no_args_is_help=True)(cli_analysis.explain)

@@ -164,3 +164,17 @@ def explain(
     for view in views:
         out_console().print(view.title.replace("\n", ": "), highlight=False)
     err_console.print(f"wrote {out}", highlight=False)
+
+
+def gain_report(records, sources: list[str], out_dir: Path, metric: str | None, overwrite: bool) -> None:
+    """`report --diffusivity DIR`: gain vs diffusivity plots and tables; raises ReportError on bad input."""
+    from .diffusivity import correlations_rich, read_analyses, write_gain_report
+
+    metric = metric or "mIoU"
+    written, rows, class_rows = write_gain_report(records, read_analyses(sources), out_dir, metric, overwrite)
+    console = out_console()
+    console.print(correlations_rich(rows, f"{metric} gain vs softmax diffusivity"))
+    if class_rows:
+        console.print(correlations_rich(class_rows, "per-class IoU gain vs class diffusivity"))
+    for path in written:
+        err_console.print(f"wrote {path}", highlight=False)
