@@ -178,3 +178,20 @@ def gain_report(records, sources: list[str], out_dir: Path, metric: str | None, 
         console.print(correlations_rich(class_rows, "per-class IoU gain vs class diffusivity"))
     for path in written:
         err_console.print(f"wrote {path}", highlight=False)
+
+
+def gallery(folders: list[str], out: Path, dataset: str | None, root: Path | None, overwrite: bool) -> None:
+    """`report --html OUT FOLDER...`: the static gallery page."""
+    from .datasets import DatasetError
+    from .gallery import write_gallery
+    from .registry import UnknownNameError
+
+    if (dataset is None) != (root is None):
+        fail("--dataset and --root go together (the dataset whose images and labels the predictions are of)")
+    if out.is_dir():
+        fail(f"--html {out}: is a folder; give the .html file to write")
+    try:
+        path, page = write_gallery(folders, out, dataset, root, overwrite)
+    except (ValueError, UnknownNameError, DatasetError, KeyError) as e:
+        fail(str(e))
+    err_console.print(f"wrote {path}: {len(page.rows)} images x {len(page.columns)} columns ({', '.join(page.columns)})", highlight=False)
