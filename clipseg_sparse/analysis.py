@@ -194,7 +194,7 @@ def summarize(images: Mapping[str, dict], class_names: Sequence[str]) -> dict:
         per_class[class_names[int(c)]] = {"patches": n, **_means(sums, n)}
     out = {"metrics": _means(total["sums"], total["patches"]), "patches": total["patches"], "per_class": per_class, "per_image": per_image}
     if "head_sums" in total:
-        out["per_head"] = {k: [x / total["patches"] if not np.isnan(x) else None for x in v] for k, v in total["head_sums"].items()}
+        out["per_head"] = {k: list(_means(dict(enumerate(v)), total["patches"]).values()) for k, v in total["head_sums"].items()}
     return out
 
 

@@ -658,6 +658,7 @@ def bench(
 
 app.command("analyze", no_args_is_help=True)(cli_analysis.analyze)
 app.command("explain", no_args_is_help=True)(cli_analysis.explain)
+app.command("demo")(cli_analysis.demo)
 
 
 INTERRUPTED = (

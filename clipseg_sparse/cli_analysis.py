@@ -195,3 +195,38 @@ def gallery(folders: list[str], out: Path, dataset: str | None, root: Path | Non
     except (ValueError, UnknownNameError, DatasetError, KeyError) as e:
         fail(str(e))
     err_console.print(f"wrote {path}: {len(page.rows)} images x {len(page.columns)} columns ({', '.join(page.columns)})", highlight=False)
+
+
+def demo(
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    preset: PresetsOpt = None,
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (default 336).")] = None,
+    templates: Annotated[str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file.")] = "openai",
+    host: Annotated[str, typer.Option("--host", help="Interface to serve on (default: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to serve on.")] = 7860,
+) -> None:
+    """A local web demo (Gradio; pip install -e ".[demo]"): upload, type classes, compare presets, click for attention.
+
+    --pretrained none runs with random weights (labelled so in the page) to try it without downloads.
+    """
+    try:
+        import gradio  # noqa: F401
+    except ImportError:
+        fail('the demo needs Gradio: pip install -e ".[demo]" (or pip install "clipseg-sparse[demo]")')
+    from .attention import PRESETS
+    from .demo import DEFAULT_PRESETS, build_demo, launch
+    from .inference import InferenceSettings
+
+    for name in preset or []:
+        if name not in PRESETS:
+            fail(PRESETS.unknown_message(name))
+    try:
+        settings = InferenceSettings().replace(resolution=resolution)
+    except ValueError as e:
+        fail(str(e))
+    clip = load_model(model, pretrained, device, precision)
+    err_console.print(f"serving on http://{host}:{port} (Ctrl-C stops it)", highlight=False)
+    launch(build_demo(clip, settings, templates, preset or DEFAULT_PRESETS), host, port)

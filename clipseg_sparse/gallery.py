@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image
 
 THUMB_WIDTH = 360
+LEGEND_ROWS = 10  # legends of save-pred overlays list the largest classes only (thumbnails stay short)
 
 
 @dataclass
@@ -122,7 +123,7 @@ def _prediction_cells(folder: Path, bench, samples: dict) -> dict[str, GalleryCe
         if sample is None:
             continue
         pred, label = bench.load_label(path), bench.load_label(sample.label)
-        present = SegmentationResult(pred, np.empty(0), bench.classes).present()
+        present = dict(list(SegmentationResult(pred, np.empty(0), bench.classes).present().items())[:LEGEND_ROWS])
         overlay = overlay_image(load_image(sample.image), pred, present, bench.classes)
         cells[key] = GalleryCell(_data_uri(overlay), _image_miou(pred, label, bench.num_classes))
     return cells

@@ -38,8 +38,8 @@ def run_chromium(url: str, *args: str, width: int = 1000, height: int = 800, tim
     return proc.stdout, [m.group(1) for m in CONSOLE.finditer(proc.stderr)]
 
 
-def screenshot(url: str, path: Path, width: int = 1000, height: int = 800, **kwargs) -> list[str]:
-    """Save a PNG of the page; returns the console messages."""
-    _, console = run_chromium(url, f"--screenshot={path}", width=width, height=height, **kwargs)
+def screenshot(url: str, path: Path, width: int = 1000, height: int = 800, *args: str, **kwargs) -> list[str]:
+    """Save a PNG of the page (`args`: more Chromium flags); returns the console messages."""
+    _, console = run_chromium(url, f"--screenshot={path}", *args, width=width, height=height, **kwargs)
     assert path.is_file(), f"chromium wrote no screenshot of {url}"
     return console
