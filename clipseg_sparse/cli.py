@@ -663,7 +663,7 @@ app.command("demo")(cli_analysis.demo)
 
 INTERRUPTED = (
     "interrupted: finished work is kept; run the same command again to resume "
-    "(segment and sweep always resume, eval and fgovd when given --out)"
+    "(segment and sweep always resume; eval, fgovd and analyze when given --out)"
 )
 
 
