@@ -29,6 +29,7 @@ from .cli_common import (
     load_model,
     resolve_attention,
 )
+from .cli_dna import dna_app
 from .progress import err_console, progress_bar
 
 app = typer.Typer(
@@ -344,6 +345,7 @@ def _result_table(record: dict):
 
 convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (see datasets.md).", no_args_is_help=True)
 app.add_typer(convert_app, name="convert")
+app.add_typer(dna_app, name="dna")
 
 
 def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: bool, instances: Path | None = None) -> None:

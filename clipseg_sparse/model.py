@@ -304,6 +304,12 @@ class DenseCLIP:
         token_hooks: token stages (stages.py), each `hook(x, grid) -> x` on the B x (1 + h*w) x C
         hidden states entering the edited blocks, in order.
         """
+        return self.dense_forward(pixels, spec, token_hooks)
+
+    def dense_forward(
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
+    ) -> torch.Tensor:
+        """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         v = self.visual
         ps = self.patch_size
