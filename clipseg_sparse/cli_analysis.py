@@ -208,14 +208,14 @@ def demo(
     host: Annotated[str, typer.Option("--host", help="Interface to serve on (default: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to serve on.")] = 7860,
 ) -> None:
-    """A local web demo (Gradio; pip install -e ".[demo]"): upload, type classes, compare presets, click for attention.
+    """A local web demo (Gradio; pip install -e ".\\[demo]"): upload, type classes, compare presets, click for attention.
 
     --pretrained none runs with random weights (labelled so in the page) to try it without downloads.
     """
     try:
         import gradio  # noqa: F401
     except ImportError:
-        fail('the demo needs Gradio: pip install -e ".[demo]" (or pip install "clipseg-sparse[demo]")')
+        fail('the demo needs Gradio: pip install -e ".\\[demo]" (or pip install "clipseg-sparse\\[demo]")')
     from .attention import PRESETS
     from .demo import DEFAULT_PRESETS, build_demo, launch
     from .inference import InferenceSettings

@@ -69,3 +69,15 @@ def test_demo_page_in_headless_chromium_shows_the_form_and_the_random_weights_no
     dom, _ = run_chromium(server, "--dump-dom", budget, width=1200, height=900, timeout=120)
     assert "Random weights" in dom and "clearclip-entmax" in dom and "segment" in dom
     assert not [m for m in console if "Uncaught" in m]
+
+
+def test_demo_command_without_gradio_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli import app
+
+    monkeypatch.setitem(sys.modules, "gradio", None)  # what `import gradio` meets when the extra is missing
+    result = CliRunner().invoke(app, ["demo", "--pretrained", "none"])
+    assert result.exit_code == 2 and 'pip install -e ".[demo]"' in result.stderr.strip().splitlines()[-1]
