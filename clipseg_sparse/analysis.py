@@ -211,16 +211,16 @@ def image_statistics(
     clip: DenseCLIP, rgb: np.ndarray, labels: np.ndarray, spec: AttentionSpec, settings, stuff: torch.Tensor | None, per_head: bool = False
 ) -> dict:
     """The summed statistics of one labelled image over all its sliding windows (each window's rows
-    are those the model computes for that window; overlapping windows count a patch once per window)."""
-    from ._attention_maps_tmp import attention_maps
+    are those the model computes for that window, `attention.attention_maps`; overlapping windows
+    count a patch once per window)."""
     from .inference import iter_window_features, resized_shape, to_pixels
 
     size = resized_shape(*rgb.shape[:2], settings.resolution, settings.max_long_side)
     pixels = to_pixels(rgb, clip, size)
     resized = nearest_labels(labels, size)
-    encode = lambda crops, s: attention_maps(clip, crops, s)  # noqa: E731
     total = None
-    for boxes, maps in iter_window_features(clip, pixels, spec, settings.window, settings.stride, settings.batch_size, encode=encode):
+    windows = iter_window_features(clip, pixels, spec, settings.window, settings.stride, settings.batch_size, encode=clip.attention_maps)
+    for boxes, maps in windows:
         for (y1, y2, x1, x2), window_maps in zip(boxes, maps):
             grid = patch_labels(resized[y1:y2, x1:x2], clip.patch_size)
             stats, classes = attention_statistics(window_maps, grid, stuff, has_cls=window_maps.shape[-1] == grid.numel() + 1)

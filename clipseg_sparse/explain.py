@@ -34,7 +34,7 @@ from .outputs import overlay_image
 class ExplainView:
     """One spec's view of one point.
 
-    attention: h x w float64, the query patch's attention over the patch grid (CLS column dropped; the
+    attention: h x w float64, the query patch's attention over the patch grid (CLS column, if any, dropped; the
     head mean unless `head` was given); exact zeros are entmax's. labels: H x W class indices at the
     original size. query: (row, col) of the query patch on the grid; scale: original pixels per grid
     cell (y, x). entropy / support / nonzero: statistics of the full row (CLS included), head-averaged.
@@ -87,7 +87,6 @@ def explain(
     The segmentation uses `settings` (windows included); the attention one whole-image forward at
     `settings.resolution`. head: one attention head (0-based) instead of the mean over heads.
     """
-    from ._attention_maps_tmp import attention_maps
 
     rgb = load_image(image)
     settings = settings or InferenceSettings()
@@ -100,17 +99,18 @@ def explain(
     views = []
     for spec in specs:
         spec = resolve_spec(spec)
-        maps = attention_maps(clip, pixels, spec)[0]  # heads x N x N, CLS first
+        maps = clip.attention_maps(pixels, spec)[0]  # heads x N x N (attention.attention_maps)
+        cls = int(maps.shape[-1] == grid[0] * grid[1] + 1)  # CLS first, unless the spec drops it (cls:C)
         if head is not None and not 0 <= head < maps.shape[0]:
             raise ValueError(f"head {head} does not exist: the model has {maps.shape[0]} heads (0..{maps.shape[0] - 1})")
-        rows = normalize_rows(maps[:, 1 + row * grid[1] + col])  # heads x N
+        rows = normalize_rows(maps[:, cls + row * grid[1] + col])  # heads x N
         rows = rows[head : head + 1] if head is not None else rows
         entropy = row_entropy(rows)
         result = Segmenter(clip, vocabulary, spec, settings, templates).predict(rgb)
         views.append(
             ExplainView(
                 spec=str(spec),
-                attention=rows.mean(0)[1:].reshape(grid).cpu().numpy(),
+                attention=rows.mean(0)[cls:].reshape(grid).cpu().numpy(),
                 labels=result.labels,
                 class_names=result.class_names,
                 present=result.present(),

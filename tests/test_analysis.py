@@ -144,7 +144,7 @@ def test_stuff_classes_of_the_datasets():
 # -- end to end on the ADE20K fixtures -----------------------------------------------------------------
 def _loop_statistics(clip, sample, spec, resolution: int) -> tuple[int, dict]:
     """Whole-image statistics by plain loops over the attention map of one forward."""
-    from clipseg_sparse._attention_maps_tmp import attention_maps
+    from clipseg_sparse.attention import attention_maps
     from clipseg_sparse.images import load_image
     from clipseg_sparse.inference import resized_shape, to_pixels
 
@@ -209,6 +209,8 @@ def test_analyze_ade20k_fixtures_end_to_end(tiny_clip, tmp_path):
     assert sparse["metrics"]["nonzero"] < 5.0 and sparse["patches"] == record["patches"]
     ident = analyze(tiny_clip, "ade20k", ADE_ROOT, "maskclip", overrides=FAST, progress=False)["metrics"]
     assert (ident["own_mass"], ident["entropy"], ident["nonzero"]) == (1.0, 0.0, 1.0)
+    patches_only = analyze(tiny_clip, "ade20k", ADE_ROOT, "qq/softmax/cls:0.3", overrides=FAST, progress=False)["metrics"]
+    assert (patches_only["nonzero"], patches_only["cls_mass"]) == (4.0, 0.0)  # cls:C attends over the 2 x 2 patches only
 
 
 def test_interrupted_analysis_resumes_to_the_same_result(tiny_clip, tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ def test_query_patch_maps_original_pixels_to_the_resized_grid():
 
 
 def test_views_hold_the_query_row_and_its_statistics(tiny_clip, image):
-    from clipseg_sparse._attention_maps_tmp import attention_maps
+    from clipseg_sparse.attention import attention_maps
 
     views = explain(tiny_clip, image, "a,b,c", ["qq/softmax", "qq/entmax:1.5"], (60, 30), SETTINGS, templates="single")
     assert [v.spec for v in views] == ["qq/softmax", "qq/entmax:1.5"]
@@ -51,6 +51,8 @@ def test_views_hold_the_query_row_and_its_statistics(tiny_clip, image):
     one = explain(tiny_clip, image, "a,b,c", ["qq/entmax:1.5"], (60, 30), SETTINGS, templates="single", head=1)[0]
     np.testing.assert_allclose(one.attention, rows[1, 1:].reshape(4, 7).numpy(), atol=1e-6)
     assert one.heads == "head 1" and "head 1" in one.title
+    no_cls = explain(tiny_clip, image, "a", ["qq/softmax/cls:0.3"], (60, 30), SETTINGS, templates="single")[0]
+    assert no_cls.tokens == 28 and no_cls.attention.sum() == pytest.approx(1.0)  # cls:C: patches only
     with pytest.raises(ValueError, match="head 7"):
         explain(tiny_clip, image, "a", ["qq/softmax"], (0, 0), SETTINGS, templates="single", head=7)
 
