@@ -207,6 +207,12 @@ def nearest_labels(labels: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     return F.interpolate(t[None, None].float(), size=size, mode="nearest")[0, 0].long()
 
 
+def check_tokens(tokens: int, patches: int, spec: AttentionSpec) -> None:
+    """The statistics need attention over CLIP's own patch grid (plus CLS): refuse any other token set."""
+    if tokens not in (patches, patches + 1):
+        raise ValueError(f"spec {spec} attends over {tokens} tokens, not CLIP's {patches} patches (+ CLS); analyze and explain need CLIP's grid")
+
+
 def image_statistics(
     clip: DenseCLIP, rgb: np.ndarray, labels: np.ndarray, spec: AttentionSpec, settings, stuff: torch.Tensor | None, per_head: bool = False
 ) -> dict:
@@ -223,6 +229,7 @@ def image_statistics(
     for boxes, maps in windows:
         for (y1, y2, x1, x2), window_maps in zip(boxes, maps):
             grid = patch_labels(resized[y1:y2, x1:x2], clip.patch_size)
+            check_tokens(window_maps.shape[-1], grid.numel(), spec)
             stats, classes = attention_statistics(window_maps, grid, stuff, has_cls=window_maps.shape[-1] == grid.numel() + 1)
             total = add_sums(total, image_sums(stats, classes, per_head))
     return total

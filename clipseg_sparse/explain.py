@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
-from .analysis import normalize_rows, row_entropy
+from .analysis import check_tokens, normalize_rows, row_entropy
 from .attention import AttentionSpec, resolve_spec
 from .images import load_image
 from .inference import InferenceSettings, Segmenter, resized_shape, to_pixels
@@ -100,6 +100,7 @@ def explain(
     for spec in specs:
         spec = resolve_spec(spec)
         maps = clip.attention_maps(pixels, spec)[0]  # heads x N x N (attention.attention_maps)
+        check_tokens(maps.shape[-1], grid[0] * grid[1], spec)
         cls = int(maps.shape[-1] == grid[0] * grid[1] + 1)  # CLS first, unless the spec drops it (cls:C)
         if head is not None and not 0 <= head < maps.shape[0]:
             raise ValueError(f"head {head} does not exist: the model has {maps.shape[0]} heads (0..{maps.shape[0] - 1})")

@@ -132,6 +132,14 @@ def test_sums_add_and_summarize_to_patch_weighted_means():
     assert s["per_head"]["entropy"] == [pytest.approx(11.0 / 4)]
 
 
+def test_attention_over_another_token_set_is_refused():
+    from clipseg_sparse.analysis import check_tokens
+
+    assert check_tokens(5, 4, "qq/softmax") is None and check_tokens(4, 4, "qq/softmax/cls:0.3") is None
+    with pytest.raises(ValueError, match="attends over 16 tokens, not CLIP's 4 patches"):
+        check_tokens(16, 4, "x")  # e.g. an external backbone's finer grid
+
+
 def test_stuff_classes_of_the_datasets():
     ade = stuff_classes("ade20k")
     names = DATASETS.get("ade20k").classes
