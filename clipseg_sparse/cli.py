@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from . import cli_analysis
 from .cli_common import (
     AttnOpt,
     Device,
@@ -597,14 +598,25 @@ def report(
     markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the tables as Markdown to this file.")] = None,
     csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the tables as CSV to this file.")] = None,
     plots: Annotated[Optional[Path], typer.Option("--plots", help="Write PNG plots (alpha, resolution, datasets) to this folder.")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot files.")] = False,
+    diffusivity: Annotated[Optional[Path], typer.Option("--diffusivity", help="Also write gain-vs-diffusivity plots and tables to this folder (needs `analyze` results of the softmax specs among RESULTS).")] = None,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Instead: an HTML gallery of the RESULTS folders (segment outputs or eval --save-pred; NAME=DIR names a column) in this file.")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="With --html: the dataset of --save-pred folders (images, labels, per-image mIoU).")] = None,
+    root: Annotated[Optional[Path], typer.Option("--root", help="With --html --dataset: the dataset's folder.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot/HTML files.")] = False,
 ) -> None:
-    """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots."""
+    """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots.
+
+    With --html: a static gallery page of prediction folders instead (images x specs, sortable by the
+    difference in per-image mIoU between two specs)."""
     from .report import ReportError, collect
 
+    if html is not None:
+        return cli_analysis.gallery(results, html, dataset, root, overwrite)
     try:
         records = collect(results)
         _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite)
+        if diffusivity is not None:
+            cli_analysis.gain_report(records, results, diffusivity, metric, overwrite)
     except ReportError as e:
         fail(str(e))
 
@@ -696,9 +708,14 @@ def bench(
         console.print(table)
 
 
+app.command("analyze", no_args_is_help=True)(cli_analysis.analyze)
+app.command("explain", no_args_is_help=True)(cli_analysis.explain)
+app.command("demo")(cli_analysis.demo)
+
+
 INTERRUPTED = (
     "interrupted: finished work is kept; run the same command again to resume "
-    "(segment and sweep always resume, eval and fgovd when given --out)"
+    "(segment and sweep always resume; eval, fgovd and analyze when given --out)"
 )
 
 
