@@ -2,7 +2,7 @@
 
 A run is resumable: an image whose record (`c.json`) was made with the same settings and whose files all
 exist is skipped, so re-running an interrupted command finishes the rest. A bad image is reported and
-the run goes on.
+the run goes on; so does an image too large for the memory left (one failed item).
 """
 
 from __future__ import annotations
@@ -79,8 +79,23 @@ def run_plan(
             report.failed.append((job.source, str(e)))
             on_image(job, str(e))
             continue
-        result = segmenter.predict(rgb)
-        report.records.append(write_outputs(plan.base(job), job.source, rgb, result, options))
+        try:
+            result = segmenter.predict(rgb)
+            report.records.append(write_outputs(plan.base(job), job.source, rgb, result, options))
+        except (MemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
+            height, width = rgb.shape[:2]
+            reason = f"{job.source}: out of memory on this {width}x{height} image ({str(e).strip().splitlines()[0][:200]})"
+            report.failed.append((job.source, reason))
+            on_image(job, reason)
+            continue
         report.segmented += 1
         on_image(job, None)
     return report
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure: numpy's MemoryError, torch's CPU allocator or a GPU running out of memory."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or "out of memory" in text or "can't allocate memory" in text

@@ -206,7 +206,7 @@ def _print_segment_summary(report, class_names, not_images: int, out: Path) -> N
     console.print(counts)
     console.print(classes)
     if report.failed:
-        err_console.print(f"[red]{len(report.failed)} image(s) could not be read:[/]", highlight=False)
+        err_console.print(f"[red]{len(report.failed)} image(s) failed:[/]", highlight=False)
     for path, reason in report.failed:
         err_console.print(f"  {reason}", highlight=False, soft_wrap=True)
 
