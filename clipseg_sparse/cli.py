@@ -54,6 +54,9 @@ def _root(
     """Training-free open-vocabulary semantic segmentation with a frozen CLIP and sparse attention."""
 
 
+PAMR_HELP = "PAMR refinement of the cosine maps at the original image size (10 iterations, dilations 8,16; NACLIP's post stage; runs on the whole image, not row-tiled, so it needs about (names + 20) x H x W floats)."
+
+
 class Listable(str, Enum):
     presets = "presets"
     normalizers = "normalizers"
@@ -61,11 +64,13 @@ class Listable(str, Enum):
     datasets = "datasets"
     protocols = "protocols"
     grids = "grids"
+    stages = "stages"
+    backbones = "backbones"
 
 
 @app.command("ls")
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
-    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids."""
+    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages, proxy backbones."""
     from rich.table import Table
 
     console = out_console()
@@ -89,6 +94,16 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
         table = _protocols_table()
     elif what is Listable.grids:
         table = _grids_table()
+    elif what is Listable.stages:
+        from .stages import STAGES
+
+        table = Table("stage", "kind and meaning")
+        for name in STAGES:
+            table.add_row(name, STAGES.help(name))
+    elif what is Listable.backbones:
+        from .cli_proxy import backbones_table
+
+        table = backbones_table()
     else:
         import open_clip
 
@@ -121,6 +136,7 @@ def segment(
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Windows per forward pass (default 16).")] = None,
+    pamr: Annotated[bool, typer.Option("--pamr", help=PAMR_HELP)] = False,
     save_probs: Annotated[bool, typer.Option("--save-probs", help="Also write per-class probabilities (float16, compressed npz).")] = False,
     mask_format: Annotated[str, typer.Option("--format", help="Label masks as png (palette PNG) or coco-rle (one COCO RLE JSON per image).")] = "png",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing outputs (default: keep them and skip finished images).")] = False,
@@ -130,7 +146,7 @@ def segment(
     Default attention preset: sclip. Re-running the same command skips finished images.
     """
     from .discovery import InputError, discover_images
-    from .outputs import OutputOptions
+    from .outputs import ClaimConflictError, OutputOptions
     from .registry import UnknownNameError
     from .text import Vocabulary, resolve_templates
 
@@ -162,29 +178,32 @@ def segment(
     try:
         settings = InferenceSettings().replace(
             resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
-            bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size,
+            bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr or None,
         )
     except ValueError as e:
         fail(str(e))
     clip = load_model(model, pretrained, device, precision)
-    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates)
+    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=True)
     try:
         plan = plan_run(found.jobs, out, options, segmenter.config())
     except InputError as e:
         fail(str(e))
+    conflict = "{n} image(s) already have outputs this run would replace ({reason}); use --overwrite or another --out"
     if plan.conflicts:
-        (_, reason), n = plan.conflicts[0], len(plan.conflicts)
-        fail(f"{n} image(s) already have outputs this run would replace ({reason}); use --overwrite or another --out")
+        fail(conflict.format(n=len(plan.conflicts), reason=plan.conflicts[0][1]))
 
-    with progress_bar("images") as bar:
-        task = bar.add_task("segmenting", total=len(plan.todo))
+    try:
+        with progress_bar("images") as bar:
+            task = bar.add_task("segmenting", total=len(plan.todo))
 
-        def on_image(job, error: str | None) -> None:
-            if error:
-                bar.console.print(f"[red]failed:[/] {error}", highlight=False, soft_wrap=True)
-            bar.advance(task)
+            def on_image(job, error: str | None) -> None:
+                if error:
+                    bar.console.print(f"[red]failed:[/] {error}", highlight=False, soft_wrap=True)
+                bar.advance(task)
 
-        report = run_plan(segmenter, plan, options, on_image)
+            report = run_plan(segmenter, plan, options, on_image)
+    except ClaimConflictError as e:  # a concurrent run on the same --out claimed an image first
+        fail(conflict.format(n=1, reason=e) + "; the images this run finished are kept")
 
     _print_segment_summary(report, segmenter.class_names, len(found.not_images), out)
     if report.failed:
@@ -230,12 +249,12 @@ def _protocols_table():
 
     from .protocols import PROTOCOLS
 
-    table = Table("protocol", "attention", "class names", "all datasets", "per dataset", "source")
-    fmt = lambda d: ", ".join(f"{k}={v:g}" for k, v in d.items())  # noqa: E731
+    table = Table("protocol", "attention", "class names", "all datasets", "per dataset", "follows (source)")
+    fmt = lambda d: ", ".join(f"{k}={v}" if isinstance(v, (bool, str)) else f"{k}={v:g}" for k, v in d.items())  # noqa: E731
     for name in PROTOCOLS:
         p = PROTOCOLS.get(name)
         per = "\n".join(f"{ds}: {fmt(d)}" for ds, d in p.per_dataset.items())
-        table.add_row(name, p.attention, p.class_names, fmt(p.defaults), per, p.source)
+        table.add_row(name, p.attention, p.class_names, fmt(p.defaults), per, f"{PROTOCOLS.help(name)}\n{p.source}")
     return table
 
 
@@ -259,6 +278,7 @@ def eval_cmd(
     bg_threshold: Annotated[Optional[float], typer.Option("--bg-threshold", help="Pixels whose top probability is below this become background (class 0).")] = None,
     area_threshold: Annotated[Optional[float], typer.Option("--area-threshold", help="Drop classes covering at most this fraction of the foreground (SCLIP's area_thd).")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sliding windows per forward pass.")] = None,
+    pamr: Annotated[Optional[bool], typer.Option("--pamr/--no-pamr", help=PAMR_HELP + " Default: the protocol's (on for naclip).", show_default=False)] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate the first N images only.")] = None,
     save_pred: Annotated[Optional[Path], typer.Option("--save-pred", help="Folder for palette PNG predictions in the dataset's label encoding.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Result JSON; a <out>.progress.jsonl beside it makes the run resumable.")] = None,
@@ -284,7 +304,7 @@ def eval_cmd(
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
-                     bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size)
+                     bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     try:
         record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
@@ -500,11 +520,14 @@ def sweep(
     protocol: Annotated[Optional[str], typer.Option("--protocol", help="Evaluation protocol (sclip, clearclip, ...).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N images / annotations per cell.")] = None,
     templates: Annotated[Optional[str], typer.Option("--templates", help="Prompt templates: openai, single, none or a file (default: each runner's own).")] = None,
+    pamr: Annotated[Optional[bool], typer.Option("--pamr/--no-pamr", help=PAMR_HELP + " Default: the protocol's; added to the grid's overrides.", show_default=False)] = None,
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
     device: DeviceOpt = Device.auto,
 ) -> None:
     """Run a grid of eval / FG-OVD runs; done cells are skipped, failures recorded, interruptions resumed."""
+    import dataclasses
+
     from .sweep import Grid, SweepPaths, parse_roots, read_grid_file
 
     check_out(out, folder=True)
@@ -527,6 +550,8 @@ def sweep(
             the_grid, roots, images = grid_file_spec.grid, dict(grid_file_spec.roots), grid_file_spec.images_root
         else:
             the_grid, roots, images = Grid.from_dict(given), {}, None
+        if pamr is not None:
+            the_grid = dataclasses.replace(the_grid, overrides={**the_grid.overrides, "pamr": pamr})
     except ValueError as e:
         fail(str(e))
     roots.update(parse_roots(root or []))

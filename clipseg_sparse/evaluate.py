@@ -78,10 +78,10 @@ def evaluate(
     settings = proto.settings(bench.name, overrides)
     if not bench.background and (settings.bg_threshold or settings.area_threshold):
         raise ValueError(f"{bench.name} has no background class: bg_threshold and area_threshold must be 0")
-    segmenter = Segmenter(clip, vocabulary, spec or proto.attention, settings, templates, cache_dir)
+    rank, world = rank_and_world()
+    segmenter = Segmenter(clip, vocabulary, spec or proto.attention, settings, templates, cache_dir, progress=progress and rank == 0)
     config = run_config(segmenter, bench, root, protocol, which, names_version, limit)
 
-    rank, world = rank_and_world()
     finished, log = open_run(out, config, overwrite=overwrite, resume=resume, rank=rank, world=world)
     if finished is not None:
         return finished

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, resolve_spec
 from .images import load_image
 from .model import DenseCLIP
+from .stages import Stage, resolve_stages
 from .text import Vocabulary, embed_names, resolve_templates, templates_id
 
 
@@ -37,8 +38,14 @@ class InferenceSettings:
     bg_threshold: float = 0.0
     area_threshold: float = 0.0
     batch_size: int = 16
+    pamr: bool = False  # PAMR post stage (stages.py), NACLIP's default
+    stages: tuple[str, ...] = ()  # further registered stages (`ls stages`), as text: NAME[:ARGS]
 
     def __post_init__(self) -> None:
+        if isinstance(self.stages, str):
+            raise ValueError(f"stages must be a list of stage names (got the string {self.stages!r})")
+        object.__setattr__(self, "stages", tuple(self.stages))
+        resolve_stages(self.stage_texts())  # unknown names and bad arguments fail here
         for name in ("resolution", "window", "max_long_side"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
@@ -48,6 +55,10 @@ class InferenceSettings:
             raise ValueError("bg_threshold and area_threshold must be in [0, 1]")
         if self.batch_size < 1 or self.logit_scale <= 0:
             raise ValueError("batch_size must be >= 1 and logit_scale > 0")
+
+    def stage_texts(self) -> tuple[str, ...]:
+        """Every stage to run, in order: `stages`, then PAMR when `pamr` is on."""
+        return self.stages + (("pamr",) if self.pamr else ())
 
     def replace(self, **changes: object) -> "InferenceSettings":
         """A validated copy with `changes`; None values are ignored (an option left unset). Unknown names
@@ -92,7 +103,13 @@ def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int]) -> torc
 
 
 def iter_window_features(
-    clip: DenseCLIP, pixels: torch.Tensor, spec: AttentionSpec, window: int = 224, stride: int = 112, batch_size: int = 16
+    clip: DenseCLIP,
+    pixels: torch.Tensor,
+    spec: AttentionSpec,
+    window: int = 224,
+    stride: int = 112,
+    batch_size: int = 16,
+    token_stages: Sequence[Stage] = (),
 ) -> Iterator[tuple[list[tuple[int, int, int, int]], torch.Tensor]]:
     """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
 
@@ -108,7 +125,7 @@ def iter_window_features(
     for i in range(0, len(boxes), batch_size):
         chunk = boxes[i : i + batch_size]
         crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
-        yield chunk, clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec)
+        yield chunk, clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec, token_stages)
 
 
 #: elements of one band of rows of the N x H x W cosine map (and of each temporary made from it): the final
@@ -162,6 +179,24 @@ class CosineMap:
         return out[y0 - first : y1 - first].permute(2, 0, 1)
 
 
+@dataclass(frozen=True)
+class DenseMap:
+    """An N x H x W map held whole (what post stages such as PAMR return), with CosineMap's interface."""
+
+    values: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.values.shape)
+
+    def scaled(self, factor: float) -> "DenseMap":
+        return DenseMap(self.values * factor)
+
+    def rows(self, y0: int, y1: int) -> torch.Tensor:
+        """N x (y1 - y0) x W, a fresh copy (callers may overwrite it)."""
+        return self.values[:, y0:y1].clone()
+
+
 def row_bands(height: int, row_elements: int, budget: int = BAND_ELEMENTS) -> list[tuple[int, int]]:
     """(y0, y1) bands of rows covering 0..height, each a multiple of ROW_BLOCK rows holding at most
     `budget` elements (ROW_BLOCK rows at least)."""
@@ -178,6 +213,7 @@ def dense_cosine(
     stride: int = 112,
     batch_size: int = 16,
     out_size: tuple[int, int] | None = None,
+    token_stages: Sequence[Stage] = (),
 ) -> CosineMap:
     """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size
     (or at `out_size`, as if that map were then resized bilinearly), as a CosineMap (rows on demand).
@@ -194,7 +230,7 @@ def dense_cosine(
     ps = clip.patch_size
     text = text.to(clip.device)
     boxes, cos = [], []
-    for chunk, feats in iter_window_features(clip, pixels, spec, window, stride, batch_size):
+    for chunk, feats in iter_window_features(clip, pixels, spec, window, stride, batch_size, token_stages):
         boxes += chunk
         cos.append(torch.einsum("bhwd,nd->bhwn", feats, text))
     cos = torch.cat(cos)  # windows row-major over the grid of row and column intervals
@@ -292,7 +328,7 @@ class ClassMaps:
     whatever the image size and vocabulary; `rows` of any band equal those of the whole map exactly."""
 
     def __init__(
-        self, cosine: CosineMap, name_to_class: Sequence[int], num_classes: int, logit_scale: float, budget: int = BAND_ELEMENTS
+        self, cosine: CosineMap | DenseMap, name_to_class: Sequence[int], num_classes: int, logit_scale: float, budget: int = BAND_ELEMENTS
     ) -> None:
         self.logits = cosine.scaled(logit_scale)
         self.name_to_class = name_to_class
@@ -373,7 +409,8 @@ class Segmenter:
         seg = Segmenter(load_clip("ViT-B-16"), "cat,dog,grass", spec="sclip")
         result = seg.predict("photo.jpg")        # result.labels, result.probs, result.class_names
 
-    The vocabulary is embedded once (and cached on disk) when the segmenter is built.
+    The vocabulary is embedded once (and cached on disk) when the segmenter is built; `progress` shows a
+    progress bar on stderr while it is (or a note that the cache is reused).
     """
 
     def __init__(
@@ -384,6 +421,7 @@ class Segmenter:
         settings: InferenceSettings | None = None,
         templates: str | Sequence[str] = "openai",
         cache_dir: str | Path | None = None,
+        progress: bool = False,
     ) -> None:
         if isinstance(vocabulary, str):
             vocabulary = Vocabulary.parse(vocabulary)
@@ -394,7 +432,10 @@ class Segmenter:
         self.spec = resolve_spec(spec)
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
-        self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir)
+        self.stages = resolve_stages(self.settings.stage_texts())
+        self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir, progress=progress)
+        for stage in self._stages("text"):
+            self.text = stage(self.text)
         self.band_elements = BAND_ELEMENTS  # per band of the final resize; lower it to save memory
 
     @property
@@ -409,15 +450,32 @@ class Segmenter:
             "templates": templates_id(self.templates),
             "classes": [list(syn) for syn in self.vocabulary.names],
             **dataclasses.asdict(self.settings),
+            "stages": [s.name for s in self.stages],  # canonical names, PAMR included when on
         }
 
-    def cosine(self, image: np.ndarray) -> CosineMap:
-        """N_names x H x W cosine at the original image size (factored, see CosineMap), for an RGB uint8 image."""
+    def _stages(self, kind: str) -> list[Stage]:
+        return [s for s in self.stages if s.kind == kind]
+
+    def cosine(self, image: np.ndarray) -> CosineMap | DenseMap:
+        """N_names x H x W cosine at the original image size, for an RGB uint8 image: factored (see
+        CosineMap), or whole after the post stages (PAMR), which run on the whole full-size map (their
+        memory then grows with names x pixels)."""
         s = self.settings
         height, width = image.shape[:2]
         size = resized_shape(height, width, s.resolution, s.max_long_side)
         pixels = to_pixels(image, self.clip, size)
-        return dense_cosine(self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width))
+        factored = dense_cosine(
+            self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width), self._stages("token")
+        )
+        post = self._stages("post")
+        if not post:
+            return factored
+        cos = factored.rows(0, height)
+        # the guide of published PAMR: the network input brought back to the original size
+        guide = F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False)[0].to(cos.device)
+        for stage in post:
+            cos = stage(cos, guide)
+        return DenseMap(cos)
 
     @torch.inference_mode()
     def class_maps(self, rgb: np.ndarray) -> ClassMaps:

@@ -15,12 +15,13 @@ import os
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .attention import AttentionSpec, edited_block_forward, resolve_spec
+from .text_tower import encode_tokens
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RANDOM_WEIGHTS_SEED = 0
@@ -62,13 +63,14 @@ def _is_torchscript_archive(path: Path) -> bool:
         return False
 
 
-def _weights_help(model_name: str, pretrained: str) -> str:
+def _weights_help(model_name: str, pretrained: str, option: str = "--pretrained") -> str:
+    """The one-line advice when Hub weights cannot be had (also used for proxy backbones)."""
     return (
         f"could not obtain weights {pretrained!r} for {model_name}. Model weights are downloaded from the "
         f"Hugging Face Hub on first use and then read from its cache ($HF_HOME, default ~/.cache/huggingface). "
-        f"Offline, either pass a local checkpoint (--pretrained /path/to/model.pt|.bin|.safetensors), copy "
+        f"Offline, either pass a local checkpoint ({option} /path/to/model.pt|.bin|.safetensors), copy "
         f"the cache from a machine that has it, or set HF_HUB_OFFLINE=1 to fail fast. "
-        f"Use --pretrained none for random weights (testing only)."
+        f"Use {option} none for random weights (testing only)."
     )
 
 
@@ -265,13 +267,16 @@ class DenseCLIP:
         return float(self.model.logit_scale.exp())
 
     @torch.inference_mode()
-    def encode_text(self, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-        """L2-normalised text embeddings, T x D (fp32)."""
-        feats = []
-        for i in range(0, len(texts), batch_size):
-            tokens = self.tokenizer(list(texts[i : i + batch_size])).to(self.device)
-            feats.append(F.normalize(self.model.encode_text(tokens).float(), dim=-1))
-        return torch.cat(feats) if feats else torch.zeros(0, self.embed_dim)
+    def encode_text(
+        self, texts: Sequence[str], batch_size: int = 256, advance: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """L2-normalised text embeddings, T x D (fp32), equal to open_clip's `encode_text` (to ~1e-7)
+        but computed only up to each batch's longest prompt where that is exact (see text_tower.py).
+        advance(n) is called as batches of n prompts finish."""
+        if not texts:
+            return torch.zeros(0, self.embed_dim)
+        tokens = self.tokenizer(list(texts)).to(self.device)
+        return F.normalize(encode_tokens(self.model, tokens, batch_size, advance).float(), dim=-1)
 
     def positional_embedding(self, grid: tuple[int, int]) -> torch.Tensor:
         """Positional embeddings (1 + h*w) x C, bicubically interpolated from the native grid."""
@@ -289,11 +294,15 @@ class DenseCLIP:
         return self._pos_cache[key]
 
     @torch.inference_mode()
-    def encode_dense(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:
+    def encode_dense(
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
+    ) -> torch.Tensor:
         """Dense features B x h x w x D, after ln_post and proj, L2-normalised, CLS dropped.
 
         pixels: B x 3 x H x W CLIP-normalised, H and W multiples of the patch size; h = H / patch.
         spec: AttentionSpec, its text form or a preset name (None = unmodified CLIP).
+        token_hooks: token stages (stages.py), each `hook(x, grid) -> x` on the B x (1 + h*w) x C
+        hidden states entering the edited blocks, in order.
         """
         spec = resolve_spec(spec)
         v = self.visual
@@ -314,6 +323,8 @@ class DenseCLIP:
         n_plain = len(blocks) if spec.is_identity else len(blocks) - spec.layers
         for blk in blocks[:n_plain]:
             x = blk(x)
+        for hook in token_hooks:
+            x = hook(x, grid)
         for blk in blocks[n_plain:]:
             x = edited_block_forward(blk, x, spec, grid)
         x = v.ln_post(x[:, 1:]) @ v.proj

@@ -29,15 +29,21 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from .datasets.labels import MAX_PNG_CLASSES, PALETTE, write_label_png
+from .datasets.labels import MAX_PNG_CLASSES, PALETTE, voc_palette, write_label_png
 from .inference import SegmentationResult
 from .registry import Registry
-from .results import atomic_path, config_hash, write_json_atomic
+from .results import atomic_path, config_hash, create_json_exclusive, write_json_atomic
+
+
+def class_colours(num_classes: int) -> np.ndarray:
+    """num_classes x 3 uint8 colours: the VOC colour map, whose bit spreading stays distinct far past 256
+    (it is the PNG palette for the first 256 classes; `--format coco-rle` vocabularies can be larger)."""
+    return PALETTE if num_classes <= len(PALETTE) else voc_palette(num_classes)
 
 
 def blend(rgb: np.ndarray, labels: np.ndarray, alpha: float = 0.5) -> np.ndarray:
     """H x W x 3 uint8: (1 - alpha) * image + alpha * colour of each pixel's class, rounded."""
-    colours = PALETTE[labels % len(PALETTE)].astype(np.float32)
+    colours = class_colours(int(labels.max(initial=0)) + 1)[labels].astype(np.float32)
     return np.round((1 - alpha) * rgb.astype(np.float32) + alpha * colours).astype(np.uint8)
 
 
@@ -55,6 +61,7 @@ def overlay_image(rgb: np.ndarray, labels: np.ndarray, present: dict[str, float]
     size = max(12, height // 30)
     font = ImageFont.load_default(size=size)
     rows = [(class_names.index(name), f"{name}  {_percent(frac)}") for name, frac in present.items()]
+    colours = class_colours(len(class_names))
     pad, line = size // 2, int(size * 1.5)
     text_width = max((int(font.getlength(text)) for _, text in rows), default=0)
     panel_width = 3 * pad + size + text_width
@@ -63,7 +70,7 @@ def overlay_image(rgb: np.ndarray, labels: np.ndarray, present: dict[str, float]
     draw = ImageDraw.Draw(canvas)
     for row, (index, text) in enumerate(rows):
         y = pad + row * line
-        draw.rectangle((width + pad, y, width + pad + size, y + size), fill=tuple(int(v) for v in PALETTE[index]), outline="black")
+        draw.rectangle((width + pad, y, width + pad + size, y + size), fill=tuple(int(v) for v in colours[index]), outline="black")
         draw.text((width + 2 * pad + size, y), text, fill="black", font=font)
     return canvas
 
@@ -112,6 +119,19 @@ def prediction_key(settings: dict) -> str:
     return config_hash({k: v for k, v in settings.items() if k != "batch_size"})
 
 
+class ClaimConflictError(RuntimeError):
+    """Another run (another process) claimed an image's outputs with other settings after this run planned."""
+
+
+def _made_with(record_path: Path, settings: dict) -> bool:
+    """Whether the record at `record_path` was made by this tool with these prediction settings."""
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        return prediction_key(record["settings"]) == prediction_key(settings)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 class Status(str, Enum):
     todo = "todo"  # nothing written yet
     resume = "resume"  # our record with these settings, but some requested file is missing
@@ -155,14 +175,9 @@ class OutputOptions:
             if existing and not self.overwrite:
                 return Status.conflict, f"{existing[0]} exists and has no record from this tool"
             return Status.todo, ""
-        try:
-            record = json.loads(record_path.read_text(encoding="utf-8"))
-            same = prediction_key(record["settings"]) == prediction_key(settings)
-        except (ValueError, KeyError, TypeError):
-            same = False
         if self.overwrite:
             return Status.todo, ""
-        if not same:
+        if not _made_with(record_path, settings):
             return Status.conflict, f"{record_path} was made with other settings or by something else"
         missing = [p for p in files.values() if not p.exists()]
         return (Status.resume, "") if missing else (Status.done, "")
@@ -173,12 +188,18 @@ def read_record(base: Path) -> dict:
 
 
 def write_outputs(base: Path, source: Path, rgb: np.ndarray, result: SegmentationResult, options: OutputOptions) -> dict:
-    """Write every output of one image (record first; existing files are kept unless overwrite). Returns the record."""
+    """Write every output of one image (record first; existing files are kept unless overwrite). Returns the record.
+
+    Without `overwrite` a new record is created exclusively: if another process claimed the image since
+    the run was planned, its record is kept and ClaimConflictError is raised when its settings differ
+    (with the same settings both runs write the same files, so this one goes on).
+    """
     files = options.files(base)
     record_path = files.pop("json")
     present = result.present()
     listed: dict[str, str] = {}
-    if record_path.exists() and not options.overwrite:  # resuming: keep the files an earlier run listed
+    resuming = record_path.exists() and not options.overwrite
+    if resuming:  # keep the files an earlier run listed
         listed = {k: v for k, v in read_record(base).get("files", {}).items() if (base.parent / v).exists()}
     height, width = result.labels.shape
     record = {
@@ -192,7 +213,12 @@ def write_outputs(base: Path, source: Path, rgb: np.ndarray, result: Segmentatio
         "palette": "PASCAL VOC colour map (clipseg_sparse.outputs.PALETTE)",
         "files": {**listed, **{kind: path.name for kind, path in files.items()}},
     }
-    write_json_atomic(record_path, record)
+    if options.overwrite:
+        write_json_atomic(record_path, record)
+    elif resuming or not create_json_exclusive(record_path, record):
+        if not _made_with(record_path, result.settings):
+            raise ClaimConflictError(f"{record_path} was written meanwhile by another run with other settings")
+        write_json_atomic(record_path, record)
     for kind, path in files.items():
         if path.exists() and not options.overwrite:
             continue

@@ -6,8 +6,9 @@ set it pairs with. Values are read from the repositories' mmseg configs (`config
 segmentor defaults, at the commits given in `source`. Precedence, written once in `Protocol.settings`:
 overrides (command line) > protocol per dataset > protocol defaults > `InferenceSettings` defaults.
 
-Not reproduced: ClearCLIP runs the model in fp16 (choose `--precision fp16` yourself); NACLIP's code
-enables PAMR refinement by default (its tables report both; this package has no PAMR).
+Not reproduced: every published repository runs CLIP in fp16 on GPU (ClearCLIP creates its OpenCLIP
+model with precision='fp16'; SCLIP and NACLIP load OpenAI's `clip`, whose `build_model` converts the
+weights to half, cast back to float only on CPU): choose `--precision fp16` yourself on a GPU.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ PROTOCOLS.register(
             "coco-object": dict(logit_scale=50.0, bg_threshold=0.1),
         },
     ),
-    help="SCLIP (ECCV 2024): short side 336 (COCO-Stuff 448, Cityscapes 560), 224/112 windows",
+    help="SCLIP (ECCV 2024)",
 )
 
 PROTOCOLS.register(
@@ -81,18 +82,40 @@ PROTOCOLS.register(
             "cityscapes": dict(window=224),
         },
     ),
-    help="ClearCLIP (ECCV 2024): short side 448, 448/224 windows (Cityscapes 224), logit scale 50",
+    help="ClearCLIP (ECCV 2024)",
 )
 
+# NACLIP's configs after its "Update for v2" commit (research/peers.md section 4; issue 11): VOC21 and
+# VOC20 on the whole image (slide_crop=0), COCO-Stuff at the common 336, PAMR on (pamr_steps=10, its
+# segmentor default and test_all.sh's "on" for the main results).
 PROTOCOLS.register(
     "naclip",
     Protocol(
         name="naclip",
         attention="naclip",
         class_names="sclip",
+        source="sinahmr/NACLIP@0cac3a6 (Update for v2) configs/cfg_*.py, naclip.py, pamr.py",
+        defaults={**_SCLIP_LINE, "pamr": True},
+        per_dataset={
+            "cityscapes": dict(resolution=560),
+            "voc21": dict(window=0, bg_threshold=0.1),
+            "voc20": dict(window=0),
+            "context60": dict(bg_threshold=0.1),
+            "coco-object": dict(bg_threshold=0.1),
+        },
+    ),
+    help="NACLIP (WACV 2025), current configs (v2): PAMR on",
+)
+
+PROTOCOLS.register(
+    "naclip-v1",
+    Protocol(
+        name="naclip-v1",
+        attention="naclip",
+        class_names="sclip",
         source="sinahmr/NACLIP@cbb720d configs/cfg_*.py (voc21: 8865082), naclip.py",
         defaults=_SCLIP_LINE,
         per_dataset={**_SCLIP_LINE_SIZES, **{d: dict(bg_threshold=0.1) for d in _BG_DATASETS}},
     ),
-    help="NACLIP (WACV 2025): short side 336 (COCO-Stuff 448, Cityscapes 560), logit scale 40, no PAMR",
+    help="NACLIP (WACV 2025) before v2, no PAMR",
 )

@@ -331,20 +331,33 @@ def to_markdown(tables: Sequence[Pivot]) -> str:
 
 def to_csv(tables: Sequence[Pivot]) -> str:
     """Wide CSV: group keys, the row key, one column per column value and one `delta <col>` per column
-    that has any delta. Numbers unrounded."""
+    that has any delta. Numbers unrounded. Consecutive tables with the same rows, columns and column
+    values share one header (a blank line before each new header); its delta columns are those of any
+    of them, so every row has as many fields as its header."""
     group_names = list(dict.fromkeys(k for t in tables for k in t.group))
+    layout = lambda t: (t.rows_key, t.cols_key, tuple(t.col_values))  # noqa: E731
+    blocks: list[list[Pivot]] = []
+    for t in tables:
+        if blocks and layout(blocks[-1][-1]) == layout(t):
+            blocks[-1].append(t)
+        else:
+            blocks.append([t])
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    for i, t in enumerate(tables):
-        delta_cols = [cv for cv in t.col_values if any((c := t.cell(rv, cv)) and c.delta is not None for rv in t.row_values)]
-        if i == 0 or (t.rows_key, t.cols_key, t.col_values) != (tables[i - 1].rows_key, tables[i - 1].cols_key, tables[i - 1].col_values):
-            if i:
-                writer.writerow([])
-            writer.writerow([*group_names, "metric", t.rows_key, *map(format_value, t.col_values), *(f"delta {format_value(c)}" for c in delta_cols)])
-        for rv in t.row_values:
-            values = [(c.value if (c := t.cell(rv, cv)) else "") for cv in t.col_values]
-            deltas = [(c.delta if (c := t.cell(rv, cv)) and c.delta is not None else "") for cv in delta_cols]
-            writer.writerow([*(format_value(t.group.get(k)) for k in group_names), t.metric, format_value(rv), *values, *deltas])
+    for i, block in enumerate(blocks):
+        first = block[0]
+        delta_cols = [
+            cv for cv in first.col_values
+            if any((c := t.cell(rv, cv)) and c.delta is not None for t in block for rv in t.row_values)
+        ]  # fmt: skip
+        if i:
+            writer.writerow([])
+        writer.writerow([*group_names, "metric", first.rows_key, *map(format_value, first.col_values), *(f"delta {format_value(c)}" for c in delta_cols)])
+        for t in block:
+            for rv in t.row_values:
+                values = [(c.value if (c := t.cell(rv, cv)) else "") for cv in t.col_values]
+                deltas = [(c.delta if (c := t.cell(rv, cv)) and c.delta is not None else "") for cv in delta_cols]
+                writer.writerow([*(format_value(t.group.get(k)) for k in group_names), t.metric, format_value(rv), *values, *deltas])
     return buf.getvalue()
 
 

@@ -46,6 +46,34 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
         tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n", encoding="utf-8")
 
 
+def create_json_exclusive(path: str | Path, data: Any) -> bool:
+    """Write JSON to `path` only if no file is there, atomically across processes; False if one was.
+
+    The file is written under a temporary name and hard-linked onto `path` (link fails on an existing
+    name, and the content is complete the moment the name appears); filesystems without hard links fall
+    back to an exclusive create. This is how concurrent runs claim an output without overwriting each other.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=2, default=_jsonable) + "\n"
+    tmp = path.with_name(f".{path.name}.claim{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here (some network / FUSE filesystems)
+            try:
+                with open(path, "x", encoding="utf-8") as f:
+                    f.write(text)
+            except FileExistsError:
+                return False
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "tolist"):  # numpy / torch scalars and arrays
         return obj.tolist()

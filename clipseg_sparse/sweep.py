@@ -257,8 +257,9 @@ def is_done(paths: SweepPaths, cell: Cell) -> bool:
     return path.is_file() and read_result(path) is not None
 
 
-def run_cell(clip, cell: Cell, paths: SweepPaths) -> None:
-    """One eval / fgovd run writing its result (and resumable progress) at `paths.result(cell)`."""
+def run_cell(clip, cell: Cell, paths: SweepPaths, progress: bool = False) -> None:
+    """One eval / fgovd run writing its result (and resumable progress) at `paths.result(cell)`; progress:
+    its bars (text embedding, images) under the sweep's."""
     g = cell.grid
     out = paths.result(cell)
     templates = {"templates": g.templates} if g.templates else {}
@@ -266,7 +267,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths) -> None:
         from .evaluate import evaluate
 
         evaluate(clip, cell.data, paths.root(cell.data), cell.attention, protocol=g.protocol, overrides=cell.settings_changes or None,
-                 class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=False, **templates)  # fmt: skip
+                 class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=progress, **templates)  # fmt: skip
     else:
         from .fgovd import evaluate_fgovd
         from .inference import InferenceSettings
@@ -276,7 +277,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths) -> None:
         changes = cell.settings_changes
         settings = InferenceSettings().replace(**changes) if changes else None
         evaluate_fgovd(clip, [Path(cell.data)], paths.images_root, cell.attention, region=g.region, negatives=g.negatives,
-                       settings=settings, limit=g.limit, out=out, resume=True, progress=False, **templates)  # fmt: skip
+                       settings=settings, limit=g.limit, out=out, resume=True, progress=progress, **templates)  # fmt: skip
 
 
 def record_failure(paths: SweepPaths, cell: Cell, exc: BaseException) -> str:
@@ -327,7 +328,7 @@ def run_sweep(
                     clip = load_clip(cell.model, pretrained=cell.grid.pretrained, device=device, precision=cell.grid.precision)
                 if clip is None:
                     raise RuntimeError(f"model {cell.model} ({cell.grid.pretrained}) could not be loaded; see the first failure")
-                run_cell(clip, cell, paths)
+                run_cell(clip, cell, paths, progress)
             except Exception as exc:  # noqa: BLE001 - a failing cell must not stop the sweep
                 summary.failed.append(Failure(cell, record_failure(paths, cell, exc)))
             else:

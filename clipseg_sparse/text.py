@@ -157,8 +157,13 @@ def embed_names(
     templates: str | Sequence[str] = "openai",
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
+    progress: bool = False,
 ) -> "torch.Tensor":
-    """Text embeddings for `names` (N x D, fp32, L2-normalised), averaged over templates."""
+    """Text embeddings for `names` (N x D, fp32, L2-normalised), averaged over templates.
+
+    progress: a progress bar (prompts/s, ETA) on stderr while embedding, or a note that the cached
+    embeddings are reused.
+    """
     import torch
     import torch.nn.functional as F
 
@@ -167,11 +172,16 @@ def embed_names(
     cache_file = Path(cache_dir or default_cache_dir()) / "text" / f"{key}.pt" if key else None
     if cache_file is not None and cache_file.is_file():
         try:
-            return torch.load(cache_file, map_location=clip.device, weights_only=True)
+            emb = torch.load(cache_file, map_location=clip.device, weights_only=True)
         except Exception:  # a torn write from an interrupted run: recompute
             cache_file.unlink(missing_ok=True)
+        else:
+            if progress:
+                _note(f"text: reusing the cached embeddings of {len(names)} names x {len(templates)} templates ({cache_file})")
+            return emb
     prompts = [t.format(n) for n in names for t in templates]
-    emb = clip.encode_text(prompts).reshape(len(names), len(templates), -1)
+    emb = _encode_prompts(clip, prompts, f"text: {len(names)} names x {len(templates)} templates", progress)
+    emb = emb.reshape(len(names), len(templates), -1)
     emb = F.normalize(F.normalize(emb, dim=-1).mean(1), dim=-1)
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
@@ -179,3 +189,20 @@ def embed_names(
         torch.save(emb.cpu(), tmp)
         tmp.replace(cache_file)
     return emb
+
+
+def _note(message: str) -> None:
+    from .progress import err_console
+
+    err_console.print(message, highlight=False, soft_wrap=True)
+
+
+def _encode_prompts(clip: "DenseCLIP", prompts: list[str], description: str, progress: bool) -> "torch.Tensor":
+    """clip.encode_text(prompts), with a progress bar (prompts/s, ETA) on stderr when `progress`."""
+    if not progress:
+        return clip.encode_text(prompts)
+    from .progress import progress_bar
+
+    with progress_bar("prompts") as bar:
+        task = bar.add_task(description, total=len(prompts))
+        return clip.encode_text(prompts, advance=lambda n: bar.advance(task, n))

@@ -136,6 +136,7 @@ def test_cli_eval_prints_table_writes_result_and_fails_cleanly(tmp_path):
     record = json.loads(out.read_text())
     assert "traffic light" in result.output and f"{record['metrics']['mIoU']:.2f}" in result.output
     assert len(list((tmp_path / "pred" / "lindau").glob("*.png"))) == 2
+    assert "text: 19 names x 1 templates" in result.stderr and "prompts/s" in result.stderr
     again = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert again.exit_code == 0 and "not recomputing" in again.output
     assert json.loads(out.read_text()) == record

@@ -412,6 +412,7 @@ def test_cli_fgovd(tmp_path):
     res = CliRunner().invoke(app, [*args, "--resolution", "64", "--window", "0", "--negatives", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "transparency" in res.stdout and "top-1" in res.stdout
+    assert "text: " in res.stderr and "prompts/s" in res.stderr  # the captions' progress bar
     saved = json.loads(out.read_text())
     assert saved["config"]["attention"] == "qq+kk/softmax" and saved["config"]["negatives"] == 2  # sclip for pool
     res = CliRunner().invoke(app, [*args, "--region", "crop", "--resolution", "64", "--out", str(out)])

@@ -132,3 +132,25 @@ def test_interrupted_write_leaves_no_torn_file_and_resumes(tmp_path, monkeypatch
 def test_unknown_mask_format():
     with pytest.raises(UnknownNameError, match="coco-rle"):
         OutputOptions(mask_format="coco")
+
+
+def test_coco_rle_with_300_classes_writes_overlay_and_legend(tmp_path):
+    """Issue 15 finding 3: class indices >= 256 used to crash the overlay legend (IndexError in the palette)."""
+    names = tuple(f"class{i}" for i in range(300))
+    labels = np.zeros((20, 30), np.int64)
+    labels[:, 10:20], labels[:, 20:] = 256, 299
+    probs = np.zeros((300, 20, 30), np.float32)
+    np.put_along_axis(probs, labels[None], 1.0, axis=0)
+    rgb = np.full((20, 30, 3), 100, np.uint8)
+    result = SegmentationResult(labels, probs, names, dict(SETTINGS, classes=[[n] for n in names]))
+    options = OutputOptions(mask_format="coco-rle")
+    options.check_classes(300)  # no error: RLE holds any number of classes
+    record = write_outputs(tmp_path / "c", tmp_path / "c.jpg", rgb, result, options)
+    assert [c["index"] for c in record["classes_present"]] == [0, 256, 299]
+    overlay = np.asarray(Image.open(tmp_path / "c.overlay.png")).astype(int)
+    # VOC bit spreading by hand: 299 = 0b100_101_011 -> R bits 1,1,0 G bits 1,0,0 B bits 0,1,1 from bit 7 down
+    assert ((100 + np.array([192, 128, 96])) / 2 - overlay[5, 25]).max() <= 0.5
+    # 256 = 0b100_000_000 -> only B gets bit 5: (0, 0, 32), distinct from class 0's black
+    assert ((100 + np.array([0, 0, 32])) / 2 - overlay[5, 15]).max() <= 0.5
+    legend = overlay[:, 30:].reshape(-1, 3)
+    assert (legend == [192, 128, 96]).all(1).any() and (legend == [0, 0, 32]).all(1).any()

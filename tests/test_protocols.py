@@ -10,16 +10,26 @@ PUBLISHED = {
     ("sclip", "voc21"): dict(resolution=336, window=224, stride=112, logit_scale=65, bg_threshold=0.1, area_threshold=0.1),
     ("sclip", "context60"): dict(resolution=336, logit_scale=50, bg_threshold=0.1, area_threshold=0),
     ("sclip", "coco-object"): dict(resolution=336, logit_scale=50, bg_threshold=0.1),
-    ("sclip", "ade20k"): dict(resolution=336, logit_scale=40, bg_threshold=0),
+    ("sclip", "ade20k"): dict(resolution=336, logit_scale=40, bg_threshold=0, pamr=False),  # pamr_steps=0
     ("sclip", "coco-stuff"): dict(resolution=448, logit_scale=40),
     ("sclip", "cityscapes"): dict(resolution=560, window=224, stride=112),
-    ("clearclip", "voc21"): dict(resolution=448, window=448, stride=224, logit_scale=50, bg_threshold=0.5, area_threshold=0),
+    ("clearclip", "voc21"): dict(resolution=448, window=448, stride=224, logit_scale=50, bg_threshold=0.5, area_threshold=0, pamr=False),
     ("clearclip", "context60"): dict(bg_threshold=0.15),
     ("clearclip", "coco-object"): dict(bg_threshold=0.4),
     ("clearclip", "cityscapes"): dict(resolution=448, window=224, stride=224),
-    ("naclip", "voc21"): dict(resolution=336, window=224, stride=112, logit_scale=40, bg_threshold=0.1),
-    ("naclip", "coco-stuff"): dict(resolution=448),
-    ("naclip", "cityscapes"): dict(resolution=560),
+    # NACLIP after "Update for v2": VOC21 / VOC20 whole image, COCO-Stuff at 336, PAMR on everywhere
+    ("naclip", "voc21"): dict(resolution=336, window=0, logit_scale=40, bg_threshold=0.1, area_threshold=0, pamr=True),
+    ("naclip", "voc20"): dict(resolution=336, window=0, bg_threshold=0, pamr=True),
+    ("naclip", "context60"): dict(resolution=336, window=224, stride=112, bg_threshold=0.1, pamr=True),
+    ("naclip", "coco-object"): dict(window=224, bg_threshold=0.1, pamr=True),
+    ("naclip", "coco-stuff"): dict(resolution=336, window=224, stride=112, pamr=True),
+    ("naclip", "ade20k"): dict(resolution=336, window=224, pamr=True),
+    ("naclip", "cityscapes"): dict(resolution=560, window=224, stride=112, pamr=True),
+    # before it (cbb720d), without post-processing
+    ("naclip-v1", "voc21"): dict(resolution=336, window=224, stride=112, logit_scale=40, bg_threshold=0.1, pamr=False),
+    ("naclip-v1", "voc20"): dict(resolution=336, window=224, pamr=False),
+    ("naclip-v1", "coco-stuff"): dict(resolution=448, pamr=False),
+    ("naclip-v1", "cityscapes"): dict(resolution=560),
 }
 
 

@@ -262,3 +262,17 @@ def test_report_cli(results, tmp_path):
     assert runner.invoke(app, [*args, "--overwrite"]).exit_code == 0
     bad = runner.invoke(app, ["report", str(results), "--metric", "IoU"])
     assert bad.exit_code == 2 and "metric 'IoU'" in bad.output
+
+
+def test_csv_header_has_the_delta_columns_of_every_table_it_heads(results):
+    """Issue 15 finding 6 (`reproduce resolution`): the softmax table came first without deltas, so the
+    shared header had 6 columns and the entmax rows below it 8."""
+    records = [r for r in collect([results]) if r.keys["source"] == "qq" and r.keys["normalizer"] in ("softmax", "entmax:1.5")]
+    rows = list(csv.reader(io.StringIO(to_csv(pivot(records, rows="dataset", cols="resolution", metric="mIoU")))))
+    header = rows[0]
+    assert header == ["normalizer", "metric", "dataset", "336", "448", "delta 336", "delta 448"]
+    assert all(len(r) == len(header) for r in rows)  # one block: no blank line, no second header
+    line = dict(zip(header, next(r for r in rows if r[:3] == ["entmax:1.5", "mIoU", "voc21"])))
+    assert float(line["delta 448"]) == pytest.approx(47.5 - 41.0) and float(line["delta 336"]) == pytest.approx(45.0 - 40.0)
+    soft = dict(zip(header, next(r for r in rows if r[:3] == ["softmax", "mIoU", "voc21"])))
+    assert soft["delta 448"] == "" and float(soft["448"]) == 41.0

@@ -139,11 +139,14 @@ def test_rerun_skips_finished_images_and_overwrite_replaces(tmp_path, checkpoint
     for i in range(2):
         Image.fromarray(rand(32, 48, seed=i)).save(images / f"{i}.png")
     run = [images, "--out", out, "--classes", "a,b", "--model", TINY_CONFIG, "--pretrained", checkpoint, *FAST]
-    assert segment(*run).exit_code == 0
+    done = segment(*run)
+    assert done.exit_code == 0
+    assert "text: 2 names x 1 templates" in done.stderr and "prompts/s" in done.stderr  # the text progress bar
     first = mtimes(out)
     assert len(first) == 6
     again = segment(*run, "--batch-size", "3")  # the batch size does not change predictions
     assert again.exit_code == 0, again.output
+    assert "reusing the cached embeddings of 2 names x 1 templates" in again.stderr and "prompts/s" not in again.stderr
     assert mtimes(out) == first
     assert "skipped (already done)" in again.stdout and "│ 2" in again.stdout
     # a new image in the folder: only it is segmented

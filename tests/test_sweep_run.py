@@ -188,6 +188,7 @@ def test_cli_sweep_report_and_reproduce(data_root, tmp_path):
     result = runner.invoke(app, args)
     assert result.exit_code == 1, result.output  # context59's cells failed, voc21's ran
     assert "4 cells: 0 already done, 2 ran, 2 failed" in result.stderr
+    assert "text: 56 names x 1 templates" in result.stderr and "prompts/s" in result.stderr  # inside the cells
     assert len(result_files(out)) == 2 and len(list(out.glob("*.error.json"))) == 2
     again = runner.invoke(app, args)
     assert "4 cells: 2 already done, 0 ran, 2 failed" in again.stderr

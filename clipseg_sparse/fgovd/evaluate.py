@@ -154,7 +154,7 @@ def evaluate_fgovd(
         return finished
 
     captions = list(dict.fromkeys(c for a in annotations for c in a.captions[: negatives + 1]))
-    text = embed_names(clip, captions, templates).to(clip.device)
+    text = embed_names(clip, captions, templates, progress=progress).to(clip.device)
     row = {c: i for i, c in enumerate(captions)}
 
     records: list[dict] = []

@@ -1,0 +1,151 @@
+"""Stages outside the attention spec: token hooks, text hooks and post stages, registered by name.
+
+A stage is written as `NAME` or `NAME:ARGS` (e.g. `pamr`, `pamr:10:8,16`); its canonical text form is
+what result files record (`config["stages"]`), so a run says which stages made its numbers. Kinds, and
+the call each kind's function receives:
+
+- token: `fn(x, grid) -> x`, x = B x (1 + h*w) x C hidden states entering the edited block(s), CLS first;
+  grid = (h, w). Runs once per batch of windows (per-window statistics are the hook's job).
+- text:  `fn(text) -> text`, text = N_names x D L2-normalised text embeddings.
+- post:  `fn(cosine, guide) -> cosine`, cosine = N_names x H x W raw cosine at the original image size
+  (before the logit scale, the softmax and the max over synonyms); guide = 3 x H x W, the CLIP-normalised
+  network input resized bilinearly back to the original size. Post stages see the whole image at once
+  (they are not row-tiled), so they cost about (N_names + 20) x H x W floats of memory.
+
+PAMR (Araslanov & Roth, CVPR 2020, `visinf/1-stage-wseg`) is the first post stage, with the arithmetic of
+`sinahmr/NACLIP@0cac3a6:pamr.py` (= `wangf3014/SCLIP:pamr.py`), quirks included (see `pamr`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .registry import Registry
+
+KINDS = ("token", "text", "post")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One configured stage: its kind, canonical text form and function (signature per kind above)."""
+
+    kind: str
+    name: str
+    fn: Callable[..., torch.Tensor]
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"stage kind must be one of {', '.join(KINDS)} (got {self.kind!r})")
+
+    def __call__(self, *args) -> torch.Tensor:
+        return self.fn(*args)
+
+
+# name -> factory: the text after "NAME:" (empty when absent) -> Stage; ValueError for bad arguments.
+STAGES: Registry[Callable[[str], Stage]] = Registry("stage")
+
+
+def parse_stage(text: str) -> Stage:
+    """`NAME[:ARGS]` -> the configured Stage (UnknownNameError / ValueError name the problem)."""
+    name, _, args = text.strip().partition(":")
+    return STAGES.get(name)(args)
+
+
+def resolve_stages(texts: Sequence[str]) -> tuple[Stage, ...]:
+    """Parse each stage text; a stage given twice is an error (it would run twice)."""
+    stages = tuple(parse_stage(t) for t in texts)
+    names = [s.name for s in stages]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"stage(s) given more than once: {', '.join(repeated)}")
+    return stages
+
+
+# --- PAMR -------------------------------------------------------------------------------------------
+
+PAMR_ITERATIONS = 10
+PAMR_DILATIONS = (8, 16)
+# the 8 neighbours of a 3 x 3 grid (centre excluded), row-major, as the published shift kernels
+_RING = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if (dy, dx) != (0, 0)]
+
+
+def _shifted(x: torch.Tensor, dilations: Sequence[int], centre: bool = False) -> list[torch.Tensor]:
+    """Views of x (C x H x W) shifted to each neighbour of each dilation, replicate padding (clamped
+    indices): element [c, y, x] of the view for offset (dy, dx), dilation d is x[c, y + dy*d, x + dx*d]
+    with the indices clamped into the image. Dilation-major, row-major within a dilation; with
+    `centre` the 3 x 3 grid includes the centre (9 views per dilation, else 8)."""
+    pad = max(dilations)
+    H, W = x.shape[-2:]
+    padded = F.pad(x[None], [pad] * 4, mode="replicate")[0]
+    grid = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)] if centre else _RING
+    return [padded[:, pad + dy * d : pad + dy * d + H, pad + dx * d : pad + dx * d + W] for d in dilations for dy, dx in grid]
+
+
+def pamr_affinity(guide: torch.Tensor, dilations: Sequence[int] = PAMR_DILATIONS) -> torch.Tensor:
+    """P x H x W neighbour weights (P = 8 per dilation, softmax over P) from a 3 x H x W guide image.
+
+    a(p, n) = mean over channels c of -|I_c(p) - I_c(n)| / (1e-8 + 0.1 * sigma_c(p)), with sigma_c(p) the
+    unbiased std of the 9 x len(dilations) samples of the 3 x 3 grids *including* the centre (so the
+    centre counts once per dilation), as the published LocalStDev. The std is accumulated in two passes
+    (mean, then squared deviations) rather than over a stacked tensor, to keep memory at a few images.
+    """
+    guide = guide.float()
+    samples = _shifted(guide, dilations, centre=True)
+    mean = sum(samples) / len(samples)
+    var = sum((s - mean).square() for s in samples) / (len(samples) - 1)
+    scale = 1e-8 + 0.1 * var.sqrt()  # 3 x H x W
+    logits = torch.stack([(-(guide - n).abs() / scale).mean(0) for n in _shifted(guide, dilations)])
+    return torch.softmax(logits, dim=0)
+
+
+def pamr(
+    cosine: torch.Tensor, guide: torch.Tensor, iterations: int = PAMR_ITERATIONS, dilations: Sequence[int] = PAMR_DILATIONS
+) -> torch.Tensor:
+    """Pixel-adaptive mask refinement: `iterations` times, every pixel's N_names values become the
+    affinity-weighted sum of its neighbours' values (the pixel itself excluded), replicate padding.
+
+    cosine: N x H x W raw cosine; guide: 3 x H x W normalised image (same H x W). Returns N x H x W fp32.
+    Copied from the published code: the centre is not a neighbour but is in the std; the std is
+    unbiased; affinities are averaged over colour channels before the softmax; the guide is the resized
+    network input brought back to the original size, not the original image (the caller's job).
+    Not copied: NACLIP skips PAMR silently when it runs out of GPU memory, and on GPU in fp16 casts the
+    refined logits to fp16; here PAMR always runs, in fp32.
+    """
+    if cosine.shape[-2:] != guide.shape[-2:]:
+        raise ValueError(f"pamr: cosine {tuple(cosine.shape[-2:])} and guide {tuple(guide.shape[-2:])} differ in size")
+    weights = pamr_affinity(guide.to(cosine.device), dilations)
+    mask = cosine.float()
+    for _ in range(iterations):
+        out = torch.zeros_like(mask)
+        for w, neighbour in zip(weights, _shifted(mask, dilations)):
+            out.addcmul_(neighbour, w)
+        mask = out
+    return mask
+
+
+def _pamr_stage(args: str) -> Stage:
+    """`pamr[:ITERATIONS[:D1,D2,...]]`, default pamr:10:8,16 (NACLIP's)."""
+    usage = "expected pamr[:ITERATIONS[:D1,D2,...]] with positive integers, e.g. pamr:10:8,16"
+    parts = args.split(":") if args else []
+    if len(parts) > 2:
+        raise ValueError(f"bad stage 'pamr:{args}': {usage}")
+    try:
+        iterations = int(parts[0]) if parts else PAMR_ITERATIONS
+        dilations = tuple(int(d) for d in parts[1].split(",")) if len(parts) > 1 else PAMR_DILATIONS
+    except ValueError:
+        raise ValueError(f"bad stage 'pamr:{args}': {usage}") from None
+    if iterations < 1 or not dilations or min(dilations) < 1:
+        raise ValueError(f"bad stage 'pamr:{args}': {usage}")
+    name = f"pamr:{iterations}:{','.join(map(str, dilations))}"
+    return Stage("post", name, lambda cosine, guide: pamr(cosine, guide, iterations, dilations))
+
+
+STAGES.register(
+    "pamr",
+    _pamr_stage,
+    help="post: PAMR refinement of the raw cosine at the original size (default 10 iterations, dilations 8,16; NACLIP's)",
+)
