@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .distributed import barrier, gather, rank_and_world, shard
 from .discovery import ImageJob, safe_output_base
 from .images import ImageReadError, load_image
 from .inference import Segmenter
@@ -53,6 +54,16 @@ class RunReport:
     failed: list[tuple[Path, str]] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
 
+    @classmethod
+    def merged(cls, reports: Sequence["RunReport"]) -> "RunReport":
+        """One report of the reports of several ranks."""
+        return cls(
+            segmented=sum(r.segmented for r in reports),
+            skipped=sum(r.skipped for r in reports),
+            failed=[f for r in reports for f in r.failed],
+            records=[rec for r in reports for rec in r.records],
+        )
+
     def class_fractions(self, class_names: Sequence[str]) -> dict[str, float]:
         """Mean over complete images of each class's pixel fraction (0 where absent), largest first."""
         totals = dict.fromkeys(class_names, 0.0)
@@ -69,10 +80,17 @@ def run_plan(
     options: OutputOptions,
     on_image: Callable[[ImageJob, str | None], None] = lambda job, error: None,
 ) -> RunReport:
-    """Segment every job to do and write its outputs; call `on_image(job, error_or_None)` after each."""
-    report = RunReport(skipped=len(plan.done))
-    report.records = [read_record(plan.base(job)) for job in plan.done]
-    for job in plan.todo:
+    """Segment every job to do and write its outputs; call `on_image(job, error_or_None)` after each.
+
+    Under torchrun (every rank planned the same run) each rank segments every world-th image to do,
+    rank 0 counts the images done before, and every rank returns the report of all ranks.
+    """
+    barrier()  # every rank has planned before any rank claims an image
+    rank, world = rank_and_world()
+    done = plan.done if rank == 0 else []
+    report = RunReport(skipped=len(done))
+    report.records = [read_record(plan.base(job)) for job in done]
+    for job in shard(plan.todo, rank, world):
         try:
             rgb = load_image(job.source)
         except (ImageReadError, OSError) as e:
@@ -92,7 +110,7 @@ def run_plan(
             continue
         report.segmented += 1
         on_image(job, None)
-    return report
+    return RunReport.merged(gather(report)) if world > 1 else report
 
 
 def out_of_memory(exc: BaseException) -> bool:
