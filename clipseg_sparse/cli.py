@@ -21,11 +21,13 @@ from .cli_common import (
     PrecisionOpt,
     PresetOpt,
     PretrainedOpt,
+    ProxyWeightsOpt,
     TemplatesOpt,
     check_out,
     fail,
     out_console,
     load_model,
+    load_proxies,
     resolve_attention,
 )
 from .cli_dna import dna_app
@@ -138,6 +140,7 @@ def segment(
     pretrained: PretrainedOpt = "openai",
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
+    proxy_weights: ProxyWeightsOpt = "auto",
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Windows per forward pass (default 16).")] = None,
     pamr: Annotated[bool, typer.Option("--pamr", help=PAMR_HELP)] = False,
     save_probs: Annotated[bool, typer.Option("--save-probs", help="Also write per-class probabilities (float16, compressed npz).")] = False,
@@ -189,6 +192,7 @@ def segment(
         fail(str(e))
     rank, world = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
+    load_proxies(spec, clip, proxy_weights)
     segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0)
     try:
         plan = plan_run(found.jobs, out, options, segmenter.config())
@@ -274,9 +278,10 @@ def eval_cmd(
     pretrained: PretrainedOpt = "openai",
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
+    proxy_weights: ProxyWeightsOpt = "auto",
     preset: PresetOpt = None,
     attn: AttnOpt = None,
-    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
+    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip, proxyclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
     class_names: Annotated[Optional[str], typer.Option("--class-names", help="Prompt names: sclip (synonyms, stuff words for background), plain (ClearCLIP's), or a file with one class per line; default: the protocol's.")] = None,
     templates: TemplatesOpt = "openai",
     resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
@@ -311,6 +316,7 @@ def eval_cmd(
     spec = resolve_attention(preset, attn, default=proto.attention)
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
+    load_proxies(spec, clip, proxy_weights)
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
                      bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
