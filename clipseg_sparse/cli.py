@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from . import cli_analysis
 from .cli_common import (
     AttnOpt,
     Device,
@@ -28,6 +29,7 @@ from .cli_common import (
     out_console,
     load_model,
     load_proxies,
+    note_softmax_aliases,
     resolve_attention,
 )
 from .cli_dna import dna_app
@@ -166,6 +168,7 @@ def segment(
             vocabulary = vocabulary.with_background(background.split(","))
         elif bg_threshold:
             raise ValueError("--bg-threshold needs --background (the class that low-confidence pixels become)")
+        vocabulary.check_unique()
         prompt_templates = resolve_templates(templates)
         options = OutputOptions(mask_format=mask_format, save_probs=save_probs, overwrite=overwrite)
         options.check_classes(len(vocabulary))
@@ -173,9 +176,10 @@ def segment(
     except (ValueError, FileNotFoundError, InputError, UnknownNameError) as e:
         fail(str(e))
     spec = resolve_attention(preset, attn, default="sclip")
-    if found.not_images:
-        names = ", ".join(str(p) for p in found.not_images[:5]) + (", ..." if len(found.not_images) > 5 else "")
-        err_console.print(f"note: skipping {len(found.not_images)} file(s) that are not images: {names}", highlight=False)
+    for skipped, what in ((found.not_images, "that are not images"), (found.special, "that are not regular files (FIFO, socket, device)")):
+        if skipped:
+            names = ", ".join(str(p) for p in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+            err_console.print(f"note: skipping {len(skipped)} file(s) {what}: {names}", highlight=False, soft_wrap=True)
     if not found.jobs:
         fail("no images found in the inputs")
 
@@ -193,7 +197,10 @@ def segment(
     rank, world = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     load_proxies(spec, clip, proxy_weights)
-    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0)
+    try:
+        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0)
+    except ValueError as e:  # a spec the model cannot run
+        fail(str(e))
     try:
         plan = plan_run(found.jobs, out, options, segmenter.config())
     except InputError as e:
@@ -217,7 +224,7 @@ def segment(
         fail(conflict.format(n=1, reason=e) + "; the images this run finished are kept")
 
     if rank == 0:
-        _print_segment_summary(report, segmenter.class_names, len(found.not_images), out)
+        _print_segment_summary(report, segmenter.class_names, len(found.not_images) + len(found.special), out)
     if report.failed:
         raise typer.Exit(1)
 
@@ -301,18 +308,22 @@ def eval_cmd(
 
     Several processes: `torchrun --nproc-per-node N -m clipseg_sparse eval ...` shards the images.
     """
-    from .datasets import DATASETS, DatasetError
+    from .datasets import DATASETS, DatasetError, class_vocabulary
     from .distributed import init_from_env
     from .evaluate import evaluate
     from .protocols import PROTOCOLS
     from .results import ConfigMismatchError
 
     check_out(out, folder=False)
+    check_out(save_pred, folder=True, option="--save-pred")
     try:
         bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
-        bench.samples(root)  # fail on a missing dataset before loading the model
-    except (KeyError, DatasetError) as e:
+        bench.samples(root)  # fail on a missing dataset or class-name file before loading the model
+        vocabulary, _ = class_vocabulary(bench.name, class_names or proto.class_names)
+    except (KeyError, DatasetError, ValueError) as e:
         fail(str(e))
+    for repeated in vocabulary.repeated_names():  # published name sets are kept as published (SCLIP's COCO-Object)
+        err_console.print(f"note: prompt names of {bench.name}: {repeated}; kept as given, the later class cannot win on that name", highlight=False, soft_wrap=True)
     spec = resolve_attention(preset, attn, default=proto.attention)
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
@@ -503,7 +514,8 @@ ImagesRootOpt = Annotated[Optional[Path], typer.Option("--images-root", help="CO
 
 def _print_summary(summary, out: Path) -> None:
     err_console.print(
-        f"sweep: {summary.total} cells: {summary.skipped} already done, {summary.ran} ran, "
+        f"sweep: {summary.total} cells: {summary.skipped} already done, {summary.ran} ran"
+        f"{f' ({summary.stale} of them recomputed: their data changed)' if summary.stale else ''}, "
         f"{len(summary.failed)} failed ({summary.wall_s:.1f} s); results in {out}",
         highlight=False,
     )
@@ -511,18 +523,21 @@ def _print_summary(summary, out: Path) -> None:
         err_console.print(f"  [red]failed[/] {failure.cell.label}: {failure.error}  ({failure.cell.hash}.error.json)", highlight=False)
 
 
-def _run_grid(grid, paths, device: Device, shard: str | None = None):
+def _run_grid(grid, paths, device: Device, metric: str | None = None, shard: str | None = None):
     """Run the grid (under torchrun: this rank's share); returns (summary of all ranks, rank)."""
     from .distributed import init_from_env, parse_shard
     from .model import resolve_device
-    from .sweep import run_sweep
+    from .sweep import check_fgovd_negatives, run_sweep
 
-    try:  # a missing GPU would otherwise fail every cell
+    try:  # a missing GPU would otherwise fail every cell; a report metric no file can give, the report
         part = parse_shard(shard) if shard is not None else None
         rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
         resolve_device(device.value)
+        notes = check_fgovd_negatives(grid, metric)
     except ValueError as e:
         fail(str(e))
+    for note in notes if rank == 0 else []:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
     summary = run_sweep(grid, paths, device=device.value, part=part)
     if rank == 0:
         _print_summary(summary, paths.out)
@@ -569,6 +584,7 @@ def sweep(
         "precision": precision.value if precision else None, "protocol": protocol, "limit": limit, "templates": templates,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
+    note_softmax_aliases([*given.get("normalizers", []), *(f"entmax:{a}" for a in given.get("alphas", []))])
     for key, kind in (("resolutions", int), ("alphas", float)):
         try:
             if key in given:
@@ -587,7 +603,7 @@ def sweep(
         fail(str(e))
     roots.update(parse_roots(root or []))
     paths = SweepPaths(out=out, roots=roots, images_root=images_root or images)
-    summary, _ = _run_grid(the_grid, paths, device, shard)
+    summary, _ = _run_grid(the_grid, paths, device, shard=shard)
     if summary.failed:
         raise typer.Exit(1)
 
@@ -601,14 +617,25 @@ def report(
     markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the tables as Markdown to this file.")] = None,
     csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the tables as CSV to this file.")] = None,
     plots: Annotated[Optional[Path], typer.Option("--plots", help="Write PNG plots (alpha, resolution, datasets) to this folder.")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot files.")] = False,
+    diffusivity: Annotated[Optional[Path], typer.Option("--diffusivity", help="Also write gain-vs-diffusivity plots and tables to this folder (needs `analyze` results of the softmax specs among RESULTS).")] = None,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Instead: an HTML gallery of the RESULTS folders (segment outputs or eval --save-pred; NAME=DIR names a column) in this file.")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="With --html: the dataset of --save-pred folders (images, labels, per-image mIoU).")] = None,
+    root: Annotated[Optional[Path], typer.Option("--root", help="With --html --dataset: the dataset's folder.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot/HTML files.")] = False,
 ) -> None:
-    """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots."""
+    """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots.
+
+    With --html: a static gallery page of prediction folders instead (images x specs, sortable by the
+    difference in per-image mIoU between two specs)."""
     from .report import ReportError, collect
 
+    if html is not None:
+        return cli_analysis.gallery(results, html, dataset, root, overwrite)
     try:
         records = collect(results)
         _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite)
+        if diffusivity is not None:
+            cli_analysis.gain_report(records, results, diffusivity, metric, overwrite)
     except ReportError as e:
         fail(str(e))
 
@@ -638,7 +665,7 @@ def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite:
 
 @app.command("reproduce")
 def reproduce(
-    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a [report] table.")] = None,
+    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a \\[report] table (rows, cols, metric).")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the shipped grids and exit.")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results folder (default results/TABLE).")] = None,
     root: RootOpt = None,
@@ -669,8 +696,8 @@ def reproduce(
     out = out or Path("results") / grid_file.stem
     check_out(out, folder=True)
     paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root)
-    summary, rank = _run_grid(grid_file_spec.grid, paths, device)
     report = grid_file_spec.report
+    summary, rank = _run_grid(grid_file_spec.grid, paths, device, report.get("metric"))
     try:  # report files are derived from the results in OUT, so they are regenerated each time (by rank 0)
         if rank == 0:
             _render_report(collect(summary.results), report.get("rows", "source"), report.get("cols", "normalizer"),
@@ -701,16 +728,41 @@ def bench(
         console.print(table)
 
 
+app.command("analyze", no_args_is_help=True)(cli_analysis.analyze)
+app.command("explain", no_args_is_help=True)(cli_analysis.explain)
+app.command("demo")(cli_analysis.demo)
+
+
 INTERRUPTED = (
     "interrupted: finished work is kept; run the same command again to resume "
-    "(segment and sweep always resume, eval and fgovd when given --out)"
+    "(segment and sweep always resume; eval, fgovd and analyze when given --out)"
 )
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, Slurm's time limit, docker stop) handled as Ctrl-C: the run stops where it is and
+    keeps its finished work (every write is atomic), then exits with 143 (128 + SIGTERM)."""
+
+
+_signals: list[int] = []
+
+
+def _on_sigterm(signum: int, frame) -> None:
+    _signals.append(signum)
+    raise Terminated()
+
+
 def main() -> None:
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         app()
     except SystemExit as e:
-        if e.code == 130:  # typer's exit status for Ctrl-C
+        if e.code == 130:  # typer's exit status for Ctrl-C, and for SIGTERM (raised as a KeyboardInterrupt)
             err_console.print(INTERRUPTED, highlight=False)
+            if _signals:
+                raise SystemExit(128 + _signals[0]) from None
         raise
+    finally:  # main() called in-process (tests, notebooks) leaves the caller's handler as it was
+        signal.signal(signal.SIGTERM, previous)

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -111,12 +111,14 @@ def iter_window_features(
     stride: int = 112,
     batch_size: int = 16,
     token_stages: Sequence[Stage] = (),
+    encode: Callable[[torch.Tensor, AttentionSpec], torch.Tensor] | None = None,
 ) -> Iterator[tuple[list[tuple[int, int, int, int]], torch.Tensor]]:
     """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
 
     Yields (window boxes (y1, y2, x1, x2), B x h x w x D features). Windows whose sides are not multiples
     of the patch size are zero-padded at the bottom and right, so patch (i, j) of a window covers pixels
     y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
+    encode(crops, spec) replaces `clip.encode_dense` (e.g. attention maps for the analysis).
     """
     _, _, H, W = pixels.shape
     boxes = window_boxes(H, W, window, stride)
@@ -126,7 +128,8 @@ def iter_window_features(
     for i in range(0, len(boxes), batch_size):
         chunk = boxes[i : i + batch_size]
         crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
-        yield chunk, clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec, token_stages)
+        crops = F.pad(crops, (0, pad_w, 0, pad_h))
+        yield chunk, encode(crops, spec) if encode is not None else clip.encode_dense(crops, spec, token_stages)
 
 
 #: elements of one band of rows of the N x H x W cosine map (and of each temporary made from it): the final
@@ -434,6 +437,7 @@ class Segmenter:
         self.clip = clip
         self.vocabulary = vocabulary
         self.spec = resolve_spec(spec)
+        clip.check_spec(self.spec)
         if ext_backbones(self.spec):  # ext: terms see this CLIP's crops (its normalisation, precision)
             PROXIES.configure(clip)
         self.settings = settings or InferenceSettings()

@@ -17,11 +17,13 @@ and is never replaced without `--overwrite`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from functools import lru_cache
 from enum import Enum
 from pathlib import Path
 from typing import Callable
@@ -52,6 +54,18 @@ def _percent(fraction: float) -> str:
     return f"{100 * fraction:.1f}%" if fraction >= 0.0005 else "<0.1%"
 
 
+@lru_cache(maxsize=8)
+def legend_font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    """DejaVu Sans at `size` px, found in matplotlib's data without importing it (matplotlib is a dependency):
+    it covers accented Latin, Greek and Cyrillic, which PIL's default font draws as empty boxes."""
+    spec = importlib.util.find_spec("matplotlib")
+    if spec is not None and spec.origin:
+        path = Path(spec.origin).parent / "mpl-data" / "fonts" / "ttf" / "DejaVuSans.ttf"
+        if path.is_file():
+            return ImageFont.truetype(str(path), size)
+    return ImageFont.load_default(size=size)
+
+
 def overlay_image(rgb: np.ndarray, labels: np.ndarray, present: dict[str, float], class_names: tuple[str, ...]) -> Image.Image:
     """The blended image with a white legend panel on its right: one swatch + name + percentage per class present.
 
@@ -59,7 +73,7 @@ def overlay_image(rgb: np.ndarray, labels: np.ndarray, present: dict[str, float]
     """
     height, width = labels.shape
     size = max(12, height // 30)
-    font = ImageFont.load_default(size=size)
+    font = legend_font(size)
     rows = [(class_names.index(name), f"{name}  {_percent(frac)}") for name, frac in present.items()]
     colours = class_colours(len(class_names))
     pad, line = size // 2, int(size * 1.5)

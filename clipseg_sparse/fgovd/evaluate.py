@@ -25,7 +25,7 @@ from ..images import load_image
 from ..inference import InferenceSettings, resized_shape, to_pixels
 from ..model import DenseCLIP
 from ..registry import Registry
-from ..results import logged_or_computed, open_run, result_record, write_json_atomic
+from ..results import file_id, logged_or_computed, open_run, result_record, write_json_atomic
 from ..text import embed_names, resolve_templates, templates_id
 from .data import Benchmark, RegionAnnotation, check_images, check_segmentations, read_benchmark
 from .metrics import fgovd_metrics
@@ -121,6 +121,7 @@ def evaluate_fgovd(
     BenchmarkFormatError / MissingImageError for bad inputs.
     """
     spec = resolve_spec(spec)
+    clip.check_spec(spec)
     settings = settings or InferenceSettings()
     REGIONS.get(region)
     if negatives < 1:
@@ -138,6 +139,7 @@ def evaluate_fgovd(
         **clip.config(),
         "attention": str(spec),
         "benchmarks": splits,
+        "benchmark_files": [file_id(p) for p in benchmarks],  # the files, not only their split names
         "images_root": str(Path(images_root).resolve()),
         "region": region,
         "negatives": negatives,
