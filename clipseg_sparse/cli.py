@@ -152,6 +152,7 @@ def segment(
     """Segment images with any vocabulary: a label PNG, an overlay and a JSON per image under --out.
 
     Default attention preset: sclip. Re-running the same command skips finished images.
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse segment ...` shards the images.
     """
     from .discovery import InputError, discover_images
     from .outputs import ClaimConflictError, OutputOptions
@@ -183,6 +184,7 @@ def segment(
         fail("no images found in the inputs")
 
     from .batch import plan_run, run_plan
+    from .distributed import init_from_env
     from .inference import InferenceSettings, Segmenter
 
     try:
@@ -192,10 +194,11 @@ def segment(
         )
     except ValueError as e:
         fail(str(e))
+    rank, world = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     load_proxies(spec, clip, proxy_weights)
     try:
-        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=True)
+        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0)
     except ValueError as e:  # a spec the model cannot run
         fail(str(e))
     try:
@@ -208,7 +211,8 @@ def segment(
 
     try:
         with progress_bar("images") as bar:
-            task = bar.add_task("segmenting", total=len(plan.todo))
+            bar.disable = rank > 0  # rank 0's bar counts its share
+            task = bar.add_task("segmenting" + (f" (rank 0 of {world})" if world > 1 else ""), total=len(plan.todo[::world]))
 
             def on_image(job, error: str | None) -> None:
                 if error:
@@ -219,7 +223,8 @@ def segment(
     except ClaimConflictError as e:  # a concurrent run on the same --out claimed an image first
         fail(conflict.format(n=1, reason=e) + "; the images this run finished are kept")
 
-    _print_segment_summary(report, segmenter.class_names, len(found.not_images) + len(found.special), out)
+    if rank == 0:
+        _print_segment_summary(report, segmenter.class_names, len(found.not_images) + len(found.special), out)
     if report.failed:
         raise typer.Exit(1)
 
@@ -239,7 +244,7 @@ def _print_segment_summary(report, class_names, not_images: int, out: Path) -> N
     console.print(counts)
     console.print(classes)
     if report.failed:
-        err_console.print(f"[red]{len(report.failed)} image(s) could not be read:[/]", highlight=False)
+        err_console.print(f"[red]{len(report.failed)} image(s) failed:[/]", highlight=False)
     for path, reason in report.failed:
         err_console.print(f"  {reason}", highlight=False, soft_wrap=True)
 
@@ -445,7 +450,9 @@ def fgovd(
     """Fine-grained region-caption matching on FG-OVD: top-1 and rank of the positive caption among hard negatives.
 
     Default attention: the sclip preset for pool and mask (dense features need a segmentation-style edit to be local), unmodified clip for crop (the benchmark authors' protocol).
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse fgovd ...` shards the images.
     """
+    from .distributed import init_from_env
     from .fgovd import evaluate_fgovd, split_name
     from .fgovd.report import metrics_table
     from .inference import InferenceSettings
@@ -464,6 +471,7 @@ def fgovd(
     except ValueError as e:
         fail(str(e))
     kwargs = {k: v for k, v in {"scale_factor": scale_factor, "negatives": negatives}.items() if v is not None}
+    rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     try:
@@ -472,6 +480,8 @@ def fgovd(
         )
     except (OSError, ValueError) as e:  # missing files, malformed benchmark, config mismatch, unreadable image
         fail(str(e))
+    if rank > 0:
+        return
     _note_shown(out, shown)
     out_console().print(metrics_table(result["metrics"], result["config"]["benchmarks"], result["config"]["negatives"]))
     if out is not None:
@@ -513,20 +523,25 @@ def _print_summary(summary, out: Path) -> None:
         err_console.print(f"  [red]failed[/] {failure.cell.label}: {failure.error}  ({failure.cell.hash}.error.json)", highlight=False)
 
 
-def _run_grid(grid, paths, device: Device, metric: str | None = None):
+def _run_grid(grid, paths, device: Device, metric: str | None = None, shard: str | None = None):
+    """Run the grid (under torchrun: this rank's share); returns (summary of all ranks, rank)."""
+    from .distributed import init_from_env, parse_shard
     from .model import resolve_device
     from .sweep import check_fgovd_negatives, run_sweep
 
     try:  # a missing GPU would otherwise fail every cell; a report metric no file can give, the report
+        part = parse_shard(shard) if shard is not None else None
+        rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
         resolve_device(device.value)
         notes = check_fgovd_negatives(grid, metric)
     except ValueError as e:
         fail(str(e))
-    for note in notes:
+    for note in notes if rank == 0 else []:
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
-    summary = run_sweep(grid, paths, device=device.value)
-    _print_summary(summary, paths.out)
-    return summary
+    summary = run_sweep(grid, paths, device=device.value, part=part)
+    if rank == 0:
+        _print_summary(summary, paths.out)
+    return summary, rank
 
 
 @app.command("sweep", no_args_is_help=True)
@@ -551,8 +566,12 @@ def sweep(
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
     device: DeviceOpt = Device.auto,
+    shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: run only the I-th of N disjoint parts of the grid (every N-th cell), e.g. one per job of a job array.")] = None,
 ) -> None:
-    """Run a grid of eval / FG-OVD runs; done cells are skipped, failures recorded, interruptions resumed."""
+    """Run a grid of eval / FG-OVD runs; done cells are skipped, failures recorded, interruptions resumed.
+
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse sweep ...` deals the cells out to them.
+    """
     import dataclasses
 
     from .sweep import Grid, SweepPaths, parse_roots, read_grid_file
@@ -584,7 +603,7 @@ def sweep(
         fail(str(e))
     roots.update(parse_roots(root or []))
     paths = SweepPaths(out=out, roots=roots, images_root=images_root or images)
-    summary = _run_grid(the_grid, paths, device)
+    summary, _ = _run_grid(the_grid, paths, device, shard=shard)
     if summary.failed:
         raise typer.Exit(1)
 
@@ -678,10 +697,11 @@ def reproduce(
     check_out(out, folder=True)
     paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root)
     report = grid_file_spec.report
-    summary = _run_grid(grid_file_spec.grid, paths, device, report.get("metric"))
-    try:  # report files are derived from the results in OUT, so they are regenerated each time
-        _render_report(collect(summary.results), report.get("rows", "source"), report.get("cols", "normalizer"),
-                       report.get("metric"), out / "report.md", out / "report.csv", out / "plots", overwrite=True)  # fmt: skip
+    summary, rank = _run_grid(grid_file_spec.grid, paths, device, report.get("metric"))
+    try:  # report files are derived from the results in OUT, so they are regenerated each time (by rank 0)
+        if rank == 0:
+            _render_report(collect(summary.results), report.get("rows", "source"), report.get("cols", "normalizer"),
+                           report.get("metric"), out / "report.md", out / "report.csv", out / "plots", overwrite=True)  # fmt: skip
     except ReportError as e:
         fail(f"no report: {e}")
     if summary.failed:

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from enum import Enum
@@ -239,6 +242,31 @@ def write_outputs(base: Path, source: Path, rgb: np.ndarray, result: Segmentatio
             with atomic_path(path) as tmp:
                 overlay_image(rgb, result.labels, present, result.class_names).save(tmp, format="PNG")
         elif kind == "probs":
-            with atomic_path(path) as tmp, tmp.open("wb") as f:
-                np.savez_compressed(f, probs=result.probs.astype(np.float16), class_names=np.array(result.class_names))
+            write_probs_npz(path, result)
     return record
+
+
+def write_probs_npz(path: Path, result: SegmentationResult, chunk: int = 1 << 24) -> None:
+    """`probs` (C x H x W float16) and `class_names` in an npz file as `np.savez_compressed` writes them
+    (`np.load` reads both back), without ever holding C x H x W values in memory.
+
+    The probabilities come a band of rows at a time, but in C order each class's rows of a band lie
+    apart; so the bands go to an uncompressed scratch file beside `path` (C x H x W x 2 bytes of disk
+    while it runs), which is then deflated into the zip member `chunk` bytes at a time.
+    """
+    classes, (height, width) = len(result.class_names), result.labels.shape
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float16)), "fortran_order": False, "shape": (classes, height, width)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path.parent, prefix=f".{path.name}.scratch") as scratch:
+        for y0, _, band in result.prob_bands():
+            band = band.astype(np.float16)
+            for c in range(classes):
+                scratch.seek((c * height + y0) * width * 2)
+                scratch.write(band[c].tobytes())
+        scratch.seek(0)
+        with atomic_path(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, allowZip64=True) as npz:
+            with npz.open("probs.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array_header_1_0(member, header)
+                shutil.copyfileobj(scratch, member, chunk)
+            with npz.open("class_names.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.array(result.class_names), allow_pickle=False)

@@ -336,14 +336,25 @@ def run_sweep(
     paths: SweepPaths,
     device: str = "auto",
     progress: bool = True,
+    part: tuple[int, int] | None = None,
 ) -> SweepSummary:
     """Run every cell not done yet; see the module doc. KeyboardInterrupt stops the sweep (resume by
-    running it again); any other exception fails only its cell."""
-    from .progress import progress_bar
+    running it again); any other exception fails only its cell.
+
+    part: (index, count) runs only the index-th (0-based) of `count` disjoint parts of the cells (every
+    count-th cell, `--shard I/N`), for job arrays that share nothing but the output folder. Under torchrun
+    the cells still to do are dealt out to the ranks (every world-th, in model order), each cell runs in
+    one rank alone, and every rank returns the summary of all ranks.
+    """
+    from .distributed import barrier, gather, rank_and_world, shard, single_process
     from .model import load_clip
+    from .progress import progress_bar
 
     start = time.perf_counter()
     cells = grid.cells() if isinstance(grid, Grid) else list(grid)
+    if part is not None:
+        cells = shard(cells, *part)
+    rank, world = rank_and_world()
     summary = SweepSummary(total=len(cells))
     pending, stale = [], set()
     _fingerprint.cache_clear()  # files may have changed since an earlier sweep in this process
@@ -359,12 +370,17 @@ def run_sweep(
     summary.stale = len(stale)
     pending.sort(key=lambda c: c.model_key)  # stable: grid order within a model
     paths.out.mkdir(parents=True, exist_ok=True)
+    barrier()  # every rank has listed the same cells to do before any rank writes a result
+    mine = shard(pending, rank, world)
+    ran, failed = [], []
     bar = progress_bar("cells")
-    bar.disable = not progress
-    with bar:
-        task = bar.add_task("sweep", total=len(cells), completed=summary.skipped)
+    bar.disable = not progress or rank > 0
+    with bar, single_process():
+        # under torchrun rank 0's bar counts its own share of the cells
+        share = f" (rank 0 of {world}: its {len(mine)} of {len(pending)} cells to do)" if world > 1 else ""
+        task = bar.add_task("sweep" + share, total=len(mine) if world > 1 else len(cells), completed=0 if world > 1 else summary.skipped)
         clip, loaded = None, None
-        for cell in pending:
+        for cell in mine:
             bar.update(task, description=f"sweep: {cell.label}")
             try:
                 if loaded != cell.model_key:
@@ -372,15 +388,20 @@ def run_sweep(
                     clip = load_clip(cell.model, pretrained=cell.grid.pretrained, device=device, precision=cell.grid.precision)
                 if clip is None:
                     raise RuntimeError(f"model {cell.model} ({cell.grid.pretrained}) could not be loaded; see the first failure")
-                run_cell(clip, cell, paths, progress, overwrite=cell.hash in stale)
+                run_cell(clip, cell, paths, progress and rank == 0, overwrite=cell.hash in stale)
             except Exception as exc:  # noqa: BLE001 - a failing cell must not stop the sweep
-                summary.failed.append(Failure(cell, record_failure(paths, cell, exc)))
+                failed.append(Failure(cell, record_failure(paths, cell, exc)))
             else:
                 paths.error(cell).unlink(missing_ok=True)
-                summary.ran += 1
-                summary.results.append(paths.result(cell))
+                ran.append(cell.hash)
             bar.advance(task)
-        bar.update(task, description="sweep")
+        bar.update(task, description="sweep" + share)
+    parts = gather((ran, failed))
+    done = {h for hashes, _ in parts for h in hashes}
+    summary.ran = len(done)
+    order = {c.hash: i for i, c in enumerate(pending)}
+    summary.failed = sorted((f for _, fails in parts for f in fails), key=lambda f: order[f.cell.hash])
+    summary.results += [paths.result(c) for c in pending if c.hash in done]
     summary.wall_s = time.perf_counter() - start
     return summary
 
