@@ -119,3 +119,39 @@ PROTOCOLS.register(
     ),
     help="NACLIP (WACV 2025) before v2, no PAMR",
 )
+
+# SC-CLIP's configs (SuleBai/SC-CLIP@0417ba9 configs/cfg_*.py, scclip_segmentor.py defaults): SCLIP's line
+# at 336 everywhere (COCO-Stuff too; Cityscapes 560), 224/112 windows on every dataset, PAMR off
+# (pamr_steps=0). ViT-L/14 runs the same settings with the `scclip-l14` preset.
+PROTOCOLS.register(
+    "scclip",
+    Protocol(
+        name="scclip",
+        attention="scclip",
+        class_names="sclip",
+        source="SuleBai/SC-CLIP@0417ba9 configs/cfg_*.py, scclip_segmentor.py",
+        defaults=_SCLIP_LINE,
+        per_dataset={
+            "cityscapes": dict(resolution=560),
+            "voc21": dict(logit_scale=50.0, bg_threshold=0.15, area_threshold=0.1),
+            "context60": dict(bg_threshold=0.15),
+            "coco-object": dict(logit_scale=55.0, bg_threshold=0.35),
+        },
+    ),
+    help="SC-CLIP (arXiv 2411.15869); ViT-L/14 with preset scclip-l14",
+)
+
+# GEM publishes no evaluation code (WalBouss/GEM#5); its numbers on these benchmarks come from ClearCLIP's
+# re-implementation (mc-lan/ClearCLIP results table), evaluated under ClearCLIP's protocol.
+PROTOCOLS.register(
+    "gem",
+    Protocol(
+        name="gem",
+        attention="gem",
+        class_names=PROTOCOLS.get("clearclip").class_names,
+        source="ClearCLIP's protocol (mc-lan/ClearCLIP@fd05ce4), under which ClearCLIP re-evaluated GEM; GEM's repo has no evaluation",
+        defaults=PROTOCOLS.get("clearclip").defaults,
+        per_dataset=PROTOCOLS.get("clearclip").per_dataset,
+    ),
+    help="GEM (CVPR 2024), under ClearCLIP's protocol (GEM's repository has no evaluation code)",
+)

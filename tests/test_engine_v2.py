@@ -362,3 +362,37 @@ def test_ls_presets_shows_the_new_presets_with_their_papers():
     for name, paper in [("scclip", "SC-CLIP (Bai et al."), ("scclip-l14", "ViT-L/14"), ("gem", "GEM (Bousselham"),
                         ("gem-entmax", "gem with alpha-entmax")]:
         assert any(paper in line and f" {name} " in line for line in result.output.splitlines()), (name, result.output)
+
+
+# values typed from SuleBai/SC-CLIP@0417ba9 configs/cfg_*.py and SCCLIPForSegmentation's defaults
+SCCLIP_PUBLISHED = {
+    "voc21": dict(resolution=336, window=224, stride=112, logit_scale=50, bg_threshold=0.15, area_threshold=0.1, pamr=False),
+    "voc20": dict(resolution=336, window=224, stride=112, logit_scale=40, bg_threshold=0),
+    "context60": dict(resolution=336, logit_scale=40, bg_threshold=0.15, area_threshold=0),
+    "coco-object": dict(resolution=336, logit_scale=55, bg_threshold=0.35),
+    "coco-stuff": dict(resolution=336, window=224, logit_scale=40),
+    "cityscapes": dict(resolution=560, window=224, stride=112),
+}
+
+
+@pytest.mark.parametrize("dataset", list(SCCLIP_PUBLISHED))
+def test_scclip_protocol_matches_published_configs(dataset):
+    from clipseg_sparse.protocols import PROTOCOLS
+
+    settings = PROTOCOLS.get("scclip").settings(dataset)
+    for name, value in SCCLIP_PUBLISHED[dataset].items():
+        assert getattr(settings, name) == pytest.approx(value), name
+
+
+@pytest.mark.parametrize("grid,models,presets", [
+    ("scclip", ["ViT-B-16"], ["scclip"]), ("scclip-l14", ["ViT-L-14"], ["scclip-l14"]), ("gem", ["ViT-B-16", "ViT-L-14"], ["gem"]),
+])
+def test_reproduce_grids_cross_the_new_presets_with_softmax_and_entmax(grid, models, presets):
+    """Each grid: its preset x {softmax, entmax:1.5} x the 8 benchmarks, with the right layer indices per model."""
+    from clipseg_sparse.datasets import DATASETS
+    from clipseg_sparse.sweep import GRIDS, read_grid_file
+
+    g = read_grid_file(GRIDS.get(grid)).grid
+    assert list(g.models) == models and set(g.datasets) == set(DATASETS.names()) and g.protocol == grid.split("-")[0]
+    specs = {str(PRESETS.get(p).spec.replace(normalizer=n)) for p in presets for n in ("softmax", "entmax:1.5")}
+    assert set(g.attention_specs()) == specs and len(g.cells()) == len(models) * 8 * 2
