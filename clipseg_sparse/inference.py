@@ -110,10 +110,12 @@ def iter_window_features(
     stride: int = 112,
     batch_size: int = 16,
     token_stages: Sequence[Stage] = (),
-) -> Iterator[tuple[list[tuple[int, int, int, int]], torch.Tensor]]:
+    with_cls: bool = False,
+) -> Iterator[tuple]:
     """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
 
-    Yields (window boxes (y1, y2, x1, x2), B x h x w x D features). Windows whose sides are not multiples
+    Yields (window boxes (y1, y2, x1, x2), B x h x w x D features), plus the windows' B x D CLS
+    embeddings when `with_cls`. Windows whose sides are not multiples
     of the patch size are zero-padded at the bottom and right, so patch (i, j) of a window covers pixels
     y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
     """
@@ -125,7 +127,8 @@ def iter_window_features(
     for i in range(0, len(boxes), batch_size):
         chunk = boxes[i : i + batch_size]
         crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
-        yield chunk, clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec, token_stages)
+        out = clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec, token_stages, with_cls)
+        yield (chunk, *out) if with_cls else (chunk, out)
 
 
 def dense_cosine(
@@ -148,14 +151,19 @@ def dense_cosine(
     and column intervals, so upsample -> place -> average -> resize is one product per name,
     Ly @ G @ Lx^T, with G the grid of all windows' patch maps (N_names x rows*h x cols*w) and Ly, Lx
     small interpolation matrices: no per-window work or window-sized temporaries beyond the model call.
+    Match stages the spec names (`hook:surgery`) rewrite each window's cosine map before that.
     """
     _, _, H, W = pixels.shape
     ps = clip.patch_size
     text = text.to(clip.device)
+    match = [st for st in resolve_stages(spec.hooks) if st.kind == "match"]  # e.g. CLIP Surgery's
     boxes, cos = [], []
-    for chunk, feats in iter_window_features(clip, pixels, spec, window, stride, batch_size, token_stages):
+    for chunk, feats, *cls in iter_window_features(clip, pixels, spec, window, stride, batch_size, token_stages, bool(match)):
         boxes += chunk
-        cos.append(torch.einsum("bhwd,nd->bnhw", feats, text))
+        window_cos = torch.einsum("bhwd,nd->bnhw", feats, text)
+        for stage in match:
+            window_cos = stage(window_cos, cls[0], text)
+        cos.append(window_cos)
     cos = torch.cat(cos)  # windows row-major over the grid of row and column intervals
     rows = sorted({(y1, y2) for y1, y2, _, _ in boxes})
     cols = sorted({(x1, x2) for _, _, x1, x2 in boxes})

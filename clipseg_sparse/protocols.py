@@ -155,3 +155,18 @@ PROTOCOLS.register(
     ),
     help="GEM (CVPR 2024), under ClearCLIP's protocol (GEM's repository has no evaluation code)",
 )
+
+# CLIP Surgery publishes a demo only ("evaluation ... will be released later"); as for GEM, ClearCLIP's
+# protocol is used.
+PROTOCOLS.register(
+    "clipsurgery",
+    Protocol(
+        name="clipsurgery",
+        attention="clipsurgery",
+        class_names=PROTOCOLS.get("clearclip").class_names,
+        source="ClearCLIP's protocol (mc-lan/ClearCLIP@fd05ce4); CLIP Surgery's repository has a demo, no evaluation",
+        defaults=PROTOCOLS.get("clearclip").defaults,
+        per_dataset=PROTOCOLS.get("clearclip").per_dataset,
+    ),
+    help="CLIP Surgery (Pattern Recognition 2025), under ClearCLIP's protocol (its repository has no evaluation code)",
+)

@@ -334,23 +334,6 @@ def test_gem_matches_published_forward(vit_b16):
         assert torch.allclose(ours, _gem_reference(vit_b16, pixels), atol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["scclip", "gem"])
-def test_entmax_variant_tends_to_its_softmax_preset(vit_b16, name):
-    """entmax replaces every normalizer slot: at alpha = 1 + 1e-4 the features agree with the softmax
-    preset to 2e-3 (the entmax-softmax gap is O(alpha - 1) and fp32 rounding of (1 + (a-1)s)^(1/(a-1))
-    adds about 1e4 x 6e-8 relative per probability); at alpha 1.5 they differ."""
-    torch.manual_seed(8)
-    pixels = torch.randn(1, 3, 224, 224)
-    spec = PRESETS.get(f"{name}-entmax").spec
-    assert spec == PRESETS.get(name).spec.replace(normalizer="entmax:1.5")
-    with torch.no_grad():
-        soft = vit_b16.encode_dense(pixels, name)
-        near = vit_b16.encode_dense(pixels, spec.replace(normalizer="entmax:1.0001"))
-        sparse = vit_b16.encode_dense(pixels, spec)
-    assert (near - soft).abs().max() < 2e-3
-    assert (sparse - soft).abs().max() > 1e-2
-
-
 def test_ls_presets_shows_the_new_presets_with_their_papers():
     from typer.testing import CliRunner
 
@@ -360,7 +343,7 @@ def test_ls_presets_shows_the_new_presets_with_their_papers():
     assert result.exit_code == 0
     assert str(PRESETS.get("scclip").spec) in result.output  # [..] modifiers are printed, not read as markup
     for name, paper in [("scclip", "SC-CLIP (Bai et al."), ("scclip-l14", "ViT-L/14"), ("gem", "GEM (Bousselham"),
-                        ("gem-entmax", "gem with alpha-entmax")]:
+                        ("gem-entmax", "gem with alpha-entmax"), ("clipsurgery", "CLIP Surgery (Li")]:
         assert any(paper in line and f" {name} " in line for line in result.output.splitlines()), (name, result.output)
 
 
@@ -386,6 +369,7 @@ def test_scclip_protocol_matches_published_configs(dataset):
 
 @pytest.mark.parametrize("grid,models,presets", [
     ("scclip", ["ViT-B-16"], ["scclip"]), ("scclip-l14", ["ViT-L-14"], ["scclip-l14"]), ("gem", ["ViT-B-16", "ViT-L-14"], ["gem"]),
+    ("clipsurgery", ["ViT-B-16", "ViT-L-14"], ["clipsurgery"]),
 ])
 def test_reproduce_grids_cross_the_new_presets_with_softmax_and_entmax(grid, models, presets):
     """Each grid: its preset x {softmax, entmax:1.5} x the 8 benchmarks, with the right layer indices per model."""
@@ -396,3 +380,77 @@ def test_reproduce_grids_cross_the_new_presets_with_softmax_and_entmax(grid, mod
     assert list(g.models) == models and set(g.datasets) == set(DATASETS.names()) and g.protocol == grid.split("-")[0]
     specs = {str(PRESETS.get(p).spec.replace(normalizer=n)) for p in presets for n in ("softmax", "entmax:1.5")}
     assert set(g.attention_specs()) == specs and len(g.cells()) == len(models) * 8 * 2
+
+
+def _surgery_reference(clip, pixels, depth=6):
+    """xmed-lab/CLIP_Surgery@d4696d4 clip_surgery_model.py: Attention.forward (v-v) and the dual-path
+    ResidualAttentionBlock.forward, written per head; output x with its CLS row from x_ori."""
+    v = clip.visual
+    x, _ = clip._embed(pixels)
+    blocks = v.transformer.resblocks
+    for blk in blocks[: len(blocks) - depth]:
+        x = blk(x)
+    x_new, x_ori = x.clone(), x
+    for blk in blocks[len(blocks) - depth :]:
+        u = blk.ln_1(x_ori)
+        B, N, C = u.shape
+        H = blk.attn.num_heads
+        qkv = F.linear(u, blk.attn.in_proj_weight, blk.attn.in_proj_bias).reshape(B, N, 3, H, C // H)
+        heads = []
+        for b in range(B):
+            for hd in range(H):
+                val = qkv[b, :, 2, hd]
+                heads.append(torch.softmax(val @ val.T * (C // H) ** -0.5, -1) @ val)
+        out = torch.stack(heads).reshape(B, H, N, C // H).transpose(1, 2).reshape(B, N, C)
+        x_new = x_new + blk.attn.out_proj(out)  # skip ffn for the new path
+        x_ori = blk(x_ori)
+    x_new[:, 0] = x_ori[:, 0]
+    return F.normalize(v.ln_post(x_new) @ v.proj, dim=-1)
+
+
+def _feature_surgery_reference(image_features, text_features):
+    """clip.py clip_feature_surgery (redundant_feats None), batch 1: B x (1 + N) x D, T x D -> B x (1 + N) x T."""
+    prob = (image_features[:, :1, :] @ text_features.t() * 2).softmax(-1)
+    w = prob / prob.mean(-1, keepdim=True)
+    b, n_t, n_i, c = image_features.shape[0], text_features.shape[0], image_features.shape[1], image_features.shape[2]
+    feats = image_features.reshape(b, n_i, 1, c) * text_features.reshape(1, 1, n_t, c)
+    feats *= w.reshape(1, 1, n_t, 1)
+    feats = feats - feats.mean(2, keepdim=True)
+    return feats.sum(-1)
+
+
+def test_clipsurgery_matches_published_forward_and_feature_surgery(vit_b16):
+    from clipseg_sparse.inference import dense_cosine
+
+    torch.manual_seed(9)
+    pixels = _structured_pixels(1, (160, 160))
+    text = F.normalize(torch.randn(5, 512), dim=-1)
+    with torch.no_grad():
+        ref = _surgery_reference(vit_b16, pixels)  # 1 x (1 + N) x D, CLS first
+        feats, cls = vit_b16.encode_dense(pixels, "clipsurgery", with_cls=True)
+        assert torch.allclose(feats.reshape(1, -1, 512), ref[:, 1:], atol=2e-5)
+        assert torch.allclose(cls, ref[:, 0], atol=2e-5)  # the original path's CLS: CLIP's image embedding
+        surgery = _feature_surgery_reference(ref, text)[0, 1:].T.reshape(5, 10, 10)
+        # one window covering the image, kept at the patch grid: the matcher applies the surgery there
+        ours = dense_cosine(vit_b16, pixels, text, AttentionSpec.parse("clipsurgery"), window=0, out_size=(160, 160))
+        plain = dense_cosine(vit_b16, pixels, text, AttentionSpec.parse("clipsurgery").replace(hooks=()), window=0, out_size=(160, 160))
+        up = F.interpolate(surgery[None], size=(160, 160), mode="bilinear", align_corners=False)[0]
+    assert torch.allclose(ours, up, atol=5e-5)
+    assert (plain - ours).abs().max() > 1e-2  # the surgery changes the map
+
+
+@pytest.mark.parametrize("name", ["scclip", "gem", "clipsurgery"])
+def test_entmax_variant_tends_to_its_softmax_preset(vit_b16, name):
+    """entmax replaces every normalizer slot: at alpha = 1 + 1e-4 the features agree with the softmax
+    preset to 2e-3 (the entmax-softmax gap is O(alpha - 1) and fp32 rounding of (1 + (a-1)s)^(1/(a-1))
+    adds about 1e4 x 6e-8 relative per probability); at alpha 1.5 they differ."""
+    torch.manual_seed(8)
+    pixels = _structured_pixels(1, (224, 224))
+    spec = PRESETS.get(f"{name}-entmax").spec
+    assert spec == PRESETS.get(name).spec.replace(normalizer="entmax:1.5")
+    with torch.no_grad():
+        soft = vit_b16.encode_dense(pixels, name)
+        near = vit_b16.encode_dense(pixels, spec.replace(normalizer="entmax:1.0001"))
+        sparse = vit_b16.encode_dense(pixels, spec)
+    assert (near - soft).abs().max() < 2e-3
+    assert (sparse - soft).abs().max() > 1e-2

@@ -287,7 +287,8 @@ class AttentionSpec:
         the original path's ln_1 state (GEM, CLIP Surgery). average: divide the sum of groups by their
         number. aggregate_in/out: identity-value aggregation x <- R(support(S)) x before / after the block
         (R: row sums + 1e-6, SC-CLIP). inputs: extra inputs of the block (SC-CLIP's multi-level sum).
-        hooks: token stages the method needs (`clipseg_sparse.stages`, e.g. lof). extras: registered options.
+        hooks: token and match stages the method needs (`clipseg_sparse.stages`: lof, surgery). extras:
+        registered options.
     """
 
     source: tuple[str, ...] = ("qk",)
@@ -477,14 +478,14 @@ def _taps_help() -> str:
 
 
 def _check_hook(text: str) -> str:
-    """The canonical text of a token stage named by `hook:`; ValueError naming the token stages."""
+    """The canonical text of a token or match stage named by `hook:`; ValueError naming them."""
     from ..stages import STAGES, parse_stage
 
     try:
         stage = parse_stage(text)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_token_stages()}") from None
-    if stage.kind != "token":
+    if stage.kind not in ("token", "match"):
         raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_token_stages()} (post stages run with --pamr or InferenceSettings.stages)")
     return stage.name
 
@@ -492,4 +493,4 @@ def _check_hook(text: str) -> str:
 def _token_stages() -> str:
     from ..stages import STAGES
 
-    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith("token"))
+    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith(("token", "match")))
