@@ -13,6 +13,7 @@ weights to half, cast back to float only on CPU): choose `--precision fp16` your
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -141,32 +142,17 @@ PROTOCOLS.register(
     help="SC-CLIP (arXiv 2411.15869); ViT-L/14 with preset scclip-l14",
 )
 
-# GEM publishes no evaluation code (WalBouss/GEM#5); its numbers on these benchmarks come from ClearCLIP's
-# re-implementation (mc-lan/ClearCLIP results table), evaluated under ClearCLIP's protocol.
-PROTOCOLS.register(
-    "gem",
-    Protocol(
-        name="gem",
-        attention="gem",
-        class_names=PROTOCOLS.get("clearclip").class_names,
-        source="ClearCLIP's protocol (mc-lan/ClearCLIP@fd05ce4), under which ClearCLIP re-evaluated GEM; GEM's repo has no evaluation",
-        defaults=PROTOCOLS.get("clearclip").defaults,
-        per_dataset=PROTOCOLS.get("clearclip").per_dataset,
-    ),
-    help="GEM (CVPR 2024), under ClearCLIP's protocol (GEM's repository has no evaluation code)",
-)
-
-# CLIP Surgery publishes a demo only ("evaluation ... will be released later"); as for GEM, ClearCLIP's
-# protocol is used.
-PROTOCOLS.register(
-    "clipsurgery",
-    Protocol(
-        name="clipsurgery",
-        attention="clipsurgery",
-        class_names=PROTOCOLS.get("clearclip").class_names,
-        source="ClearCLIP's protocol (mc-lan/ClearCLIP@fd05ce4); CLIP Surgery's repository has a demo, no evaluation",
-        defaults=PROTOCOLS.get("clearclip").defaults,
-        per_dataset=PROTOCOLS.get("clearclip").per_dataset,
-    ),
-    help="CLIP Surgery (Pattern Recognition 2025), under ClearCLIP's protocol (its repository has no evaluation code)",
-)
+# GEM and CLIP Surgery publish no evaluation code (WalBouss/GEM#5; CLIP Surgery's README: "evaluation ...
+# will be released later"). GEM's numbers on these benchmarks come from ClearCLIP's re-implementation,
+# evaluated under ClearCLIP's protocol; CLIP Surgery gets the same protocol.
+for _name, _paper, _why in (
+    ("gem", "GEM (CVPR 2024)", "under which ClearCLIP re-evaluated GEM; GEM's repository has no evaluation"),
+    ("clipsurgery", "CLIP Surgery (Pattern Recognition 2025)", "CLIP Surgery's repository has a demo, no evaluation"),
+):
+    PROTOCOLS.register(
+        _name,
+        dataclasses.replace(
+            PROTOCOLS.get("clearclip"), name=_name, attention=_name, source=f"ClearCLIP's protocol (mc-lan/ClearCLIP@fd05ce4); {_why}"
+        ),
+        help=f"{_paper}, under ClearCLIP's protocol (its repository has no evaluation code)",
+    )

@@ -34,6 +34,12 @@ def test_every_preset_round_trips_and_cites(name):
     assert PRESETS.help(name)
 
 
+def test_preset_with_more_options():
+    assert AttentionSpec.parse("sclip/entmax:1.5") == PRESETS.get("sclip-entmax").spec
+    assert AttentionSpec.parse("naclip/neg:0.2") == PRESETS.get("naclip").spec.replace(negative=0.2)
+    assert AttentionSpec.parse("gem/sparsemax/temp:0.5") == PRESETS.get("gem").spec.replace(normalizer="sparsemax", temperature=0.5)
+
+
 def test_canonical_forms():
     assert str(AttentionSpec.parse("kk[dot]/softmax/nores/cls:0.3")) == "kk/softmax/cls:0.3"
     assert str(AttentionSpec.parse("1*qq+(kk)/softmax")) == "qq+kk/softmax"
@@ -216,8 +222,9 @@ def _mean_interpolation(fmap, cells):
     return out
 
 
-def _scclip_reference(clip, pixels, pre=8, post=3, start=3, end=10, res_cls=0.3, beta=0.4):
-    """SC-CLIP's VisionTransformer.forward (return_all) for one image, batch first, then ln_post/proj/L2."""
+def _scclip_reference(clip, pixels, pre=8, post=3, start=3, end=10, res_cls=0.3, beta=0.4, maps=None):
+    """SC-CLIP's VisionTransformer.forward (return_all) for one image, batch first, then ln_post/proj/L2.
+    `maps` (a list) receives the main path's H x N x N attention."""
     v = clip.visual
     x, (h, w) = clip._embed(pixels)
     blocks = v.transformer.resblocks
@@ -245,6 +252,8 @@ def _scclip_reference(clip, pixels, pre=8, post=3, start=3, end=10, res_cls=0.3,
         m[m < 0.0] = float("-inf")
         a = torch.softmax(m, -1) + torch.softmax(k @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1)
         a = a / 2
+        if maps is not None:
+            maps.append(a)
         return blk.attn.out_proj((a @ val).transpose(0, 1).reshape(1, -1, C))
 
     x = aggregate(x, before)
@@ -282,9 +291,12 @@ def test_scclip_matches_published_forward(vit_b16):
     pixels = _structured_pixels(2, (224, 224))
     with torch.no_grad():
         ours = vit_b16.encode_dense(pixels, "scclip").reshape(2, 196, -1)
+        ours_maps = attention_maps(vit_b16, pixels, "scclip")  # patch tokens only (cls:0.3)
         for b in range(2):  # the published code runs one window at a time
-            ref = _scclip_reference(vit_b16, pixels[b : b + 1])
+            ref_maps = []
+            ref = _scclip_reference(vit_b16, pixels[b : b + 1], maps=ref_maps)
             assert torch.allclose(ours[b], ref[0], atol=2e-5), (ours[b] - ref[0]).abs().max()
+            assert torch.allclose(ours_maps[b], ref_maps[0], atol=1e-6)
 
 
 def test_scclip_l14_indices_are_the_authors():
