@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, resolve_spec
 from .images import load_image
 from .model import DenseCLIP
+from .proxy_source import PROXIES, ext_backbones, proxy_config
 from .stages import Stage, resolve_stages
 from .text import Vocabulary, embed_names, resolve_templates, templates_id
 
@@ -110,6 +111,7 @@ def iter_window_features(
     stride: int = 112,
     batch_size: int = 16,
     token_stages: Sequence[Stage] = (),
+    encode: Callable[[torch.Tensor, AttentionSpec], torch.Tensor] | None = None,
     with_cls: bool = False,
 ) -> Iterator[tuple]:
     """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
@@ -118,6 +120,7 @@ def iter_window_features(
     embeddings when `with_cls`. Windows whose sides are not multiples
     of the patch size are zero-padded at the bottom and right, so patch (i, j) of a window covers pixels
     y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
+    encode(crops, spec) replaces `clip.encode_dense` (e.g. attention maps for the analysis).
     """
     _, _, H, W = pixels.shape
     boxes = window_boxes(H, W, window, stride)
@@ -127,8 +130,12 @@ def iter_window_features(
     for i in range(0, len(boxes), batch_size):
         chunk = boxes[i : i + batch_size]
         crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
-        out = clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec, token_stages, with_cls)
-        yield (chunk, *out) if with_cls else (chunk, out)
+        crops = F.pad(crops, (0, pad_w, 0, pad_h))
+        if encode is not None:
+            yield chunk, encode(crops, spec)
+        else:
+            out = clip.encode_dense(crops, spec, token_stages, with_cls)
+            yield (chunk, *out) if with_cls else (chunk, out)
 
 
 def dense_cosine(
@@ -158,7 +165,7 @@ def dense_cosine(
     text = text.to(clip.device)
     match = [st for st in resolve_stages(spec.hooks) if st.kind == "match"]  # e.g. CLIP Surgery's
     boxes, cos = [], []
-    for chunk, feats, *cls in iter_window_features(clip, pixels, spec, window, stride, batch_size, token_stages, bool(match)):
+    for chunk, feats, *cls in iter_window_features(clip, pixels, spec, window, stride, batch_size, token_stages, with_cls=bool(match)):
         boxes += chunk
         window_cos = torch.einsum("bhwd,nd->bnhw", feats, text)
         for stage in match:
@@ -170,8 +177,11 @@ def dense_cosine(
     _, n, h, w = cos.shape
     grid = cos.view(len(rows), len(cols), n, h, w).permute(2, 0, 3, 1, 4).reshape(n, len(rows) * h, len(cols) * w)
     out_h, out_w = out_size or (H, W)
-    ly = _window_interpolation(rows, H, h, h * ps, out_h).to(clip.device)
-    lx = _window_interpolation(cols, W, w, w * ps, out_w).to(clip.device)
+    # a window's map covers the window padded to a multiple of CLIP's patch (h x w patches of CLIP, or
+    # the finer grid of an external backbone's attention: ProxyCLIP's DINO B/8 gives 2h x 2w)
+    padded_h, padded_w = (-(-(span[1] - span[0]) // ps) * ps for span in (rows[0], cols[0]))
+    ly = _window_interpolation(rows, H, h, padded_h, out_h).to(clip.device)
+    lx = _window_interpolation(cols, W, w, padded_w, out_w).to(clip.device)
     # computed as H x W x N and returned as an N x H x W view: reductions over names (softmax, max) then
     # run along contiguous memory, about twice as fast as over the leading dimension of a C x H x W tensor
     return torch.einsum("hr,nrc,wc->hwn", ly, grid, lx).permute(2, 0, 1)
@@ -273,6 +283,8 @@ class Segmenter:
         self.clip = clip
         self.vocabulary = vocabulary
         self.spec = resolve_spec(spec)
+        if ext_backbones(self.spec):  # ext: terms see this CLIP's crops (its normalisation, precision)
+            PROXIES.configure(clip)
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
         self.stages = resolve_stages(self.settings.stage_texts())
@@ -293,6 +305,7 @@ class Segmenter:
             "classes": [list(syn) for syn in self.vocabulary.names],
             **dataclasses.asdict(self.settings),
             "stages": [s.name for s in self.stages],  # canonical names, PAMR included when on
+            **proxy_config(self.spec),  # backbones of ext: terms, their tags and weights
         }
 
     def _stages(self, kind: str) -> list[Stage]:

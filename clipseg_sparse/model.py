@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .attention import AttentionSpec, resolve_spec
 from .attention import blocks as attention_blocks
+from .attention.taps import attention_grid
 from .text_tower import encode_tokens
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -333,7 +334,8 @@ class DenseCLIP:
         x, grid = self._embed(pixels)
         x = attention_blocks.encode_tokens(self.visual, x, spec, grid, pixels, token_hooks)
         x = F.normalize((self.visual.ln_post(x[:, (0 if with_cls else 1) :]) @ self.visual.proj).float(), dim=-1)
-        feats = x[:, -grid[0] * grid[1] :].reshape(x.shape[0], *grid, -1)
+        out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
+        feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
         return (feats, x[:, 0]) if with_cls else feats
 
     @torch.inference_mode()
