@@ -65,11 +65,12 @@ class Listable(str, Enum):
     protocols = "protocols"
     grids = "grids"
     stages = "stages"
+    backbones = "backbones"
 
 
 @app.command("ls")
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
-    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages."""
+    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages, proxy backbones."""
     from rich.table import Table
 
     console = out_console()
@@ -99,6 +100,10 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
         table = Table("stage", "kind and meaning")
         for name in STAGES:
             table.add_row(name, STAGES.help(name))
+    elif what is Listable.backbones:
+        from .cli_proxy import backbones_table
+
+        table = backbones_table()
     else:
         import open_clip
 

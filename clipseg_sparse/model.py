@@ -63,13 +63,14 @@ def _is_torchscript_archive(path: Path) -> bool:
         return False
 
 
-def _weights_help(model_name: str, pretrained: str) -> str:
+def _weights_help(model_name: str, pretrained: str, option: str = "--pretrained") -> str:
+    """The one-line advice when Hub weights cannot be had (also used for proxy backbones)."""
     return (
         f"could not obtain weights {pretrained!r} for {model_name}. Model weights are downloaded from the "
         f"Hugging Face Hub on first use and then read from its cache ($HF_HOME, default ~/.cache/huggingface). "
-        f"Offline, either pass a local checkpoint (--pretrained /path/to/model.pt|.bin|.safetensors), copy "
+        f"Offline, either pass a local checkpoint ({option} /path/to/model.pt|.bin|.safetensors), copy "
         f"the cache from a machine that has it, or set HF_HUB_OFFLINE=1 to fail fast. "
-        f"Use --pretrained none for random weights (testing only)."
+        f"Use {option} none for random weights (testing only)."
     )
 
 

@@ -1,0 +1,198 @@
+"""Proxy attention: the last CLIP block's token mixing computed from another backbone's features.
+
+Pure tensor functions for the three published proxy methods (research/peers-sota.md sections 2.1,
+2.7, 2.8), each split into the engine's axes: a score term (cosine of backbone features), a transform
+(shift by beta x mean, scale gamma), a support (which entries may be non-zero: positive, region), a
+normalizer slot (softmax as published, or entmax / sparsemax), values from CLIP upsampled to the proxy
+grid, and a reduced block output W_o(A V) shared across heads. Shapes: B images, M = I*J proxy tokens,
+N = h*w CLIP patch tokens, C channels.
+
+Published arithmetic copied (and quirks documented, not copied):
+- ProxyCLIP (mc-lan/ProxyCLIP open_clip/transformer.py `custom_attn`): S = cos(F, F);
+  S' = (S - beta mean(S)) gamma with the mean over each image's M x M entries (its code takes
+  `mean(dim=(1, 2))` per batch element; its evaluation runs one window at a time); S'[S' < 0] = -inf;
+  A = softmax(S') for every head. Computed here in fp32 (the published code runs fp16); a row with
+  no entry >= 0 (only when mean(S) > 1 / beta) keeps its diagonal instead of becoming NaN.
+- CorrCLIP: S = cos(q + k) of DINO's last block; allowed(i, j) = same region, or (i or j unsegmented and
+  S_ij > mean(S)); A = softmax(tau S) on the allowed set (tau = 4, no shift); regions merged by DBSCAN
+  (eps 0.2, min_samples 1) on max(sim) - sim of region-mean features; a post vote gives every original
+  region the most frequent label inside it.
+- Trident: ProxyCLIP attention per window on DINO ViT-B/16 with one mean shared by all windows of an
+  image (its code batches the windows and takes `torch.mean` over the whole batch); windows' block
+  outputs spliced onto the image grid (overlaps averaged); then SAM's last-block attention filtered by
+  the cosine of SAM's values (kept where cos > min(0.9, cos_fac x row mean), heads averaged, rows
+  re-normalised by their sum) smooths the spliced features.
+The CorrCLIP and Trident details follow research/peers-sota.md (read from zdk258/CorrCLIP@103bc18 and
+YuHengsss/Trident@a93b346 there); their code was not re-read for this module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .normalizers import Normalizer, normalize
+
+PROXYCLIP_BETA, PROXYCLIP_GAMMA = 1.2, 3.0
+CORRCLIP_TAU, CORRCLIP_EPS = 4.0, 0.2
+
+
+# -- score term, transform, support ------------------------------------------------------------------
+def feature_cosine(feats: torch.Tensor) -> torch.Tensor:
+    """B x M x C features -> B x M x M cosine similarities (fp32)."""
+    f = F.normalize(feats.float(), dim=-1)
+    return f @ f.transpose(-2, -1)
+
+
+def shift_scale(scores: torch.Tensor, beta: float, gamma: float, mean_over: str = "image") -> torch.Tensor:
+    """(S - beta * mean(S)) * gamma. mean_over "image": one mean per leading index (B x M x M -> B
+    means; ProxyCLIP, one window per forward), "batch": one mean over the whole tensor (Trident, all
+    windows of an image in one batch)."""
+    if mean_over == "image":
+        mean = scores.mean(dim=(-2, -1), keepdim=True)
+    elif mean_over == "batch":
+        mean = scores.mean()
+    else:
+        raise ValueError(f"mean_over must be 'image' or 'batch' (got {mean_over!r})")
+    return (scores - beta * mean) * gamma
+
+
+def positive_support(scores: torch.Tensor) -> torch.Tensor:
+    """ProxyCLIP's support: entries that are not negative (it sets S'[S' < 0] = -inf), plus the
+    diagonal. The diagonal is (1 - beta mean) gamma >= 0 whenever mean <= 1 / beta, so this changes
+    nothing then; for a near-uniform image (mean > 1 / beta) the published rows are all -inf and its
+    softmax gives NaN, here each such token keeps only itself (a documented fix)."""
+    eye = torch.eye(scores.shape[-1], dtype=torch.bool, device=scores.device)
+    return (scores >= 0) | eye
+
+
+def region_support(scores: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
+    """CorrCLIP's scope, B x M x M bool. regions: B x M integer region ids on the proxy grid, < 0 =
+    unsegmented. Allowed: same region, or (either token unsegmented) and S_ij > the image's mean(S)."""
+    same = (regions[:, :, None] == regions[:, None, :]) & (regions[:, :, None] >= 0)
+    unsegmented = (regions[:, :, None] < 0) | (regions[:, None, :] < 0)
+    above = scores > scores.mean(dim=(-2, -1), keepdim=True)
+    return same | (unsegmented & above)
+
+
+def restrict(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Scores with -inf outside `allowed`, so every normalizer gives those entries exactly 0."""
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+# -- whole attention maps ----------------------------------------------------------------------------
+def proxyclip_attention(
+    feats: torch.Tensor,
+    beta: float = PROXYCLIP_BETA,
+    gamma: float = PROXYCLIP_GAMMA,
+    normalizer: str | Normalizer = "softmax",
+    mean_over: str = "image",
+) -> torch.Tensor:
+    """ProxyCLIP's B x M x M attention from B x M x C backbone features; entmax replaces softmax in
+    the normalizer slot with the positive support kept (alpha -> 1 gives the published map)."""
+    s = shift_scale(feature_cosine(feats), beta, gamma, mean_over)
+    return normalize(restrict(s, positive_support(s)), normalizer)
+
+
+def corrclip_attention(
+    q: torch.Tensor, k: torch.Tensor, regions: torch.Tensor, tau: float = CORRCLIP_TAU, normalizer: str | Normalizer = "softmax"
+) -> torch.Tensor:
+    """CorrCLIP's B x M x M attention. q, k: B x M x C (heads concatenated, patch tokens) of DINO's
+    last block; regions: B x M ids on the same grid (< 0 unsegmented)."""
+    s = feature_cosine(q + k)
+    return normalize(restrict(tau * s, region_support(s, regions)), normalizer)
+
+
+def sam_filtered_attention(attn: torch.Tensor, v: torch.Tensor, cos_fac: float = 1.2, refine_neg_cos: bool = True) -> torch.Tensor:
+    """Trident's SAM stage map, B x N x N from SAM's last-block attention and values (B x heads x N x N,
+    B x heads x N x d): keep attn where cos(v_i, v_j) > thr(i) = min(0.9, cos_fac * mean over heads and
+    j of cos), average heads, divide rows by their sum. refine_neg_cos False: negative thresholds
+    become 0.6 (its Cityscapes/ADE configs)."""
+    vn = F.normalize(v.float(), dim=-1)
+    cos = vn @ vn.transpose(-2, -1)
+    thr = (cos_fac * cos.mean(dim=(1, 3))).clamp(max=0.9)[:, None, :, None]
+    if not refine_neg_cos:
+        thr = torch.where(thr < 0, torch.full_like(thr, 0.6), thr)
+    kept = (attn.float() * (cos > thr)).mean(dim=1)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+# -- values, block output, windows -------------------------------------------------------------------
+def values_to_grid(v: torch.Tensor, clip_grid: tuple[int, int], proxy_grid: tuple[int, int]) -> torch.Tensor:
+    """CLIP's per-head patch values B x H x N x d (N = h*w) bilinearly resized (align_corners False) to
+    the proxy grid: B x H x M x d."""
+    B, H, N, d = v.shape
+    if tuple(clip_grid) == tuple(proxy_grid):
+        return v
+    x = v.reshape(B * H, *clip_grid, d).permute(0, 3, 1, 2)
+    x = F.interpolate(x, size=tuple(proxy_grid), mode="bilinear", align_corners=False)
+    return x.permute(0, 2, 3, 1).reshape(B, H, -1, d)
+
+
+def reduced_block_output(
+    block: torch.nn.Module, x: torch.Tensor, attn: torch.Tensor, clip_grid: tuple[int, int], proxy_grid: tuple[int, int]
+) -> torch.Tensor:
+    """W_o(A V) of an open_clip block with one attention map for every head: no residual, no FFN, no
+    CLS in the output. x: B x (1 + N) x C (CLS first); attn: B x M x M -> B x M x C on the proxy grid."""
+    a = block.attn
+    B, T, C = x.shape
+    heads = a.num_heads
+    v = F.linear(block.ln_1(x), a.in_proj_weight[2 * C :], a.in_proj_bias[2 * C :] if a.in_proj_bias is not None else None)
+    v = v[:, 1:].view(B, T - 1, heads, C // heads).transpose(1, 2)
+    v = values_to_grid(v, clip_grid, proxy_grid)
+    out = attn.to(v.dtype)[:, None] @ v  # shared across heads
+    return a.out_proj(out.transpose(1, 2).reshape(B, -1, C))
+
+
+def splice_windows(feats: torch.Tensor, corners: list[tuple[int, int]], grid: tuple[int, int]) -> torch.Tensor:
+    """Trident's splice: window features W x h x w x C placed at their top-left patch corners on an
+    image grid (H x W patches), overlaps averaged: H x W x C. Every cell must be covered."""
+    _, h, w, C = feats.shape
+    total = feats.new_zeros(*grid, C)
+    count = feats.new_zeros(*grid, 1)
+    for f, (y, x) in zip(feats, corners):
+        total[y : y + h, x : x + w] += f
+        count[y : y + h, x : x + w] += 1
+    if bool((count == 0).any()):
+        raise ValueError("windows do not cover the whole grid")
+    return total / count
+
+
+# -- CorrCLIP regions --------------------------------------------------------------------------------
+def merge_regions(regions: torch.Tensor, feats: torch.Tensor, eps: float = CORRCLIP_EPS) -> torch.Tensor:
+    """CorrCLIP's mask merging for one image: regions M (ids, < 0 unsegmented) on the feature grid,
+    feats M x C. Region-mean features (unsegmented excluded), cosine sim between regions, distance
+    max(sim) - sim; DBSCAN with min_samples 1 puts two regions in one cluster when a chain of distances
+    <= eps links them (connected components). Returns M merged ids (cluster index; < 0 kept)."""
+    ids = torch.unique(regions[regions >= 0])
+    if len(ids) <= 1:
+        return regions.clone()
+    means = torch.stack([feats[regions == i].float().mean(0) for i in ids])
+    sim = feature_cosine(means[None])[0]
+    linked = (sim.max() - sim) <= eps
+    cluster = torch.arange(len(ids))
+    while True:  # label propagation: each region takes the smallest label among its linked regions
+        new = torch.where(linked, cluster[None, :], len(ids)).min(dim=1).values
+        if torch.equal(new, cluster):
+            break
+        cluster = new
+    lookup = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
+    lookup[ids] = torch.unique(cluster, return_inverse=True)[1]
+    out = regions.clone()
+    out[regions >= 0] = lookup[regions[regions >= 0]].to(regions.dtype)
+    return out
+
+
+def region_vote(labels: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
+    """CorrCLIP's map correction: every region (id >= 0) of an H x W map gets the most frequent label
+    inside it (ties: the smaller label); unsegmented pixels keep theirs."""
+    out = labels.clone()
+    for r in torch.unique(regions[regions >= 0]):
+        inside = regions == r
+        out[inside] = torch.bincount(labels[inside].flatten()).argmax()
+    return out
+
+
+def resize_regions(regions: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Nearest resize of an H x W integer region map to `size` (the proxy or CLIP grid)."""
+    return F.interpolate(regions[None, None].float(), size=tuple(size), mode="nearest")[0, 0].to(regions.dtype)
