@@ -21,13 +21,16 @@ from .cli_common import (
     PrecisionOpt,
     PresetOpt,
     PretrainedOpt,
+    ProxyWeightsOpt,
     TemplatesOpt,
     check_out,
     fail,
     out_console,
     load_model,
+    load_proxies,
     resolve_attention,
 )
+from .cli_dna import dna_app
 from .progress import err_console, progress_bar
 
 app = typer.Typer(
@@ -75,13 +78,15 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
 
     console = out_console()
     if what is Listable.presets:
+        from rich.markup import escape
+
         from .attention import PRESETS
 
         table = Table("preset")
         table.add_column("spec", no_wrap=True)
         table.add_column("follows")
         for name in PRESETS:
-            table.add_row(name, str(PRESETS.get(name).spec), PRESETS.help(name))
+            table.add_row(name, escape(str(PRESETS.get(name).spec)), PRESETS.help(name))  # [..] is not markup
     elif what is Listable.normalizers:
         table = Table("normalizer", "meaning")
         table.add_row("softmax", "standard attention (alpha = 1)")
@@ -135,6 +140,7 @@ def segment(
     pretrained: PretrainedOpt = "openai",
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
+    proxy_weights: ProxyWeightsOpt = "auto",
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Windows per forward pass (default 16).")] = None,
     pamr: Annotated[bool, typer.Option("--pamr", help=PAMR_HELP)] = False,
     save_probs: Annotated[bool, typer.Option("--save-probs", help="Also write per-class probabilities (float16, compressed npz).")] = False,
@@ -183,6 +189,7 @@ def segment(
     except ValueError as e:
         fail(str(e))
     clip = load_model(model, pretrained, device, precision)
+    load_proxies(spec, clip, proxy_weights)
     segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=True)
     try:
         plan = plan_run(found.jobs, out, options, segmenter.config())
@@ -266,9 +273,10 @@ def eval_cmd(
     pretrained: PretrainedOpt = "openai",
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
+    proxy_weights: ProxyWeightsOpt = "auto",
     preset: PresetOpt = None,
     attn: AttnOpt = None,
-    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
+    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip, proxyclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
     class_names: Annotated[Optional[str], typer.Option("--class-names", help="Prompt names: sclip (synonyms, stuff words for background), plain (ClearCLIP's), or a file with one class per line; default: the protocol's.")] = None,
     templates: TemplatesOpt = "openai",
     resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
@@ -303,6 +311,7 @@ def eval_cmd(
     spec = resolve_attention(preset, attn, default=proto.attention)
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
+    load_proxies(spec, clip, proxy_weights)
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
                      bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
@@ -331,7 +340,9 @@ def _result_table(record: dict):
     c = record["config"]
     pct = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     title = f"{c['dataset']} | {c['attention']} | {c['protocol']} | {c['model']} ({c['pretrained']}) | {record['num_images']} images"
-    table = Table("class", "IoU %", "Acc %", title=title)
+    from rich.markup import escape
+
+    table = Table("class", "IoU %", "Acc %", title=escape(title))  # spec strings hold [..]
     for name, m in record["per_class"].items():
         table.add_row(name, pct(m["IoU"]), pct(m["Acc"]))
     m = record["metrics"]
@@ -343,6 +354,7 @@ def _result_table(record: dict):
 
 convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (see datasets.md).", no_args_is_help=True)
 app.add_typer(convert_app, name="convert")
+app.add_typer(dna_app, name="dna")
 
 
 def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: bool, instances: Path | None = None) -> None:

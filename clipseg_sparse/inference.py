@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, resolve_spec
 from .images import load_image
 from .model import DenseCLIP
+from .proxy_source import PROXIES, ext_backbones, proxy_config
 from .stages import Stage, resolve_stages
 from .text import Vocabulary, embed_names, resolve_templates, templates_id
 
@@ -162,8 +163,11 @@ def dense_cosine(
     _, n, h, w = cos.shape
     grid = cos.view(len(rows), len(cols), n, h, w).permute(2, 0, 3, 1, 4).reshape(n, len(rows) * h, len(cols) * w)
     out_h, out_w = out_size or (H, W)
-    ly = _window_interpolation(rows, H, h, h * ps, out_h).to(clip.device)
-    lx = _window_interpolation(cols, W, w, w * ps, out_w).to(clip.device)
+    # a window's map covers the window padded to a multiple of CLIP's patch (h x w patches of CLIP, or
+    # the finer grid of an external backbone's attention: ProxyCLIP's DINO B/8 gives 2h x 2w)
+    padded_h, padded_w = (-(-(span[1] - span[0]) // ps) * ps for span in (rows[0], cols[0]))
+    ly = _window_interpolation(rows, H, h, padded_h, out_h).to(clip.device)
+    lx = _window_interpolation(cols, W, w, padded_w, out_w).to(clip.device)
     # computed as H x W x N and returned as an N x H x W view: reductions over names (softmax, max) then
     # run along contiguous memory, about twice as fast as over the leading dimension of a C x H x W tensor
     return torch.einsum("hr,nrc,wc->hwn", ly, grid, lx).permute(2, 0, 1)
@@ -265,6 +269,8 @@ class Segmenter:
         self.clip = clip
         self.vocabulary = vocabulary
         self.spec = resolve_spec(spec)
+        if ext_backbones(self.spec):  # ext: terms see this CLIP's crops (its normalisation, precision)
+            PROXIES.configure(clip)
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
         self.stages = resolve_stages(self.settings.stage_texts())
@@ -285,6 +291,7 @@ class Segmenter:
             "classes": [list(syn) for syn in self.vocabulary.names],
             **dataclasses.asdict(self.settings),
             "stages": [s.name for s in self.stages],  # canonical names, PAMR included when on
+            **proxy_config(self.spec),  # backbones of ext: terms, their tags and weights
         }
 
     def _stages(self, kind: str) -> list[Stage]:

@@ -12,6 +12,7 @@ LAYOUTS = {
     "voc": ("VOCdevkit/VOC2012/JPEGImages/2007_{i:06d}.jpg", "VOCdevkit/VOC2012/SegmentationClass/2007_{i:06d}.png", "P", 20),
     "context": ("VOCdevkit/VOC2010/JPEGImages/2008_{i:06d}.jpg", "VOCdevkit/VOC2010/SegmentationClassContext/2008_{i:06d}.png", "P", 59),
     "ade20k": ("ADEChallengeData2016/images/validation/ADE_val_{i:08d}.jpg", "ADEChallengeData2016/annotations/validation/ADE_val_{i:08d}.png", "L", 150),
+    "ade20k-train": ("ADEChallengeData2016/images/training/ADE_train_{i:08d}.jpg", "ADEChallengeData2016/annotations/training/ADE_train_{i:08d}.png", "L", 150),
     "coco-stuff": ("images/val2017/{i:012d}.jpg", "annotations/val2017/{i:012d}_labelTrainIds.png", "L", 170),
     "coco-object": ("images/val2017/{i:012d}.jpg", "annotations/val2017/{i:012d}_instanceTrainIds.png", "L", 80),
     "cityscapes": ("leftImg8bit/val/lindau/lindau_{i:06d}_000019_leftImg8bit.png", "gtFine/val/lindau/lindau_{i:06d}_000019_gtFine_labelTrainIds.png", "L", 18),

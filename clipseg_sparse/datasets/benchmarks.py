@@ -30,6 +30,15 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class SplitPart:
+    """Where one part of a split lives: image and label folders and the id list (None = every image)."""
+
+    img_dir: str
+    ann_dir: str
+    split: str | None
+
+
+@dataclass(frozen=True)
 class Benchmark:
     """A benchmark's layout and label encoding (mmseg's dataset config, as data)."""
 
@@ -44,6 +53,8 @@ class Benchmark:
     reduce_zero_label: bool
     background: bool  # class 0 is a scored background, so background thresholds apply
     num_images: int  # validation images of the full dataset
+    # other splits (training): name -> parts read one after the other (mmseg's ConcatDataset for VOC aug)
+    extra_splits: tuple[tuple[str, tuple[SplitPart, ...]], ...] = ()
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -56,22 +67,44 @@ class Benchmark:
     def _error(self, message: str) -> DatasetError:
         return DatasetError(f"{self.name}: {message}; see {DOCS} ({self.title})")
 
-    def locate(self, root: str | Path) -> Path:
+    @property
+    def split_names(self) -> tuple[str, ...]:
+        """`val` (the benchmark split) and the training splits this reader knows."""
+        return ("val", *(name for name, _ in self.extra_splits))
+
+    def _parts(self, split: str) -> tuple[SplitPart, ...]:
+        if split == "val":
+            return (SplitPart(self.img_dir, self.ann_dir, self.split),)
+        for name, parts in self.extra_splits:
+            if name == split:
+                return parts
+        raise self._error(f"unknown split {split!r}; choose from {', '.join(self.split_names)}")
+
+    def locate(self, root: str | Path, img_dir: str | None = None) -> Path:
         """The folder holding img_dir: `root/layout`, or `root` itself if it already is that folder."""
         root = Path(root)
+        img_dir = img_dir or self.img_dir
         for base in (root / self.layout, root):
-            if (base / self.img_dir).is_dir():
+            if (base / img_dir).is_dir():
                 return base
-        raise self._error(f"image folder {root / self.layout / self.img_dir} not found")
+        raise self._error(f"image folder {root / self.layout / img_dir} not found")
 
-    def samples(self, root: str | Path) -> list[Sample]:
-        """Every validation sample in mmseg's order (split-file order, else sorted image paths)."""
-        base = self.locate(root)
-        img_dir, ann_dir = base / self.img_dir, base / self.ann_dir
+    def samples(self, root: str | Path, split: str = "val") -> list[Sample]:
+        """Every sample of `split` in mmseg's order (split-file order, else sorted image paths; parts in turn)."""
+        samples = [s for part in self._parts(split) for s in self._part_samples(root, part)]
+        for s in samples:
+            for path, what in ((s.image, "image"), (s.label, "label")):
+                if not path.is_file():
+                    raise self._error(f"{what} {path} not found (one of {len(samples)} listed)")
+        return samples
+
+    def _part_samples(self, root: str | Path, part: SplitPart) -> list[Sample]:
+        base = self.locate(root, part.img_dir)
+        img_dir, ann_dir = base / part.img_dir, base / part.ann_dir
         if not ann_dir.is_dir():
             raise self._error(f"label folder {ann_dir} not found")
-        if self.split:
-            split = base / self.split
+        if part.split:
+            split = base / part.split
             if not split.is_file():
                 raise self._error(f"split file {split} not found")
             ids = [line.strip() for line in split.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -80,12 +113,7 @@ class Benchmark:
             ids = sorted(p.relative_to(img_dir).as_posix()[:-n] for p in img_dir.rglob(f"*{self.img_suffix}"))
         if not ids:
             raise self._error(f"no images ending in {self.img_suffix} in {img_dir}")
-        samples = [Sample(i, img_dir / f"{i}{self.img_suffix}", ann_dir / f"{i}{self.seg_suffix}") for i in ids]
-        for s in samples:
-            for path, what in ((s.image, "image"), (s.label, "label")):
-                if not path.is_file():
-                    raise self._error(f"{what} {path} not found (one of {len(samples)} listed)")
-        return samples
+        return [Sample(i, img_dir / f"{i}{self.img_suffix}", ann_dir / f"{i}{self.seg_suffix}") for i in ids]
 
     def decode(self, raw: np.ndarray) -> np.ndarray:
         """Raw label values -> 0..C-1 and 255 (ignore), applying reduce_zero_label."""
@@ -117,11 +145,18 @@ def _register(bench: Benchmark, help: str) -> None:
     DATASETS.register(bench.name, bench, help)
 
 
+# Training splits as mmseg's configs read them: VOC `aug` is train.txt on SegmentationClass followed by
+# aug.txt on SegmentationClassAug (tools/dataset_converters/voc_aug.py; 1464 + 9118 = 10582 images).
+_VOC_TRAIN = SplitPart("JPEGImages", "SegmentationClass", "ImageSets/Segmentation/train.txt")
 _VOC = dict(layout="VOCdevkit/VOC2012", img_dir="JPEGImages", ann_dir="SegmentationClass", img_suffix=".jpg",
-            seg_suffix=".png", split="ImageSets/Segmentation/val.txt", num_images=1449)
+            seg_suffix=".png", split="ImageSets/Segmentation/val.txt", num_images=1449,
+            extra_splits=(("train", (_VOC_TRAIN,)),
+                          ("aug", (_VOC_TRAIN, SplitPart("JPEGImages", "SegmentationClassAug", "ImageSets/Segmentation/aug.txt")))))
 _CONTEXT = dict(layout="VOCdevkit/VOC2010", img_dir="JPEGImages", ann_dir="SegmentationClassContext", img_suffix=".jpg",
-                seg_suffix=".png", split="ImageSets/SegmentationContext/val.txt", num_images=5105)
-_COCO = dict(layout="", img_dir="images/val2017", ann_dir="annotations/val2017", img_suffix=".jpg", split=None, num_images=5000)
+                seg_suffix=".png", split="ImageSets/SegmentationContext/val.txt", num_images=5105,
+                extra_splits=(("train", (SplitPart("JPEGImages", "SegmentationClassContext", "ImageSets/SegmentationContext/train.txt"),)),))
+_COCO = dict(layout="", img_dir="images/val2017", ann_dir="annotations/val2017", img_suffix=".jpg", split=None, num_images=5000,
+             extra_splits=(("train", (SplitPart("images/train2017", "annotations/train2017", None),)),))
 
 _register(Benchmark("voc21", "PASCAL VOC 2012", **_VOC, reduce_zero_label=False, background=True),
           "PASCAL VOC 2012 val, 20 classes + background")
@@ -133,7 +168,8 @@ _register(Benchmark("context59", "PASCAL Context", **_CONTEXT, reduce_zero_label
           "PASCAL Context val, 59 classes, background ignored")
 _register(Benchmark("ade20k", "ADE20K", layout="ADEChallengeData2016", img_dir="images/validation",
                     ann_dir="annotations/validation", img_suffix=".jpg", seg_suffix=".png", split=None,
-                    reduce_zero_label=True, background=False, num_images=2000),
+                    reduce_zero_label=True, background=False, num_images=2000,
+                    extra_splits=(("train", (SplitPart("images/training", "annotations/training", None),)),)),
           "ADE20K (SceneParsing) val, 150 classes")
 _register(Benchmark("coco-stuff", "COCO-Stuff", **_COCO, seg_suffix="_labelTrainIds.png", reduce_zero_label=False,
                     background=False),
@@ -143,5 +179,6 @@ _register(Benchmark("coco-object", "COCO-Object", **_COCO, seg_suffix="_instance
           "COCO val2017, 80 thing classes + background (converted from COCO-Stuff)")
 _register(Benchmark("cityscapes", "Cityscapes", layout="", img_dir="leftImg8bit/val", ann_dir="gtFine/val",
                     img_suffix="_leftImg8bit.png", seg_suffix="_gtFine_labelTrainIds.png", split=None,
-                    reduce_zero_label=False, background=False, num_images=500),
+                    reduce_zero_label=False, background=False, num_images=500,
+                    extra_splits=(("train", (SplitPart("leftImg8bit/train", "gtFine/train", None),)),)),
           "Cityscapes val, 19 classes")
