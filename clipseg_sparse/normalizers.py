@@ -13,8 +13,7 @@ alpha-entmax is  p_i = [1 + (alpha - 1)(s_i - c)]_+ ^ (1 / (alpha - 1))  with th
 that sum_i p_i = 1. As alpha -> 1 this tends to softmax (since (1 + eps*y)^(1/eps) -> exp(y)); low scores
 get exactly zero. We find c exactly and fast: entries more than 1/(alpha-1) below the row max are never
 in the support, so the few candidates of each row are gathered into a small block and c is solved there
-by Newton's method on ||u||_p - 1 (see `_solve_shift`); rows with many candidates are solved on their
-top k scores when that is exact (small support), else whole.
+by Newton's method on ||u||_p - 1 (see `_solve_shift`); rows with many candidates are solved whole.
 """
 
 from __future__ import annotations
@@ -94,9 +93,8 @@ def entmax(scores: torch.Tensor, alpha: float, dim: int = -1, k: int = 64) -> to
     Every entry of the support lies within 1/(alpha-1) of its row's maximum, so that cheap test gives a
     superset of the support without sorting. Rows with at most `k` such candidates are gathered into a
     small dense R x K block and solved there; the output is written only at those entries. Rows with more
-    candidates, but at most half the row, are solved on their `k` largest scores (torch.topk), which is
-    exact whenever the k-th largest gets probability zero; the rest (alpha near 1, flat rows) are solved
-    on the whole row. The result never depends on `k`, only the speed. When autograd needs a gradient we defer to `entmax.entmax_bisect`, whose backward
+    candidates (alpha near 1, flat rows) are solved on the whole row. The result never depends on `k`,
+    only the speed. When autograd needs a gradient we defer to `entmax.entmax_bisect`, whose backward
     is implemented.
     """
     if not 1.0 < alpha <= 2.0:
@@ -123,7 +121,7 @@ def _entmax_rows(x: torch.Tensor, alpha: float, k: int, shift_only: bool = False
     top = x.amax(-1, keepdim=True)
     # c >= max (the top entry's probability is at most 1), so x_i <= max - 1/(a-1) is never in the support
     cand = x > top - 1.0 / am1
-    counts = cand_counts = cand.sum(-1, dtype=torch.int32)  # much faster than a bool sum
+    counts = cand.sum(-1, dtype=torch.int32)  # much faster than a bool sum
     wide = counts > k
     shift = torch.empty(R, 1, dtype=x.dtype, device=x.device)
     out = None if shift_only else torch.zeros_like(x)
@@ -131,26 +129,11 @@ def _entmax_rows(x: torch.Tensor, alpha: float, k: int, shift_only: bool = False
         cand[wide] = False
         counts = counts.masked_fill(wide, 0)
         rows_w = wide.nonzero().squeeze(-1)
-        # rows with up to half the row as candidates (flat rows at alpha 1.5, e.g. ViT-L/14) often have a
-        # small support: solve on their k largest scores (a partial sort), which is exact when the k-th
-        # largest gets probability 0, since every smaller score then does too
-        halfway = cand_counts[rows_w] <= n // 2 if 2 * k <= n else torch.zeros_like(rows_w, dtype=torch.bool)
-        if bool(halfway.any()):
-            rows_t = rows_w[halfway]
-            vals, idx = torch.topk(x[rows_t], k, dim=-1)
-            c = _solve_shift(vals, alpha)
-            exact = (1.0 + am1 * (vals[:, -1:] - c)).squeeze(-1) <= 0
-            rows_e = rows_t[exact]
-            shift[rows_e] = c[exact]
-            if out is not None:
-                out[rows_e.unsqueeze(-1), idx[exact]] = _probs(vals[exact], c[exact], alpha)
-            rows_w = torch.cat([rows_w[~halfway], rows_t[~exact]]).sort().values  # ascending: all R = identity
-        if rows_w.numel():
-            full = x if rows_w.numel() == R else x[rows_w]
-            c = _solve_shift(full, alpha)
-            shift[rows_w] = c
-            if out is not None:
-                out[rows_w] = _probs(full, c, alpha)
+        full = x if rows_w.numel() == R else x[rows_w]
+        c = _solve_shift(full, alpha)
+        shift[rows_w] = c
+        if out is not None:
+            out[rows_w] = _probs(full, c, alpha)
     if bool((~wide).any()):
         rows, cols = cand.nonzero(as_tuple=True)
         start = counts.cumsum(0) - counts
