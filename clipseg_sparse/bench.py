@@ -30,7 +30,8 @@ from .inference import InferenceSettings, Segmenter, resized_shape, to_pixels, w
 from .model import DenseCLIP, load_clip
 from .normalizers import entmax, normalize
 
-# DESIGN.md section 4 (round 2): name -> (limit, ">=" or "<=")
+# the project's speed targets (DESIGN.md section 4, round 2), listed with their measurements in
+# benchmarks/README.md: name -> (limit, ">=" or "<=")
 TARGETS = {
     "fast entmax speed-up over entmax_bisect (ViT-B/16, 448 px)": (5.0, ">="),
     "fast entmax speed-up over the entmax package's fastest path (worst case)": (1.0, ">="),
@@ -274,7 +275,7 @@ def run_all(
 
 
 def target_checks(rows: Sequence[BenchRow]) -> list[tuple[str, float, float, bool]]:
-    """(target, measured, limit, met) for the DESIGN.md targets the rows can speak to."""
+    """(target, measured, limit, met) for the speed targets (benchmarks/README.md) the rows can speak to."""
     found: dict[str, float] = {}
     speedups = [  # normalizer ratios are relative to our fast entmax: bisect's ratio is our speed-up
         r.ratio
@@ -324,7 +325,7 @@ def rich_tables(rows: Sequence[BenchRow]):
         last = (r.suite, r.case)
         ref = " (reference)" if r.variant == r.reference else ""
         table.add_row(r.suite if case else "", case, r.variant + ref, f"{r.ms:.1f}", f"{r.ratio:.2f}")
-    targets = Table("target", "measured", "limit", "met", title="DESIGN.md section 4 targets")
+    targets = Table("target", "measured", "limit", "met", title="targets (benchmarks/README.md)")
     for name, value, limit, met in target_checks(rows):
         shown = f"{value:.1e}" if value < 1e-3 else f"{value:.2f}"
         targets.add_row(name, shown, f"{TARGETS[name][1]} {limit:g}", "yes" if met else "NO")

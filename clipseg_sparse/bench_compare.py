@@ -39,7 +39,7 @@ def published_slide_labels(seg: Segmenter, rgb: np.ndarray) -> np.ndarray:
         preds[..., y1:y2, x1:x2] += logits[..., : y2 - y1, : x2 - x1]
         count[..., y1:y2, x1:x2] += 1
     cosine = F.interpolate(preds / count, size=(height, width), mode="bilinear", align_corners=False)[0]
-    probs = class_probabilities(cosine, seg.vocabulary.name_to_class, len(seg.vocabulary), s.logit_scale)
+    probs = class_probabilities(cosine * s.logit_scale, seg.vocabulary.name_to_class, len(seg.vocabulary))
     return probabilities_to_labels(probs, s.bg_threshold, s.area_threshold).cpu().numpy()
 
 
