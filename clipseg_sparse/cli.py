@@ -76,13 +76,15 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
 
     console = out_console()
     if what is Listable.presets:
+        from rich.markup import escape
+
         from .attention import PRESETS
 
         table = Table("preset")
         table.add_column("spec", no_wrap=True)
         table.add_column("follows")
         for name in PRESETS:
-            table.add_row(name, str(PRESETS.get(name).spec), PRESETS.help(name))
+            table.add_row(name, escape(str(PRESETS.get(name).spec)), PRESETS.help(name))  # [..] is not markup
     elif what is Listable.normalizers:
         table = Table("normalizer", "meaning")
         table.add_row("softmax", "standard attention (alpha = 1)")
@@ -332,7 +334,9 @@ def _result_table(record: dict):
     c = record["config"]
     pct = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     title = f"{c['dataset']} | {c['attention']} | {c['protocol']} | {c['model']} ({c['pretrained']}) | {record['num_images']} images"
-    table = Table("class", "IoU %", "Acc %", title=title)
+    from rich.markup import escape
+
+    table = Table("class", "IoU %", "Acc %", title=escape(title))  # spec strings hold [..]
     for name, m in record["per_class"].items():
         table.add_row(name, pct(m["IoU"]), pct(m["Acc"]))
     m = record["metrics"]

@@ -20,7 +20,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionSpec, edited_block_forward, resolve_spec
+from .attention import AttentionSpec, resolve_spec
+from .attention import blocks as attention_blocks
 from .text_tower import encode_tokens
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -293,6 +294,22 @@ class DenseCLIP:
             self._pos_cache[key] = torch.cat([cls, patches])
         return self._pos_cache[key]
 
+    def _embed(self, pixels: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Tokens B x (1 + h*w) x C after ln_pre, and the patch grid (h, w)."""
+        v = self.visual
+        ps = self.patch_size
+        B, _, H, W = pixels.shape
+        if H % ps or W % ps:
+            raise ValueError(f"input {H}x{W} is not a multiple of the patch size {ps}")
+        grid = (H // ps, W // ps)
+        x = v.conv1(pixels.to(device=self.device, dtype=self.dtype)).flatten(2).transpose(1, 2)
+        cls = v.class_embedding.to(x.dtype).view(1, 1, -1).expand(B, -1, -1)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding(grid).to(x.dtype)
+        x = v.ln_pre(v.patch_dropout(x))
+        if not v.transformer.batch_first:
+            raise ValueError("only batch-first open_clip transformers are supported (open_clip >= 2.24 default)")
+        return x, grid
+
     @torch.inference_mode()
     def encode_dense(
         self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
@@ -302,7 +319,7 @@ class DenseCLIP:
         pixels: B x 3 x H x W CLIP-normalised, H and W multiples of the patch size; h = H / patch.
         spec: AttentionSpec, its text form or a preset name (None = unmodified CLIP).
         token_hooks: token stages (stages.py), each `hook(x, grid) -> x` on the B x (1 + h*w) x C
-        hidden states entering the edited blocks, in order.
+        hidden states entering the edited blocks, in order, after those the spec names (`hook:`).
         """
         return self.dense_forward(pixels, spec, token_hooks)
 
@@ -311,27 +328,14 @@ class DenseCLIP:
     ) -> torch.Tensor:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
-        v = self.visual
-        ps = self.patch_size
-        B, _, H, W = pixels.shape
-        if H % ps or W % ps:
-            raise ValueError(f"input {H}x{W} is not a multiple of the patch size {ps}")
-        grid = (H // ps, W // ps)
-        blocks = v.transformer.resblocks
-        if spec.layers > len(blocks):
-            raise ValueError(f"spec edits {spec.layers} blocks but the model has {len(blocks)}")
-        x = v.conv1(pixels.to(device=self.device, dtype=self.dtype)).flatten(2).transpose(1, 2)
-        cls = v.class_embedding.to(x.dtype).view(1, 1, -1).expand(B, -1, -1)
-        x = torch.cat([cls, x], dim=1) + self.positional_embedding(grid).to(x.dtype)
-        x = v.ln_pre(v.patch_dropout(x))
-        if not v.transformer.batch_first:
-            raise ValueError("only batch-first open_clip transformers are supported (open_clip >= 2.24 default)")
-        n_plain = len(blocks) if spec.is_identity else len(blocks) - spec.layers
-        for blk in blocks[:n_plain]:
-            x = blk(x)
-        for hook in token_hooks:
-            x = hook(x, grid)
-        for blk in blocks[n_plain:]:
-            x = edited_block_forward(blk, x, spec, grid)
-        x = v.ln_post(x[:, 1:]) @ v.proj
-        return F.normalize(x.float(), dim=-1).reshape(B, *grid, -1)
+        x, grid = self._embed(pixels)
+        x = attention_blocks.encode_tokens(self.visual, x, spec, grid, pixels, token_hooks)
+        x = self.visual.ln_post(x[:, 1:]) @ self.visual.proj
+        return F.normalize(x.float(), dim=-1).reshape(x.shape[0], *grid, -1)
+
+    @torch.inference_mode()
+    def attention_maps(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:
+        """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`."""
+        spec = resolve_spec(spec)
+        x, grid = self._embed(pixels)
+        return attention_blocks.attention_maps_from_tokens(self.visual, x, spec, grid, pixels).float()

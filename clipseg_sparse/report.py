@@ -363,12 +363,14 @@ def to_csv(tables: Sequence[Pivot]) -> str:
 
 def to_rich(table: Pivot):
     """A rich Table of one pivot: gains green, losses red."""
+    from rich.markup import escape
     from rich.table import Table
 
-    out = Table(title=f"{table.metric}: {table.title}", title_justify="left")
+    # spec strings hold [..] term modifiers, which rich would read as markup
+    out = Table(title=escape(f"{table.metric}: {table.title}"), title_justify="left")
     out.add_column(f"{table.rows_key} \\ {table.cols_key}", no_wrap=True)
     for cv in table.col_values:
-        out.add_column(format_value(cv), justify="right")  # a narrow terminal wraps the delta below
+        out.add_column(escape(format_value(cv)), justify="right")  # a narrow terminal wraps the delta below
     for rv in table.row_values:
         cells = []
         for cv in table.col_values:
@@ -378,7 +380,7 @@ def to_rich(table: Pivot):
                 colour = "green" if cell.delta > 0 else "red" if cell.delta < 0 else "default"
                 text = f"{cell.value:.2f} [{colour}]({cell.delta:+.2f})[/]"
             cells.append(text)
-        out.add_row(format_value(rv), *cells)
+        out.add_row(escape(format_value(rv)), *cells)
     return out
 
 

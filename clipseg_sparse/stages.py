@@ -5,7 +5,10 @@ what result files record (`config["stages"]`), so a run says which stages made i
 the call each kind's function receives:
 
 - token: `fn(x, grid) -> x`, x = B x (1 + h*w) x C hidden states entering the edited block(s), CLS first;
-  grid = (h, w). Runs once per batch of windows (per-window statistics are the hook's job).
+  grid = (h, w). Runs once per batch of windows (per-window statistics are the hook's job). A stage
+  with `taps=True` is called `fn(x, grid, taps)`: `taps` maps block indices to the hidden states that
+  the spec's score terms read (e.g. SC-CLIP's mid map), to be edited at the same token positions (the
+  stage replaces the dict's values). A spec names the token stages its method needs (`hook:lof`).
 - text:  `fn(text) -> text`, text = N_names x D L2-normalised text embeddings.
 - post:  `fn(cosine, guide) -> cosine`, cosine = N_names x H x W raw cosine at the original image size
   (before the logit scale, the softmax and the max over synonyms); guide = 3 x H x W, the CLIP-normalised
@@ -36,6 +39,7 @@ class Stage:
     kind: str
     name: str
     fn: Callable[..., torch.Tensor]
+    taps: bool = False  # token stages only: also edits the hidden states the spec reads (see above)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -148,4 +152,69 @@ STAGES.register(
     "pamr",
     _pamr_stage,
     help="post: PAMR refinement of the raw cosine at the original size (default 10 iterations, dilations 8,16; NACLIP's)",
+)
+
+
+# --- SC-CLIP's outlier repair ---------------------------------------------------------------------
+
+def lof_outliers(x: torch.Tensor, n_neighbors: int = 30, contamination: float = 0.05, chunk: int = 64) -> torch.Tensor:
+    """SC-CLIP's `lof_pytorch` on N x C tokens: a boolean mask of the outliers (N).
+
+    As published (`SuleBai/SC-CLIP@0417ba9:clip/model.py`): squared Euclidean distances, the k nearest
+    after dropping the first (itself), reach distance max(d(p, o), k-distance of p) (the query's own
+    k-distance, a simplification of LOF), LRD = k / mean reach, LOF = mean over neighbours of
+    LRD(o) / LRD(p); outliers: LOF > the 0.95 quantile (float32). Distances are computed in row chunks
+    (the same values, bounded memory).
+    """
+    dist = torch.cat([torch.norm(x[i : i + chunk, None] - x[None], dim=2, p=2) ** 2 for i in range(0, len(x), chunk)])
+    knn_d, knn_i = torch.topk(dist, k=n_neighbors + 1, largest=False)
+    knn_d, knn_i = knn_d[:, 1:], knn_i[:, 1:]
+    reach = torch.max(knn_d, knn_d[:, -1:].expand_as(knn_d))
+    lrd = n_neighbors / torch.nan_to_num(reach.mean(dim=1), nan=1e-6)
+    lof = (lrd[knn_i] / lrd.unsqueeze(1)).mean(dim=1)
+    return lof > torch.quantile(lof.to(torch.float32), 1 - contamination)
+
+
+def neighbour_repair(tokens: torch.Tensor, outliers: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """SC-CLIP's `mean_interpolation`: each outlier token (N x C, row-major h x w grid) becomes the mean
+    of its non-outlier 3 x 3 neighbours (zero padding counts as invalid); kept if it has none."""
+    h, w = grid
+    C = tokens.shape[-1]
+    fmap = tokens.T.reshape(1, C, h, w)
+    keep = (~outliers).to(tokens.dtype).view(1, 1, h, w)
+    kernel = torch.ones(C, 1, 3, 3, dtype=tokens.dtype, device=tokens.device)
+    kernel[:, 0, 1, 1] = 0
+    sums = F.conv2d(F.pad(fmap * keep, (1, 1, 1, 1)), kernel, groups=C)
+    count = F.conv2d(F.pad(keep, (1, 1, 1, 1)), kernel[:1])
+    update = outliers.to(tokens.dtype).view(1, 1, h, w) * (count > 0).to(tokens.dtype)
+    mean = sums / count.clamp_min(1)  # SC-CLIP sets zero counts to 1
+    return (fmap * (1 - update) + mean * update).reshape(C, h * w).T
+
+
+def lof_repair(x: torch.Tensor, grid: tuple[int, int], taps: dict | None = None) -> torch.Tensor:
+    """Outliers of the patch tokens of x (B x (1 + h*w) x C), per image (the published code runs one
+    window at a time), repaired in x and in every hidden state of `taps` at the same positions."""
+    x = x.clone()
+    taps = taps if taps is not None else {}
+    repaired = {layer: h.clone() for layer, h in taps.items()}
+    for b in range(x.shape[0]):
+        outliers = lof_outliers(x[b, 1:])
+        if outliers.any():
+            x[b, 1:] = neighbour_repair(x[b, 1:], outliers, grid)
+            for h in repaired.values():
+                h[b, 1:] = neighbour_repair(h[b, 1:], outliers, grid)
+    taps.update(repaired)
+    return x
+
+
+def _lof_stage(args: str) -> Stage:
+    if args:
+        raise ValueError(f"bad stage 'lof:{args}': lof takes no arguments (SC-CLIP's k 30, contamination 0.05)")
+    return Stage("token", "lof", lof_repair, taps=True)
+
+
+STAGES.register(
+    "lof",
+    _lof_stage,
+    help="token: SC-CLIP's outlier repair (LOF k 30, top 5 %, mean of the 3x3 non-outlier neighbours)",
 )

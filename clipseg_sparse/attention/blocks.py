@@ -1,0 +1,191 @@
+"""Running CLIP's transformer with the edited block(s): replace or parallel mode, hooks, extra inputs.
+
+`encode_tokens` runs the untouched blocks (keeping the hidden states and attention maps the spec's taps
+read), the token hooks, then the last `spec.layers` blocks from their own weights:
+- replace mode: each edited block's output feeds the next (v1; SCLIP, ClearCLIP, NACLIP, SC-CLIP);
+- parallel mode: the original blocks keep running; a side path starts at the first edited block's input
+  and adds each edited attention, computed from the *original* path's ln_1 state (GEM, CLIP Surgery).
+  Its output has the original path's CLS token (CLIP Surgery; patch tokens do not depend on it).
+Extra inputs (`in:sum@A-B`) run the last block again on that input and add its output (SC-CLIP).
+Nothing is patched in place; the model's weights are only read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .combine import _attend, aggregate, attention_weights
+from .spec import AttentionSpec
+from .taps import TAPS, BlockContext, clip_attention, tap_kind
+
+
+@dataclass
+class EncoderState:
+    """The residual stream entering the edited blocks and what the taps read (token hooks edit it).
+
+    x: B x (1 + h*w) x C. hidden: block index (1-based) -> tokens after that block, untouched (output
+    aggregation and extra inputs read these). main: the hidden states the main path's score terms and
+    input aggregation read (a token stage with `taps` repairs them with x). maps: CLIP's own attention of kept blocks."""
+
+    x: torch.Tensor
+    grid: tuple[int, int]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    main: dict[int, torch.Tensor] = field(default_factory=dict)
+    maps: dict[int, torch.Tensor] = field(default_factory=dict)
+    pixels: torch.Tensor | None = None
+
+
+def _tap_needs(spec: AttentionSpec) -> tuple[set[int], set[int], set[int]]:
+    """(hidden states read by score terms and input aggregation, by output aggregation and extra
+    inputs, CLIP attention maps read), as 1-based block indices."""
+    main, raw, maps = set(), set(), set()
+    terms = [t for g in spec.groups for t in g.terms]
+    for term in terms + [t for t in (spec.aggregation_in,) if t]:
+        kind, arg = tap_kind(term.tap)
+        main |= TAPS.get(kind).hidden(arg)
+        maps |= TAPS.get(kind).blocks(arg)
+    if spec.aggregation_out:
+        kind, arg = tap_kind(spec.aggregation_out.tap)
+        raw |= TAPS.get(kind).hidden(arg)
+    for inp in spec.block_inputs:
+        raw |= set(range(inp.first, inp.last + 1))
+    return main, raw, maps
+
+
+def _context(state: EncoderState, reads: torch.Tensor, block: torch.nn.Module, offset: int, hidden) -> BlockContext:
+    """ln_1 and q/k/v (B x H x N x d) of `reads` (B x N x C) for `block`."""
+    attn = block.attn
+    B, N, C = reads.shape
+    H = attn.num_heads
+    u = block.ln_1(reads)
+    q, k, v = F.linear(u, attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
+    return BlockContext(q=q, k=k, v=v, u=u, grid=state.grid, offset=offset, hidden=hidden, maps=state.maps, pixels=state.pixels)
+
+
+def edited_block_forward(
+    block: torch.nn.Module,
+    x: torch.Tensor,
+    spec: AttentionSpec,
+    grid: tuple[int, int],
+    state: EncoderState | None = None,
+    reads: torch.Tensor | None = None,
+    main: bool = True,
+    sink: list | None = None,
+) -> torch.Tensor:
+    """Run one open_clip `ResidualAttentionBlock` with the attention described by `spec`.
+
+    x: B x N x C tokens (batch first, CLS at index 0, then the h x w patch grid row-major).
+    reads: the tokens whose ln_1 gives q, k, v (parallel mode: the original path); default x.
+    main: False for an extra input (no input aggregation). sink: if a list, the B x H x N x N attention
+    that multiplies the values is appended to it (analysis). Uses the block's own weights (`attn.in_proj_*`,
+    `attn.out_proj`, `ln_1`, `ln_2`, `mlp`, `ls_*`) and changes none of them.
+    """
+    attn = block.attn
+    if not isinstance(attn, torch.nn.MultiheadAttention):
+        raise TypeError(
+            f"attention edits need open_clip's default ResidualAttentionBlock (nn.MultiheadAttention), "
+            f"got {type(attn).__name__}"
+        )
+    state = state or EncoderState(x, grid)
+    off = 0 if spec.cls_residual is None else 1  # cls:C attends over the patch tokens only
+    tokens = x[:, off:] if off else x
+    if main and spec.aggregate_in:
+        tokens = aggregate(tokens, spec.aggregation_in, BlockContext(grid=grid, offset=off, hidden=state.main))
+    source = tokens if reads is None else reads[:, off:]
+    ctx = _context(state, source, block, off, state.main)
+    B, N, C = tokens.shape
+    if sink is not None:
+        weights = attention_weights(spec, ctx)
+        sink.append(weights)
+        out = weights @ ctx.v
+    elif spec.source == ("id",):
+        out = ctx.v
+    else:
+        out = _attend(ctx.q, ctx.k, ctx.v, spec, grid, ctx)
+    out = attn.out_proj(out.transpose(1, 2).reshape(B, N, C))
+    if spec.cls_residual is not None:
+        base = spec.cls_residual * x[:, :1]
+    else:
+        base = tokens if spec.residual else 0
+    y = base + block.ls_1(out)
+    if spec.ffn:
+        y = y + block.ls_2(block.mlp(block.ln_2(y)))
+    if spec.aggregate_out:
+        y = aggregate(y, spec.aggregation_out, BlockContext(grid=grid, offset=off, hidden=state.hidden))
+    return torch.cat([x[:, :1], y], dim=1) if off else y
+
+
+def encode_tokens(
+    visual: torch.nn.Module,
+    x: torch.Tensor,
+    spec: AttentionSpec,
+    grid: tuple[int, int],
+    pixels: torch.Tensor | None = None,
+    token_hooks: Sequence[Callable] = (),
+    sink: list | None = None,
+) -> torch.Tensor:
+    """Tokens B x (1 + h*w) x C after the last block, the last `spec.layers` blocks edited.
+
+    x: B x (1 + h*w) x C after ln_pre. token_hooks: token stages (`stages.py`) to run after the spec's
+    own (`hook:`), before the edited blocks. sink: see `edited_block_forward` (filled by the last
+    edited block's main path)."""
+    blocks = visual.transformer.resblocks
+    if spec.layers > len(blocks):
+        raise ValueError(f"spec edits {spec.layers} blocks but the model has {len(blocks)}")
+    if spec.is_identity and sink is None:
+        for blk in blocks:
+            x = blk(x)
+        for hook in token_hooks:  # no block is edited: the hooks see the last block's output
+            x = hook(x, grid)
+        return x
+    n_plain = len(blocks) - spec.layers
+    need_main, need_raw, need_maps = _tap_needs(spec)
+    late = sorted(i for i in need_main | need_raw | need_maps if i > n_plain)
+    if late:
+        raise ValueError(f"spec {spec} reads block {late[0]}, which is edited or past the last block; taps and inputs must come from blocks 1..{n_plain}")
+    state = EncoderState(x, grid, pixels=pixels)
+    for i, blk in enumerate(blocks[:n_plain], start=1):
+        if i in need_maps:
+            state.maps[i] = clip_attention(blk, x)
+        x = blk(x)
+        if i in need_main | need_raw:
+            state.hidden[i] = x
+    state.x = x
+    state.main = {i: state.hidden[i] for i in need_main}
+    from ..stages import parse_stage
+
+    for hook in [parse_stage(h) for h in spec.hooks] + list(token_hooks):
+        state.x = hook(state.x, grid, state.main) if getattr(hook, "taps", False) else hook(state.x, grid)
+    edited = blocks[n_plain:]
+    if spec.parallel:
+        return _parallel(edited, state, spec, sink)
+    x = state.x
+    for j, blk in enumerate(edited):
+        x = edited_block_forward(blk, x, spec, grid, state, sink=sink if j == len(edited) - 1 else None)
+    off = 0 if spec.cls_residual is None else 1
+    for inp in spec.block_inputs:
+        layers = [state.hidden[i] for i in range(inp.first, inp.last + 1)]
+        r = sum(layers[1:], layers[0].clone()) if inp.kind == "sum" else torch.stack(layers).mean(0)
+        y = edited_block_forward(edited[-1], r, spec, grid, state, main=False)[:, off:]
+        x = torch.cat([x[:, :off], x[:, off:] + (y if inp.weight == 1.0 else inp.weight * y)], dim=1)
+    return x
+
+
+def _parallel(edited, state: EncoderState, spec: AttentionSpec, sink: list | None) -> torch.Tensor:
+    """GEM / CLIP Surgery: x_par += edited attention of ln_1(x_orig) (FFN if kept), x_orig runs as is."""
+    x_orig = x_par = state.x
+    for j, blk in enumerate(edited):
+        x_par = edited_block_forward(blk, x_par, spec, state.grid, state, reads=x_orig, sink=sink if j == len(edited) - 1 else None)
+        x_orig = blk(x_orig)
+    return torch.cat([x_orig[:, :1], x_par[:, 1:]], dim=1)
+
+
+def attention_maps_from_tokens(visual: torch.nn.Module, x: torch.Tensor, spec: AttentionSpec, grid: tuple[int, int], pixels=None) -> torch.Tensor:
+    """B x H x N x N attention of the last edited block's main path (see `attention.attention_maps`)."""
+    sink: list = []
+    encode_tokens(visual, x, spec, grid, pixels, sink=sink)
+    return sink[-1]

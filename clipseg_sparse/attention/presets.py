@@ -1,0 +1,114 @@
+"""Published methods as named specs. Each preset says which paper it follows and, where the published
+code has quirks, which ones the spec copies and which it fixes (`Preset.notes`, also in datasets.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..registry import Registry
+from .spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class Preset:
+    spec: AttentionSpec
+    reference: str
+    notes: str = ""  # quirks of the published code copied or fixed
+
+
+PRESETS: Registry[Preset] = Registry("attention preset")
+
+
+def register_preset(name: str, text: str, reference: str, notes: str = "") -> None:
+    PRESETS.register(name, Preset(AttentionSpec.parse(text), reference, notes), help=reference)
+
+
+def register_entmax_variant(name: str, alpha: float = 1.5) -> None:
+    """`NAME-entmax`: entmax replaces every normalizer slot of NAME (its groups and any iteration)."""
+    base = PRESETS.get(name)
+    register_preset(
+        f"{name}-entmax",
+        str(base.spec.replace(normalizer=f"entmax:{alpha:g}")),
+        f"{name} with alpha-entmax (alpha {alpha:g}) instead of softmax (this project)",
+        base.notes,
+    )
+
+
+def list_presets() -> list[str]:
+    return PRESETS.names()
+
+
+def resolve_spec(spec: "AttentionSpec | str | None") -> AttentionSpec:
+    """Accept a spec, its text form or a preset name; None means unmodified CLIP."""
+    if spec is None:
+        return AttentionSpec()
+    return spec if isinstance(spec, AttentionSpec) else AttentionSpec.parse(spec)
+
+
+register_preset("clip", "qk/softmax", "unmodified CLIP (Radford et al., ICML 2021)")
+register_preset(
+    "maskclip",
+    "id/softmax",
+    "MaskCLIP (Zhou et al., ECCV 2022): last block uses the value path only (no q-k attention); "
+    "residual and FFN kept",
+)
+register_preset(
+    "sclip",
+    "qq+kk/softmax",
+    "SCLIP (Wang et al., ECCV 2024): correlative self-attention softmax(qq)+softmax(kk); residual and FFN kept",
+)
+register_preset(
+    "clearclip",
+    "qq/softmax/nores/noffn",
+    "ClearCLIP (Lan et al., ECCV 2024): q-q attention, residual and FFN dropped",
+)
+register_preset(
+    "naclip",
+    "kk/softmax/gauss:5/nores/noffn",
+    "NACLIP (Hajimiri et al., WACV 2025): k-k attention plus a Gaussian neighbourhood prior (sigma 5 patches); "
+    "residual and FFN dropped",
+)
+for _name in ("sclip", "clearclip", "naclip"):
+    register_entmax_variant(_name)
+
+_SCCLIP = (
+    "x@{pre}[cos,shift:1,scale:3,pos]+kk/softmax/cls:{cls}/noffn/avg/aggin:x@{pre}[cos,thresh:0.4]"
+    "/aggout:x@{post}[cos,thresh:0.4]/in:sum@{first}-{last}/hook:lof"
+)
+_SCCLIP_NOTES = (
+    "copied: LOF on squared Euclidean distances with the query's own k-distance as reach distance (k 30, "
+    "outliers strictly above the float32 0.95 quantile), 3x3 neighbour-mean repair of the block input and of "
+    "the layer the mid map reads (not of the output-aggregation layer or the multi-level sum), mean of the mid "
+    "map over the whole map including its diagonal, '< 0.4 -> 0' aggregation with rows divided by sum + 1e-6, "
+    "the multi-level branch without input aggregation, residual 0.3 x CLS, no CLS token in the output; "
+    "fixed: LOF, its quantile and the mid-map mean are taken per window (the published code runs batch 1 and "
+    "mixes images when batched), outlier cells use the grid's column count (the code divides by the row count, "
+    "wrong on non-square grids)"
+)
+register_preset(
+    "scclip",
+    _SCCLIP.format(pre=9, post=4, first=4, last=10, cls=0.3),
+    "SC-CLIP (Bai et al., arXiv 2411.15869), ViT-B/16 layer indices: LOF outlier repair, mid map from block 9 "
+    "with shift 1, scale 3 and positive support averaged with softmax(kk), aggregation by block 9 before and "
+    "block 4 after, multi-level input sum of blocks 4..10, residual 0.3 x CLS",
+    _SCCLIP_NOTES,
+)
+register_preset(
+    "scclip-l14",
+    _SCCLIP.format(pre=17, post=7, first=9, last=19, cls=0.1),
+    "SC-CLIP (Bai et al., arXiv 2411.15869), ViT-L/14 layer indices from the authors (SuleBai/SC-CLIP#5): mid "
+    "map and input aggregation from block 17, output aggregation block 7, multi-level sum of blocks 9..19, "
+    "residual 0.1 x CLS",
+    _SCCLIP_NOTES,
+)
+register_preset(
+    "gem",
+    "vv[cos,temp:auto,iter:1]+kk[cos,temp:auto,iter:1]+qq[cos,temp:auto,iter:1]/softmax/noffn/layers:6/parallel/avg",
+    "GEM (Bousselham et al., CVPR 2024): self-self attention of L2-normalised v, k and q with the adaptive "
+    "temperature and one clustering step, mean of the three, on a parallel path over the last 6 blocks "
+    "(residual kept, no FFN)",
+    "copied: 6 blocks (gem_depth 7 gives range(1, 7)), temperature = mean token norm of the original path's "
+    "ln_1 state x d^-1/2 per image, final maps applied to the unnormalised v, CLS included in the attention",
+)
+for _name in ("scclip", "scclip-l14", "gem"):
+    register_entmax_variant(_name)

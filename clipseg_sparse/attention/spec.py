@@ -1,0 +1,495 @@
+"""The attention spec value and its compact text form (grammar in the package docstring).
+
+A spec is frozen and hashable; `AttentionSpec.parse(str(spec)) == spec` for every spec. Score terms are
+stored as their canonical text (`source`: one string per post-normalisation group, e.g. `("qq", "kk")`
+for SCLIP) and parsed into `Group`/`Term` values on demand, so v1 code that joins or replaces `source`
+keeps working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
+
+from ..normalizers import NORMALIZER_KINDS, Normalizer
+from ..registry import Registry
+
+SOURCES = ("qk", "qq", "kk", "vv", "id")  # the v1 sources; `id` is the value path alone (MaskCLIP)
+SUPPORTS = ("all", "pos", "thresh", "topk", "topp")
+INPUT_KINDS = ("sum", "mean")
+
+
+def fmt_num(x: float) -> str:
+    """Shortest text that parses back to exactly `x`, never in exponent form (`+` and `e` stay free)."""
+    s = f"{x:g}"
+    if "e" in s or float(s) != x:
+        s = repr(float(x))
+    if "e" in s:
+        s = format(x, ".20f").rstrip("0").rstrip(".")
+    return s
+
+
+def _num(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{what}: {text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{what}: {text!r} is not finite")
+    return value
+
+
+def split_top(text: str, sep: str) -> list[str]:
+    """Split on `sep` outside brackets and parentheses."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += 1 if ch in "[(" else -1 if ch in "])" else 0
+        if ch == sep and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return parts
+
+
+def _split_weight(text: str) -> tuple[float, str]:
+    """`0.5*kk` -> (0.5, "kk"); `kk` -> (1.0, "kk")."""
+    head, star, rest = text.partition("*")
+    if star and "[" not in head and "(" not in head:
+        return _num(head, f"weight in {text!r}"), rest
+    return 1.0, text
+
+
+# -- terms ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Term:
+    """One score term: a tap (which features are compared), a metric and transforms.
+
+    Applied in this order: features (a, b) of the tap; `cos` L2-normalises them; `iter` clustering
+    steps (GEM: a <- normalize(norm(t a a^T) a)); S = t a b^T with t = `temp` (a number, `auto` = GEM's
+    mean token norm x d^-1/2, default d^-1/2 for dot and 1 for cos); S <- scale * (S - shift * mean(S));
+    entries outside the support get -inf; `weight` multiplies S inside its group (pre-normalisation mix).
+    """
+
+    tap: str
+    metric: str = "dot"
+    temp: float | str | None = None
+    iterate: int = 0
+    shift: float = 0.0
+    scale: float = 1.0
+    support: str = "all"
+    support_arg: float | None = None
+    weight: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> "Term":
+        weight, body = _split_weight(text.strip())
+        tap, bracket, mods = body.partition("[")
+        kwargs: dict = {"tap": tap.strip(), "weight": weight}
+        if bracket:
+            if not mods.endswith("]"):
+                raise ValueError(f"term {text!r}: modifiers must be closed with ']'")
+            for mod in filter(None, (m.strip() for m in mods[:-1].split(","))):
+                kwargs.update(_parse_modifier(mod, text))
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        from .taps import check_tap
+
+        check_tap(self.tap)
+        if self.metric not in ("dot", "cos"):
+            raise ValueError(f"term {self.tap!r}: metric {self.metric!r}; choose dot or cos")
+        if isinstance(self.temp, str) and self.temp != "auto":
+            raise ValueError(f"term {self.tap!r}: temp must be a number or auto (got {self.temp!r})")
+        if isinstance(self.temp, (int, float)) and not self.temp > 0:
+            raise ValueError(f"term {self.tap!r}: temp must be > 0 (got {self.temp})")
+        if not (isinstance(self.iterate, int) and self.iterate >= 0):
+            raise ValueError(f"term {self.tap!r}: iter must be an integer >= 0 (got {self.iterate})")
+        if self.iterate and not self.is_self_pair:
+            raise ValueError(f"term {self.tap!r}: iter needs a self-similarity tap (qq, kk, vv or x@L)")
+        if self.support not in SUPPORTS:
+            raise ValueError(f"term {self.tap!r}: support {self.support!r}; choose {', '.join(SUPPORTS)}")
+        if (self.support_arg is None) != (self.support in ("all", "pos")):
+            raise ValueError(f"term {self.tap!r}: support {self.support} {'takes no' if self.support in ('all', 'pos') else 'needs an'} argument")
+        if self.support == "topk" and not (self.support_arg >= 1 and float(self.support_arg).is_integer()):
+            raise ValueError(f"term {self.tap!r}: topk needs an integer >= 1 (got {self.support_arg})")
+        if self.support == "topp" and not 0 < self.support_arg <= 1:
+            raise ValueError(f"term {self.tap!r}: topp needs 0 < p <= 1 (got {self.support_arg})")
+
+    @property
+    def kind(self) -> str:
+        """The tap's registry name: `qq`, `x` (for `x@9`), `attn`, `ext`, ..."""
+        from .taps import tap_kind
+
+        return tap_kind(self.tap)[0]
+
+    @property
+    def is_self_pair(self) -> bool:
+        return self.tap in ("qq", "kk", "vv") or self.kind == "x"
+
+    @property
+    def is_plain(self) -> bool:
+        """A v1 term: a q/k/v pair with the dot metric and nothing else (fused kernels apply)."""
+        return self.tap in SOURCES and self == Term(self.tap)
+
+    def __str__(self) -> str:
+        mods = []
+        if self.metric != "dot":
+            mods.append(self.metric)
+        if self.temp is not None:
+            mods.append(f"temp:{self.temp if isinstance(self.temp, str) else fmt_num(self.temp)}")
+        if self.iterate:
+            mods.append(f"iter:{self.iterate}")
+        if self.shift:
+            mods.append(f"shift:{fmt_num(self.shift)}")
+        if self.scale != 1.0:
+            mods.append(f"scale:{fmt_num(self.scale)}")
+        if self.support != "all":
+            arg = self.support_arg
+            mods.append(self.support if arg is None else f"{self.support}:{fmt_num(arg)}")
+        body = self.tap + (f"[{','.join(mods)}]" if mods else "")
+        return body if self.weight == 1.0 else f"{fmt_num(self.weight)}*{body}"
+
+
+def _parse_modifier(mod: str, term: str) -> dict:
+    name, _, arg = mod.partition(":")
+    what = f"modifier {mod!r} of term {term!r}"
+    if name in ("dot", "cos") and not arg:
+        return {"metric": name}
+    if name == "temp" and arg:
+        return {"temp": "auto" if arg == "auto" else _num(arg, what)}
+    if name == "iter" and arg.isdigit():
+        return {"iterate": int(arg)}
+    if name == "shift" and arg:
+        return {"shift": _num(arg, what)}
+    if name == "scale" and arg:
+        return {"scale": _num(arg, what)}
+    if name in ("all", "pos") and not arg:
+        return {"support": name}
+    if name in ("thresh", "topk", "topp") and arg:
+        return {"support": name, "support_arg": _num(arg, what)}
+    raise ValueError(
+        f"bad {what}; modifiers: cos, dot, temp:T|auto, iter:N, shift:BETA, scale:GAMMA, "
+        f"pos, thresh:T, topk:K, topp:P"
+    )
+
+
+@dataclass(frozen=True)
+class Group:
+    """Terms whose scores are summed (weighted) before one normalizer; `weight` scales the normalised
+    map in the post-normalisation sum over groups."""
+
+    terms: tuple[Term, ...]
+    weight: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> "Group":
+        text = text.strip()
+        if not text:
+            raise ValueError("empty score term")
+        weight, body = 1.0, text
+        w, rest = _split_weight(text)
+        if rest.startswith("(") and rest.endswith(")"):  # W*(A&B): a weighted group of pre-mixed terms
+            weight, body = w, rest[1:-1]
+        parts = split_top(body, "&")
+        if len(parts) == 1:  # a single term: its weight is the group's (post-normalisation) weight
+            term = Term.parse(parts[0])
+            return cls((dataclasses.replace(term, weight=1.0),), weight * term.weight)
+        return cls(tuple(Term.parse(p) for p in parts), weight)
+
+    @property
+    def is_map(self) -> bool:
+        """The group reads an already normalised map (e.g. `attn@6-9`): no normalizer is applied."""
+        from .taps import TAPS
+
+        return any(TAPS.get(t.kind).maps is not None for t in self.terms)
+
+    def __str__(self) -> str:
+        if len(self.terms) == 1:
+            term = dataclasses.replace(self.terms[0], weight=self.weight)
+            return str(term)
+        body = "&".join(str(t) for t in self.terms)
+        return body if self.weight == 1.0 else f"{fmt_num(self.weight)}*({body})"
+
+
+@dataclass(frozen=True)
+class BlockInput:
+    """An extra input the edited block also runs on: `sum`/`mean` of the hidden states after blocks
+    first..last (1-based, CLS included), its output added to the main output with `weight`."""
+
+    kind: str
+    first: int
+    last: int
+    weight: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> "BlockInput":
+        weight, body = _split_weight(text.strip())
+        kind, at, span = body.partition("@")
+        first, dash, last = span.partition("-")
+        if kind not in INPUT_KINDS or not at or not dash or not (first.isdigit() and last.isdigit()):
+            raise ValueError(f"bad block input {text!r}; write sum@A-B or mean@A-B (blocks A..B, 1-based), optionally W*sum@A-B")
+        return cls(kind, int(first), int(last), weight)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.first <= self.last:
+            raise ValueError(f"block input {self.kind}@{self.first}-{self.last}: need 1 <= A <= B")
+
+    def __str__(self) -> str:
+        body = f"{self.kind}@{self.first}-{self.last}"
+        return body if self.weight == 1.0 else f"{fmt_num(self.weight)}*{body}"
+
+
+# -- extension point: options other modules register --------------------------------------------------
+@dataclass(frozen=True)
+class ExtraOption:
+    """A spec option defined outside this package, e.g. `dna:PATH`.
+
+    check(arg) validates the argument and returns its canonical text (raise ValueError when bad);
+    `rest_of_spec`: the argument runs to the end of the spec text, so it may contain '/' (paths); such an
+    option is written last. The parsed value is `spec.extra(name)` (the canonical text)."""
+
+    check: Callable[[str], str]
+    rest_of_spec: bool = False
+
+
+OPTIONS: Registry[ExtraOption] = Registry("attention spec option")
+
+
+def register_option(name: str, check: Callable[[str], str], help: str, rest_of_spec: bool = False) -> None:
+    """Add a spec option `NAME:ARG` (see ExtraOption); it round-trips through the text form."""
+    OPTIONS.register(name, ExtraOption(check, rest_of_spec), help=help)
+
+
+BUILTIN_OPTIONS = (
+    "gauss:SIGMA, temp:T, nores, cls:C, noffn, layers:N, parallel, avg, neg:W, aggin:TERM, aggout:TERM, "
+    "in:sum@A-B|mean@A-B, hook:NAME"
+)
+
+
+def _options_help() -> str:
+    extra = "".join(f", {n}:ARG" for n in OPTIONS.names())
+    return f"options: {BUILTIN_OPTIONS}{extra}; normalizers: softmax, entmax:ALPHA, sparsemax, randmask:ALPHA"
+
+
+# -- the spec -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How the last `layers` blocks of a CLIP ViT compute attention. Defaults = unmodified CLIP.
+
+    source: score terms, one canonical string per post-normalisation group (`("qq", "kk")`).
+    cls_residual: replace the residual by this multiple of the block input's CLS token; attention then
+        runs over patch tokens only (SC-CLIP). parallel: the edited blocks form a side path that reads
+        the original path's ln_1 state (GEM, CLIP Surgery). average: divide the sum of groups by their
+        number. aggregate_in/out: identity-value aggregation x <- R(support(S)) x before / after the block
+        (R: row sums + 1e-6, SC-CLIP). inputs: extra inputs of the block (SC-CLIP's multi-level sum).
+        hooks: token stages the method needs (`clipseg_sparse.stages`, e.g. lof). extras: registered options.
+    """
+
+    source: tuple[str, ...] = ("qk",)
+    normalizer: str = "softmax"
+    gauss_sigma: float | None = None
+    temperature: float | None = None
+    residual: bool = True
+    ffn: bool = True
+    layers: int = 1
+    negative: float = 0.0
+    cls_residual: float | None = None
+    parallel: bool = False
+    average: bool = False
+    aggregate_in: str | None = None
+    aggregate_out: str | None = None
+    inputs: tuple[str, ...] = ()
+    hooks: tuple[str, ...] = ()
+    extras: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        source = (self.source,) if isinstance(self.source, str) else tuple(self.source)
+        if not source:
+            raise ValueError("attention source is empty")
+        if "id" in source and len(source) > 1:
+            raise ValueError("source 'id' (value path only) cannot be summed with other sources")
+        groups = []
+        for text in source:
+            try:
+                groups.append(Group.parse(text) if text != "id" else None)
+            except ValueError as e:
+                if text.isalpha() and "[" not in text:
+                    raise ValueError(f"unknown attention source {text!r}; choose from {', '.join(SOURCES)}, a tap "
+                                     f"({_taps_help()}) or a sum such as qq+kk") from None
+                raise e
+        object.__setattr__(self, "source", tuple("id" if g is None else str(g) for g in groups))
+        object.__setattr__(self, "normalizer", str(Normalizer.parse(self.normalizer)))
+        if self.gauss_sigma is not None and not self.gauss_sigma > 0:
+            raise ValueError(f"gauss sigma must be > 0 (got {self.gauss_sigma})")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (got {self.temperature})")
+        if not (isinstance(self.layers, int) and self.layers >= 1):
+            raise ValueError(f"layers must be an integer >= 1 (got {self.layers})")
+        if self.cls_residual is not None and self.residual:
+            object.__setattr__(self, "residual", False)  # cls:C replaces the residual
+        for name in ("aggregate_in", "aggregate_out"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, str(Term.parse(value)))
+        object.__setattr__(self, "inputs", tuple(str(BlockInput.parse(i)) for i in self.inputs))
+        if self.inputs and (self.parallel or self.layers != 1):
+            raise ValueError("extra block inputs (in:...) need one edited block in replace mode (layers:1, no parallel)")
+        object.__setattr__(self, "hooks", tuple(_check_hook(h) for h in self.hooks))
+        extras = []
+        for name, arg in self.extras:
+            extras.append((name, OPTIONS.get(name).check(arg)))
+        object.__setattr__(self, "extras", tuple(sorted(extras, key=lambda kv: (OPTIONS.get(kv[0]).rest_of_spec, kv[0]))))
+
+    # -- structure ------------------------------------------------------------------------------
+    @cached_property
+    def groups(self) -> tuple[Group, ...]:
+        """Parsed score groups (empty for source `id`)."""
+        return () if self.source == ("id",) else tuple(Group.parse(s) for s in self.source)
+
+    @property
+    def aggregation_in(self) -> Term | None:
+        return Term.parse(self.aggregate_in) if self.aggregate_in else None
+
+    @property
+    def aggregation_out(self) -> Term | None:
+        return Term.parse(self.aggregate_out) if self.aggregate_out else None
+
+    @property
+    def block_inputs(self) -> tuple[BlockInput, ...]:
+        return tuple(BlockInput.parse(i) for i in self.inputs)
+
+    def extra(self, name: str) -> str | None:
+        """The canonical argument of a registered option, or None when the spec does not set it."""
+        return dict(self.extras).get(name)
+
+    @property
+    def is_v1(self) -> bool:
+        """Every group is one plain q/k/v term of weight 1 and no v2 option is set: the v1 engine path."""
+        return all(len(g.terms) == 1 and g.weight == 1.0 and g.terms[0].is_plain for g in self.groups) and (
+            self.cls_residual is None and not self.parallel and not self.average and self.aggregate_in is None
+            and self.aggregate_out is None and not self.inputs and not self.hooks
+        )
+
+    # -- text form -------------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str) -> "AttentionSpec":
+        """Parse a preset name (`sclip`) or the compact form (`qq+kk/entmax:1.5/nores`)."""
+        from .presets import PRESETS
+
+        text = text.strip()
+        if text in PRESETS:
+            return PRESETS.get(text).spec
+        source_text, *options = text.split("/")
+        if not options and "+" not in text and "[" not in text and "@" not in text and text not in SOURCES:
+            raise ValueError(
+                f"unknown attention spec {text!r}: not a preset ({', '.join(PRESETS.names())}) and not of the "
+                f"form SOURCE/NORMALIZER, e.g. qq/entmax:1.5; sources: {', '.join(SOURCES)}"
+            )
+        kwargs: dict = {"source": tuple(split_top(source_text, "+"))}
+        if options and options[0].split(":")[0] in NORMALIZER_KINDS:
+            kwargs["normalizer"] = options.pop(0)
+        extras, inputs, hooks = [], [], []
+        while options:
+            opt = options.pop(0)
+            name, _, arg = opt.partition(":")
+            try:
+                if name in OPTIONS:
+                    if OPTIONS.get(name).rest_of_spec:
+                        arg, options = "/".join([arg, *options]), []
+                    extras.append((name, arg))
+                else:
+                    kwargs.update(_parse_option(name, arg, inputs, hooks))
+            except ValueError as e:
+                raise ValueError(f"bad option {opt!r} in attention spec {text!r} ({e}); {_options_help()}") from None
+        return cls(**kwargs, inputs=tuple(inputs), hooks=tuple(hooks), extras=tuple(extras))
+
+    def __str__(self) -> str:
+        parts = ["+".join(self.source), self.normalizer]
+        if self.gauss_sigma is not None:
+            parts.append(f"gauss:{self.gauss_sigma:g}")
+        if self.temperature is not None:
+            parts.append(f"temp:{self.temperature:g}")
+        if self.cls_residual is not None:
+            parts.append(f"cls:{fmt_num(self.cls_residual)}")
+        elif not self.residual:
+            parts.append("nores")
+        if not self.ffn:
+            parts.append("noffn")
+        if self.layers != 1:
+            parts.append(f"layers:{self.layers}")
+        if self.parallel:
+            parts.append("parallel")
+        if self.average:
+            parts.append("avg")
+        if self.negative:
+            parts.append(f"neg:{self.negative:g}")
+        if self.aggregate_in:
+            parts.append(f"aggin:{self.aggregate_in}")
+        if self.aggregate_out:
+            parts.append(f"aggout:{self.aggregate_out}")
+        parts += [f"in:{i}" for i in self.inputs] + [f"hook:{h}" for h in self.hooks]
+        parts += [f"{name}:{arg}" for name, arg in self.extras]
+        return "/".join(parts)
+
+    def replace(self, **changes) -> "AttentionSpec":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the spec leaves CLIP unchanged, so no block needs to be re-run by hand."""
+        return self == AttentionSpec()
+
+
+def _parse_option(name: str, arg: str, inputs: list, hooks: list) -> dict:
+    """One built-in option -> AttentionSpec keyword(s); `in:` and `hook:` append to their lists."""
+    if name == "gauss" and arg:
+        return {"gauss_sigma": float(arg)}
+    if name == "temp" and arg:
+        return {"temperature": float(arg)}
+    if name in ("nores", "noffn", "parallel", "avg") and not arg:
+        return {"nores": {"residual": False}, "noffn": {"ffn": False}, "parallel": {"parallel": True}, "avg": {"average": True}}[name]
+    if name == "cls" and arg:
+        return {"cls_residual": _num(arg, "cls"), "residual": False}
+    if name == "layers" and arg:
+        return {"layers": int(arg)}
+    if name == "neg" and arg:
+        return {"negative": float(arg)}
+    if name in ("aggin", "aggout") and arg:
+        return {"aggregate_" + name[3:]: arg}
+    if name == "in" and arg:
+        inputs.append(arg)
+        return {}
+    if name == "hook" and arg:
+        hooks.append(arg)
+        return {}
+    raise ValueError("unknown option or missing argument")
+
+
+def _taps_help() -> str:
+    from .taps import TAPS
+
+    return ", ".join(TAPS.help(n) for n in TAPS.names())
+
+
+def _check_hook(text: str) -> str:
+    """The canonical text of a token stage named by `hook:`; ValueError naming the token stages."""
+    from ..stages import STAGES, parse_stage
+
+    try:
+        stage = parse_stage(text)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_token_stages()}") from None
+    if stage.kind != "token":
+        raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_token_stages()} (post stages run with --pamr or InferenceSettings.stages)")
+    return stage.name
+
+
+def _token_stages() -> str:
+    from ..stages import STAGES
+
+    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith("token"))

@@ -1,0 +1,142 @@
+"""Taps: what a score term compares, and the block context they read.
+
+A tap is registered by kind (`TAPS`, name -> `Tap`) and written `KIND`, `KIND@ARG` or `KIND:ARG` in a
+term. A tap gives either features (a, b), compared by the term's metric into N x N scores, or an
+already normalised N x N map (mixed after normalisation). This is the extension point for scores from
+outside CLIP: register a kind (e.g. `ext`) whose `features` reads `BlockContext.pixels` or
+`BlockContext.extra`.
+
+Built in: `qk qq kk vv` (the edited block's projections, per head), `x@L` (CLIP's residual stream after
+block L, 1-based, one map for all heads), `attn@A-B` (mean over blocks A..B of CLIP's own
+softmax(q k^T / sqrt(d)) maps, per head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ..registry import Registry
+
+Features = Callable[["BlockContext", str], "tuple[torch.Tensor, torch.Tensor]"]
+Maps = Callable[["BlockContext", str], torch.Tensor]
+
+
+@dataclass
+class BlockContext:
+    """What score terms may read while one edited block runs (tensors batch first).
+
+    q, k, v: B x H x N x d of the edited block, N = the tokens attended (CLS + h*w patches, or the h*w
+    patches alone when `offset` is 1, i.e. with `cls:C`). u: B x N x C, the ln_1 state q/k/v come from.
+    hidden: block index (1-based) -> B x (1 + h*w) x C residual stream after that block (as the token
+    hooks left it). maps: block index -> B x H x (1 + h*w) x (1 + h*w) CLIP's own attention there.
+    pixels: the B x 3 x H x W input, for taps that run another backbone; extra: free for such taps.
+    """
+
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    grid: tuple[int, int] = (0, 0)
+    offset: int = 0
+    hidden: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    maps: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    pixels: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def hidden_state(self, layer: int) -> torch.Tensor:
+        """B x N x C tokens after block `layer`, restricted to the attended tokens."""
+        if layer not in self.hidden:
+            raise ValueError(f"x@{layer}: the hidden state after block {layer} was not kept (is block {layer} edited?)")
+        return self.hidden[layer][:, self.offset :]
+
+
+@dataclass(frozen=True)
+class Tap:
+    """features(ctx, arg) -> (a, b), each B x H' x N x d (H' = 1 or heads); or maps(ctx, arg) -> B x H' x N x N
+    already normalised. check(arg) raises ValueError for a bad argument. hidden(arg) / blocks(arg): the
+    hidden states / CLIP attention maps (1-based block indices) the tap reads, kept while CLIP runs."""
+
+    features: Features | None = None
+    maps: Maps | None = None
+    check: Callable[[str], None] = lambda arg: None
+    hidden: Callable[[str], set[int]] = lambda arg: set()
+    blocks: Callable[[str], set[int]] = lambda arg: set()
+
+
+TAPS: Registry[Tap] = Registry("score tap")
+
+
+def tap_kind(tap: str) -> tuple[str, str]:
+    """`x@9` -> ("x", "9"); `ext:dino` -> ("ext", "dino"); `kk` -> ("kk", "")."""
+    for sep in "@:":
+        if sep in tap:
+            kind, _, arg = tap.partition(sep)
+            return kind, arg
+    return tap, ""
+
+
+def check_tap(tap: str) -> None:
+    kind, arg = tap_kind(tap)
+    if kind not in TAPS:
+        raise ValueError(f"unknown tap {tap!r}; taps: {', '.join(TAPS.help(n) for n in TAPS.names())}")
+    TAPS.get(kind).check(arg)
+
+
+def _no_arg(kind: str) -> Callable[[str], None]:
+    def check(arg: str) -> None:
+        if arg:
+            raise ValueError(f"tap {kind!r} takes no argument")
+
+    return check
+
+
+def _layer(arg: str) -> int:
+    if not arg.isdigit() or int(arg) < 1:
+        raise ValueError(f"x@L needs a block number L >= 1 (got {arg!r})")
+    return int(arg)
+
+
+def _span(arg: str) -> range:
+    first, dash, last = arg.partition("-")
+    if not (dash and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise ValueError(f"attn@A-B needs blocks 1 <= A <= B (got {arg!r})")
+    return range(int(first), int(last) + 1)
+
+
+for _pair in ("qk", "qq", "kk", "vv"):
+    TAPS.register(
+        _pair,
+        Tap(features=lambda ctx, arg, p=_pair: (getattr(ctx, p[0]), getattr(ctx, p[1])), check=_no_arg(_pair)),
+        help=_pair,
+    )
+TAPS.register(
+    "x",
+    Tap(
+        features=lambda ctx, arg: (ctx.hidden_state(int(arg))[:, None],) * 2,
+        check=_layer,
+        hidden=lambda arg: {int(arg)},
+    ),
+    help="x@L (hidden state after block L)",
+)
+TAPS.register(
+    "attn",
+    Tap(
+        maps=lambda ctx, arg: torch.stack([ctx.maps[i] for i in _span(arg)]).mean(0)[..., ctx.offset :, ctx.offset :],
+        check=lambda arg: _span(arg) and None,
+        blocks=lambda arg: set(_span(arg)),
+    ),
+    help="attn@A-B (mean CLIP attention of blocks A..B)",
+)
+
+
+def clip_attention(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """B x H x N x N softmax(q k^T / sqrt(d)) of an unmodified open_clip block on tokens x (B x N x C)."""
+    attn = block.attn
+    B, N, C = x.shape
+    H = attn.num_heads
+    q, k, _ = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
+    return torch.softmax((q @ k.transpose(-2, -1)).float() * (C // H) ** -0.5, dim=-1).to(x.dtype)
