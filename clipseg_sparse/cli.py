@@ -186,7 +186,10 @@ def segment(
     except ValueError as e:
         fail(str(e))
     clip = load_model(model, pretrained, device, precision)
-    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=True)
+    try:
+        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=True)
+    except ValueError as e:  # e.g. a dna:PATH adapter made for another model
+        fail(str(e))
     try:
         plan = plan_run(found.jobs, out, options, segmenter.config())
     except InputError as e:

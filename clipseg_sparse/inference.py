@@ -265,6 +265,7 @@ class Segmenter:
         self.clip = clip
         self.vocabulary = vocabulary
         self.spec = resolve_spec(spec)
+        clip.check_spec(self.spec)  # e.g. a DnA adapter made for another model: fail before any work
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
         self.stages = resolve_stages(self.settings.stage_texts())

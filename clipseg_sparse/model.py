@@ -329,7 +329,7 @@ class DenseCLIP:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        x = attention_blocks.encode_tokens(self.visual, x, spec, grid, pixels, token_hooks)
+        x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks)
         x = self.visual.ln_post(x[:, 1:]) @ self.visual.proj
         return F.normalize(x.float(), dim=-1).reshape(x.shape[0], *grid, -1)
 
@@ -338,4 +338,19 @@ class DenseCLIP:
         """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        return attention_blocks.attention_maps_from_tokens(self.visual, x, spec, grid, pixels).float()
+        return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels).float()
+
+    def check_spec(self, spec: AttentionSpec | str | None) -> None:
+        """Raise ValueError now if `spec` cannot run on this model (a `dna:PATH` adapter that is missing,
+        changed or made for another model), rather than at the first image."""
+        self._tower(resolve_spec(spec))
+
+    def _tower(self, spec: AttentionSpec):
+        """What the blocks run from: the image tower, or with `dna:PATH` a view of it whose adapter blocks
+        run DnA on these same weights (nothing is patched in place)."""
+        adapter = spec.extra("dna")
+        if adapter is None:
+            return self.visual
+        from .dna.spec_option import dna_visual
+
+        return dna_visual(self, adapter)

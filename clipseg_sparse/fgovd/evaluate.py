@@ -118,6 +118,7 @@ def evaluate_fgovd(
     BenchmarkFormatError / MissingImageError for bad inputs.
     """
     spec = resolve_spec(spec)
+    clip.check_spec(spec)
     settings = settings or InferenceSettings()
     REGIONS.get(region)
     if negatives < 1:
