@@ -77,11 +77,12 @@ def dna_visual(clip, arg: str) -> SimpleNamespace:
     if recorded is not None and recorded != digest:
         raise AdapterError(f"{path}: DnA adapter changed since it was recorded (sha256 {digest}, recorded {recorded})")
     cache = _BLOCKS.setdefault(clip.visual, {})
-    if digest not in cache:
+    key = (digest, str(clip.device), clip.dtype)  # the new modules follow the weights' device and dtype
+    if key not in cache:
         modules = build_modules(load_adapter(path), clip)
         blocks = [with_attention(b, modules[i]) if i in modules else b for i, b in enumerate(clip.visual.transformer.resblocks)]
-        cache[digest] = SimpleNamespace(transformer=SimpleNamespace(resblocks=nn.ModuleList(blocks), batch_first=True))
-    return cache[digest]
+        cache[key] = SimpleNamespace(transformer=SimpleNamespace(resblocks=nn.ModuleList(blocks), batch_first=True))
+    return cache[key]
 
 
 register_option(
