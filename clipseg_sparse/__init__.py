@@ -53,6 +53,12 @@ _EXPORTS = {
     "to_csv": "report",
     "write_plots": "report",
     "run_all": "bench",
+    # analysis: attention statistics, gain vs diffusivity, gallery, demo (`explain` is its module's name too:
+    # from clipseg_sparse.explain import explain)
+    "analyze": "analysis",
+    "gain_cells": "diffusivity",
+    "write_gallery": "gallery",
+    "build_demo": "demo",
 }
 
 __all__ = ["__version__", *_EXPORTS]

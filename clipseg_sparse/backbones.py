@@ -12,6 +12,9 @@ follows the published code: DINO's `interpolate_pos_encoding` resizes the 14 x 1
 (B/8) grid with bicubic `scale_factor=(n + 0.1) / sqrt(N)`, not timm's antialiased resize to the exact
 size (0.19 apart at 336 px, research/peers-sota.md section 6). DINOv2-with-registers' hub code uses
 the antialiased exact-size resize (`interpolate_offset=0`, `interpolate_antialias=True`), as timm does.
+
+`model` (CLIP loading) is imported inside functions: the attention engine imports this registry for its
+`ext:` tap, and `model` imports the engine.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .model import CHECKPOINT_SUFFIXES, PRECISIONS, RANDOM_WEIGHTS_SEED, WeightsUnavailableError, _weights_help, resolve_device
 from .registry import Registry
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -110,6 +112,8 @@ def create_backbone_model(info: BackboneInfo, pretrained: str | None, cache_dir:
     it), or None for seeded random weights. Raises WeightsUnavailableError (one line) when unobtainable."""
     import timm
 
+    from .model import CHECKPOINT_SUFFIXES, RANDOM_WEIGHTS_SEED, WeightsUnavailableError
+
     arch = info.timm_name.split(".")[0]
     if pretrained is None:
         with torch.random.fork_rng(devices=[]):
@@ -134,6 +138,8 @@ def _hub_checkpoint(info: BackboneInfo, pretrained: str, cache_dir: str | None) 
     """Local path of the registered tag's weights file: the Hugging Face Hub cache, downloaded on first use."""
     import timm
     from huggingface_hub import hf_hub_download
+
+    from .model import WeightsUnavailableError, _weights_help
 
     repo = timm.models.get_pretrained_cfg(info.timm_name).hf_hub_id.rstrip("/")
     if repo == "timm":
@@ -311,6 +317,8 @@ def load_backbone(
     """Load a registered backbone (`ls backbones`). pretrained: "hub" (the registered timm tag from the
     Hugging Face Hub, then its cache), a local checkpoint file, or None / "none" for random weights.
     Raises WeightsUnavailableError (one line) when the weights cannot be had."""
+    from .model import PRECISIONS, resolve_device
+
     info = BACKBONES.get(name)
     if info.kind == "sam2-masks":
         raise ValueError(f"{name} is a mask generator, not a feature backbone; use regions.Sam2MaskGenerator")

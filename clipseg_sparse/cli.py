@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from . import cli_analysis
 from .cli_common import (
     AttnOpt,
     Device,
@@ -21,11 +22,13 @@ from .cli_common import (
     PrecisionOpt,
     PresetOpt,
     PretrainedOpt,
+    ProxyWeightsOpt,
     TemplatesOpt,
     check_out,
     fail,
     out_console,
     load_model,
+    load_proxies,
     resolve_attention,
 )
 from .cli_dna import dna_app
@@ -138,6 +141,7 @@ def segment(
     pretrained: PretrainedOpt = "openai",
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
+    proxy_weights: ProxyWeightsOpt = "auto",
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Windows per forward pass (default 16).")] = None,
     pamr: Annotated[bool, typer.Option("--pamr", help=PAMR_HELP)] = False,
     save_probs: Annotated[bool, typer.Option("--save-probs", help="Also write per-class probabilities (float16, compressed npz).")] = False,
@@ -186,6 +190,7 @@ def segment(
     except ValueError as e:
         fail(str(e))
     clip = load_model(model, pretrained, device, precision)
+    load_proxies(spec, clip, proxy_weights)
     try:
         segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=True)
     except ValueError as e:  # e.g. a dna:PATH adapter made for another model
@@ -272,9 +277,10 @@ def eval_cmd(
     pretrained: PretrainedOpt = "openai",
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
+    proxy_weights: ProxyWeightsOpt = "auto",
     preset: PresetOpt = None,
     attn: AttnOpt = None,
-    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
+    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip, proxyclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
     class_names: Annotated[Optional[str], typer.Option("--class-names", help="Prompt names: sclip (synonyms, stuff words for background), plain (ClearCLIP's), or a file with one class per line; default: the protocol's.")] = None,
     templates: TemplatesOpt = "openai",
     resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
@@ -309,6 +315,7 @@ def eval_cmd(
     spec = resolve_attention(preset, attn, default=proto.attention)
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
+    load_proxies(spec, clip, proxy_weights)
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
                      bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
@@ -579,14 +586,25 @@ def report(
     markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the tables as Markdown to this file.")] = None,
     csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the tables as CSV to this file.")] = None,
     plots: Annotated[Optional[Path], typer.Option("--plots", help="Write PNG plots (alpha, resolution, datasets) to this folder.")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot files.")] = False,
+    diffusivity: Annotated[Optional[Path], typer.Option("--diffusivity", help="Also write gain-vs-diffusivity plots and tables to this folder (needs `analyze` results of the softmax specs among RESULTS).")] = None,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Instead: an HTML gallery of the RESULTS folders (segment outputs or eval --save-pred; NAME=DIR names a column) in this file.")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="With --html: the dataset of --save-pred folders (images, labels, per-image mIoU).")] = None,
+    root: Annotated[Optional[Path], typer.Option("--root", help="With --html --dataset: the dataset's folder.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot/HTML files.")] = False,
 ) -> None:
-    """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots."""
+    """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots.
+
+    With --html: a static gallery page of prediction folders instead (images x specs, sortable by the
+    difference in per-image mIoU between two specs)."""
     from .report import ReportError, collect
 
+    if html is not None:
+        return cli_analysis.gallery(results, html, dataset, root, overwrite)
     try:
         records = collect(results)
         _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite)
+        if diffusivity is not None:
+            cli_analysis.gain_report(records, results, diffusivity, metric, overwrite)
     except ReportError as e:
         fail(str(e))
 
@@ -678,9 +696,14 @@ def bench(
         console.print(table)
 
 
+app.command("analyze", no_args_is_help=True)(cli_analysis.analyze)
+app.command("explain", no_args_is_help=True)(cli_analysis.explain)
+app.command("demo")(cli_analysis.demo)
+
+
 INTERRUPTED = (
     "interrupted: finished work is kept; run the same command again to resume "
-    "(segment and sweep always resume, eval and fgovd when given --out)"
+    "(segment and sweep always resume; eval, fgovd and analyze when given --out)"
 )
 
 

@@ -35,11 +35,16 @@ PretrainedOpt = Annotated[
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run; auto picks cuda, then mps, then cpu.")]
 PrecisionOpt = Annotated[Precision, typer.Option("--precision", help="Model precision; fp16/bf16 are for GPUs.")]
 PresetOpt = Annotated[
-    Optional[str], typer.Option("--preset", help="Attention preset: clip, maskclip, sclip, clearclip, naclip, *-entmax (see `ls presets`).")
+    Optional[str], typer.Option("--preset", help="Attention preset: clip, maskclip, sclip, clearclip, naclip, proxyclip, ..., *-entmax (see `ls presets`).")
 ]
 AttnOpt = Annotated[
     Optional[str],
     typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER, optionally followed by /OPTIONs, e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
+]
+
+ProxyWeightsOpt = Annotated[
+    str,
+    typer.Option("--proxy-weights", help="Weights of the external backbones of proxy presets (proxyclip, `ls backbones`): hub, a checkpoint file, none, or auto (none when --pretrained none, else hub)."),
 ]
 
 TemplatesOpt = Annotated[
@@ -98,3 +103,16 @@ def load_model(model: str, pretrained: str, device: Device, precision: Precision
         fail(str(e))
 
 
+
+
+def load_proxies(spec, clip, weights: str) -> None:
+    """Load the external backbones a spec's ext: terms read, with one-line errors (before any work)."""
+    from .backbones import MissingExtraError
+    from .model import WeightsUnavailableError
+    from .proxy_source import prepare_proxies
+
+    try:
+        with err_console.status("loading proxy backbones"):
+            prepare_proxies(spec, clip, weights)
+    except (WeightsUnavailableError, MissingExtraError, ValueError) as e:
+        fail(str(e))

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, resolve_spec
 from .images import load_image
 from .model import DenseCLIP
+from .proxy_source import PROXIES, ext_backbones, proxy_config
 from .stages import Stage, resolve_stages
 from .text import Vocabulary, embed_names, resolve_templates, templates_id
 
@@ -110,12 +111,14 @@ def iter_window_features(
     stride: int = 112,
     batch_size: int = 16,
     token_stages: Sequence[Stage] = (),
+    encode: Callable[[torch.Tensor, AttentionSpec], torch.Tensor] | None = None,
 ) -> Iterator[tuple[list[tuple[int, int, int, int]], torch.Tensor]]:
     """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
 
     Yields (window boxes (y1, y2, x1, x2), B x h x w x D features). Windows whose sides are not multiples
     of the patch size are zero-padded at the bottom and right, so patch (i, j) of a window covers pixels
     y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
+    encode(crops, spec) replaces `clip.encode_dense` (e.g. attention maps for the analysis).
     """
     _, _, H, W = pixels.shape
     boxes = window_boxes(H, W, window, stride)
@@ -125,7 +128,8 @@ def iter_window_features(
     for i in range(0, len(boxes), batch_size):
         chunk = boxes[i : i + batch_size]
         crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
-        yield chunk, clip.encode_dense(F.pad(crops, (0, pad_w, 0, pad_h)), spec, token_stages)
+        crops = F.pad(crops, (0, pad_w, 0, pad_h))
+        yield chunk, encode(crops, spec) if encode is not None else clip.encode_dense(crops, spec, token_stages)
 
 
 def dense_cosine(
@@ -162,8 +166,11 @@ def dense_cosine(
     _, n, h, w = cos.shape
     grid = cos.view(len(rows), len(cols), n, h, w).permute(2, 0, 3, 1, 4).reshape(n, len(rows) * h, len(cols) * w)
     out_h, out_w = out_size or (H, W)
-    ly = _window_interpolation(rows, H, h, h * ps, out_h).to(clip.device)
-    lx = _window_interpolation(cols, W, w, w * ps, out_w).to(clip.device)
+    # a window's map covers the window padded to a multiple of CLIP's patch (h x w patches of CLIP, or
+    # the finer grid of an external backbone's attention: ProxyCLIP's DINO B/8 gives 2h x 2w)
+    padded_h, padded_w = (-(-(span[1] - span[0]) // ps) * ps for span in (rows[0], cols[0]))
+    ly = _window_interpolation(rows, H, h, padded_h, out_h).to(clip.device)
+    lx = _window_interpolation(cols, W, w, padded_w, out_w).to(clip.device)
     # computed as H x W x N and returned as an N x H x W view: reductions over names (softmax, max) then
     # run along contiguous memory, about twice as fast as over the leading dimension of a C x H x W tensor
     return torch.einsum("hr,nrc,wc->hwn", ly, grid, lx).permute(2, 0, 1)
@@ -266,6 +273,8 @@ class Segmenter:
         self.vocabulary = vocabulary
         self.spec = resolve_spec(spec)
         clip.check_spec(self.spec)  # e.g. a DnA adapter made for another model: fail before any work
+        if ext_backbones(self.spec):  # ext: terms see this CLIP's crops (its normalisation, precision)
+            PROXIES.configure(clip)
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
         self.stages = resolve_stages(self.settings.stage_texts())
@@ -286,6 +295,7 @@ class Segmenter:
             "classes": [list(syn) for syn in self.vocabulary.names],
             **dataclasses.asdict(self.settings),
             "stages": [s.name for s in self.stages],  # canonical names, PAMR included when on
+            **proxy_config(self.spec),  # backbones of ext: terms, their tags and weights
         }
 
     def _stages(self, kind: str) -> list[Stage]:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .attention import AttentionSpec, resolve_spec
 from .attention import blocks as attention_blocks
+from .attention.taps import attention_grid
 from .text_tower import encode_tokens
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -331,7 +332,8 @@ class DenseCLIP:
         x, grid = self._embed(pixels)
         x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks)
         x = self.visual.ln_post(x[:, 1:]) @ self.visual.proj
-        return F.normalize(x.float(), dim=-1).reshape(x.shape[0], *grid, -1)
+        out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
+        return F.normalize(x.float(), dim=-1).reshape(x.shape[0], *out_grid, -1)
 
     @torch.inference_mode()
     def attention_maps(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:

@@ -119,3 +119,24 @@ PROTOCOLS.register(
     ),
     help="NACLIP (WACV 2025) before v2, no PAMR",
 )
+
+# ProxyCLIP ships `; `-separated class files whose VOC21 / COCO-Object person and tvmonitor lines are single
+# names (SCLIP's list several); the SCLIP set is the closest shipped here (datasets.md, Protocols).
+PROTOCOLS.register(
+    "proxyclip",
+    Protocol(
+        name="proxyclip",
+        attention="proxyclip",
+        class_names="sclip",
+        source="mc-lan/ProxyCLIP@05c3c18 configs/cfg_*.py, proxyclip_segmentor.py",
+        defaults=dict(resolution=336, window=336, stride=112, logit_scale=40.0),
+        per_dataset={
+            "ade20k": dict(resolution=448),
+            "cityscapes": dict(resolution=448, window=224),
+            "voc21": dict(bg_threshold=0.2),
+            "context60": dict(bg_threshold=0.15),
+            "coco-object": dict(bg_threshold=0.25),
+        },
+    ),
+    help="ProxyCLIP (ECCV 2024): short side 336 (ADE20K, Cityscapes 448), 336/112 windows (Cityscapes 224), logit scale 40",
+)

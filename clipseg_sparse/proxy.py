@@ -1,24 +1,18 @@
-"""Proxy attention: the last CLIP block's token mixing computed from another backbone's features.
+"""Proxy attention pieces: CLIP's values on a proxy grid, and CorrCLIP's and Trident's own steps.
 
-Pure tensor functions for the three published proxy methods (research/peers-sota.md sections 2.1,
-2.7, 2.8), each split into the engine's axes: a score term (cosine of backbone features), a transform
-(shift by beta x mean, scale gamma), a support (which entries may be non-zero: positive, region), a
-normalizer slot (softmax as published, or entmax / sparsemax), values from CLIP upsampled to the proxy
-grid, and a reduced block output W_o(A V) shared across heads. Shapes: B images, M = I*J proxy tokens,
-N = h*w CLIP patch tokens, C channels.
+ProxyCLIP (research/peers-sota.md 2.1) runs through the attention engine: `ext:NAME` features
+(proxy_source.py), the term's cos metric, shift:1.2, scale:3 and pos support, any normalizer, and
+`values_to_grid` below. The CorrCLIP and Trident steps the engine does not have yet are pure tensor
+functions here, each split into the engine's axes (a score term, a support, a normalizer slot, values
+shared across heads). Shapes: B images, M = I*J proxy tokens, N = h*w CLIP patch tokens, C channels.
 
-Published arithmetic copied (and quirks documented, not copied):
-- ProxyCLIP (mc-lan/ProxyCLIP open_clip/transformer.py `custom_attn`): S = cos(F, F);
-  S' = (S - beta mean(S)) gamma with the mean over each image's M x M entries (its code takes
-  `mean(dim=(1, 2))` per batch element; its evaluation runs one window at a time); S'[S' < 0] = -inf;
-  A = softmax(S') for every head. Computed here in fp32 (the published code runs fp16); a row with
-  no entry >= 0 (only when mean(S) > 1 / beta) keeps its diagonal instead of becoming NaN.
+Published arithmetic (quirks documented):
 - CorrCLIP: S = cos(q + k) of DINO's last block; allowed(i, j) = same region, or (i or j unsegmented and
   S_ij > mean(S)); A = softmax(tau S) on the allowed set (tau = 4, no shift); regions merged by DBSCAN
   (eps 0.2, min_samples 1) on max(sim) - sim of region-mean features; a post vote gives every original
   region the most frequent label inside it.
-- Trident: ProxyCLIP attention per window on DINO ViT-B/16 with one mean shared by all windows of an
-  image (its code batches the windows and takes `torch.mean` over the whole batch); windows' block
+- Trident: ProxyCLIP attention per window on DINO ViT-B/16 (its code batches the windows and takes one
+  `torch.mean` over the whole batch, i.e. one mean for all windows of an image); windows' block
   outputs spliced onto the image grid (overlaps averaged); then SAM's last-block attention filtered by
   the cosine of SAM's values (kept where cos > min(0.9, cos_fac x row mean), heads averaged, rows
   re-normalised by their sum) smooths the spliced features.
@@ -33,37 +27,14 @@ import torch.nn.functional as F
 
 from .normalizers import Normalizer, normalize
 
-PROXYCLIP_BETA, PROXYCLIP_GAMMA = 1.2, 3.0
 CORRCLIP_TAU, CORRCLIP_EPS = 4.0, 0.2
 
 
-# -- score term, transform, support ------------------------------------------------------------------
+# -- score term and support ---------------------------------------------------------------------------
 def feature_cosine(feats: torch.Tensor) -> torch.Tensor:
     """B x M x C features -> B x M x M cosine similarities (fp32)."""
     f = F.normalize(feats.float(), dim=-1)
     return f @ f.transpose(-2, -1)
-
-
-def shift_scale(scores: torch.Tensor, beta: float, gamma: float, mean_over: str = "image") -> torch.Tensor:
-    """(S - beta * mean(S)) * gamma. mean_over "image": one mean per leading index (B x M x M -> B
-    means; ProxyCLIP, one window per forward), "batch": one mean over the whole tensor (Trident, all
-    windows of an image in one batch)."""
-    if mean_over == "image":
-        mean = scores.mean(dim=(-2, -1), keepdim=True)
-    elif mean_over == "batch":
-        mean = scores.mean()
-    else:
-        raise ValueError(f"mean_over must be 'image' or 'batch' (got {mean_over!r})")
-    return (scores - beta * mean) * gamma
-
-
-def positive_support(scores: torch.Tensor) -> torch.Tensor:
-    """ProxyCLIP's support: entries that are not negative (it sets S'[S' < 0] = -inf), plus the
-    diagonal. The diagonal is (1 - beta mean) gamma >= 0 whenever mean <= 1 / beta, so this changes
-    nothing then; for a near-uniform image (mean > 1 / beta) the published rows are all -inf and its
-    softmax gives NaN, here each such token keeps only itself (a documented fix)."""
-    eye = torch.eye(scores.shape[-1], dtype=torch.bool, device=scores.device)
-    return (scores >= 0) | eye
 
 
 def region_support(scores: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
@@ -81,19 +52,6 @@ def restrict(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 # -- whole attention maps ----------------------------------------------------------------------------
-def proxyclip_attention(
-    feats: torch.Tensor,
-    beta: float = PROXYCLIP_BETA,
-    gamma: float = PROXYCLIP_GAMMA,
-    normalizer: str | Normalizer = "softmax",
-    mean_over: str = "image",
-) -> torch.Tensor:
-    """ProxyCLIP's B x M x M attention from B x M x C backbone features; entmax replaces softmax in
-    the normalizer slot with the positive support kept (alpha -> 1 gives the published map)."""
-    s = shift_scale(feature_cosine(feats), beta, gamma, mean_over)
-    return normalize(restrict(s, positive_support(s)), normalizer)
-
-
 def corrclip_attention(
     q: torch.Tensor, k: torch.Tensor, regions: torch.Tensor, tau: float = CORRCLIP_TAU, normalizer: str | Normalizer = "softmax"
 ) -> torch.Tensor:
@@ -117,7 +75,7 @@ def sam_filtered_attention(attn: torch.Tensor, v: torch.Tensor, cos_fac: float =
     return kept / kept.sum(-1, keepdim=True)
 
 
-# -- values, block output, windows -------------------------------------------------------------------
+# -- values and windows -------------------------------------------------------------------------------
 def values_to_grid(v: torch.Tensor, clip_grid: tuple[int, int], proxy_grid: tuple[int, int]) -> torch.Tensor:
     """CLIP's per-head patch values B x H x N x d (N = h*w) bilinearly resized (align_corners False) to
     the proxy grid: B x H x M x d."""
@@ -127,21 +85,6 @@ def values_to_grid(v: torch.Tensor, clip_grid: tuple[int, int], proxy_grid: tupl
     x = v.reshape(B * H, *clip_grid, d).permute(0, 3, 1, 2)
     x = F.interpolate(x, size=tuple(proxy_grid), mode="bilinear", align_corners=False)
     return x.permute(0, 2, 3, 1).reshape(B, H, -1, d)
-
-
-def reduced_block_output(
-    block: torch.nn.Module, x: torch.Tensor, attn: torch.Tensor, clip_grid: tuple[int, int], proxy_grid: tuple[int, int]
-) -> torch.Tensor:
-    """W_o(A V) of an open_clip block with one attention map for every head: no residual, no FFN, no
-    CLS in the output. x: B x (1 + N) x C (CLS first); attn: B x M x M -> B x M x C on the proxy grid."""
-    a = block.attn
-    B, T, C = x.shape
-    heads = a.num_heads
-    v = F.linear(block.ln_1(x), a.in_proj_weight[2 * C :], a.in_proj_bias[2 * C :] if a.in_proj_bias is not None else None)
-    v = v[:, 1:].view(B, T - 1, heads, C // heads).transpose(1, 2)
-    v = values_to_grid(v, clip_grid, proxy_grid)
-    out = attn.to(v.dtype)[:, None] @ v  # shared across heads
-    return a.out_proj(out.transpose(1, 2).reshape(B, -1, C))
 
 
 def splice_windows(feats: torch.Tensor, corners: list[tuple[int, int]], grid: tuple[int, int]) -> torch.Tensor:

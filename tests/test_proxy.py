@@ -1,4 +1,5 @@
-"""Proxy attention arithmetic (ProxyCLIP, CorrCLIP, Trident) against hand computations with plain loops."""
+"""CorrCLIP and Trident attention pieces against hand computations with plain loops (ProxyCLIP runs
+through the engine: tests/test_proxyclip.py)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from clipseg_sparse.proxy import (
     corrclip_attention,
     merge_regions,
-    proxyclip_attention,
-    reduced_block_output,
     region_support,
     region_vote,
     sam_filtered_attention,
@@ -30,52 +28,6 @@ def _softmax(row):
     m = max(finite)
     e = [math.exp(s - m) if s != -math.inf else 0.0 for s in row]
     return [x / sum(e) for x in e]
-
-
-def proxyclip_by_hand(feats: list[list[float]], beta=1.2, gamma=3.0):
-    """ProxyCLIP custom_attn for one image: cosine, (S - beta mean) gamma, -inf below 0, softmax."""
-    M = len(feats)
-    S = [[_cos(feats[i], feats[j]) for j in range(M)] for i in range(M)]
-    mean = sum(sum(r) for r in S) / (M * M)
-    T = [[(S[i][j] - beta * mean) * gamma for j in range(M)] for i in range(M)]
-    T = [[t if t >= 0 else -math.inf for t in r] for r in T]
-    return [_softmax(r) for r in T]
-
-
-def test_proxyclip_attention_equals_the_published_formula():
-    torch.manual_seed(0)
-    feats = torch.randn(1, 12, 5) + 0.5  # a positive offset so the mean is well above 0
-    expected = torch.tensor(proxyclip_by_hand(feats[0].tolist()))
-    got = proxyclip_attention(feats)[0]
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
-    assert (got == 0).any(), "the positive support should cut some entries"
-
-
-def test_entmax_to_one_with_positive_support_is_proxyclip():
-    torch.manual_seed(1)
-    feats = torch.randn(2, 20, 6) + 0.3
-    soft = proxyclip_attention(feats)
-    torch.testing.assert_close(proxyclip_attention(feats, normalizer="entmax:1"), soft)
-    torch.testing.assert_close(proxyclip_attention(feats, normalizer="entmax:1.001"), soft, atol=2e-3, rtol=0)
-    sparse = proxyclip_attention(feats, normalizer="entmax:1.5")
-    assert ((sparse > 0) <= (soft > 0)).all(), "entmax keeps at most the positive support"
-    torch.testing.assert_close(sparse.sum(-1), torch.ones(2, 20))
-
-
-def test_uniform_image_keeps_the_diagonal_instead_of_nan():
-    """Published code: every entry below beta * mean -> all -inf -> NaN; here identity rows."""
-    feats = torch.ones(1, 5, 3) + 0.01 * torch.randn(1, 5, 3)
-    torch.testing.assert_close(proxyclip_attention(feats)[0], torch.eye(5))
-
-
-def test_window_batching_does_not_change_proxyclip():
-    torch.manual_seed(2)
-    feats = torch.randn(3, 16, 4) + torch.tensor([0.0, 0.5, 1.0]).view(3, 1, 1)
-    batched = proxyclip_attention(feats)
-    for i in range(3):
-        torch.testing.assert_close(batched[i], proxyclip_attention(feats[i : i + 1])[0])
-    # Trident's shared mean over all windows of an image is a different map
-    assert not torch.allclose(proxyclip_attention(feats, mean_over="batch"), batched)
 
 
 def _allowed_by_hand(S, regions):
@@ -103,25 +55,6 @@ def test_region_restricted_attention_never_leaves_the_allowed_set(normalizer):
         if normalizer == "softmax":  # softmax(4 S) on the allowed entries, by hand
             expected = [_softmax([4 * S[i][j] if allowed[i][j] else -math.inf for j in range(30)]) for i in range(30)]
             torch.testing.assert_close(attn[b], torch.tensor(expected), atol=1e-6, rtol=1e-5)
-
-
-def test_reduced_block_output_by_hand():
-    from open_clip.transformer import ResidualAttentionBlock
-
-    torch.manual_seed(4)
-    C, heads, clip_grid, proxy_grid = 16, 2, (2, 3), (4, 6)
-    block = ResidualAttentionBlock(C, heads, batch_first=True).eval()
-    x = torch.randn(1, 1 + 6, C)
-    attn = torch.softmax(torch.randn(1, 24, 24), -1)
-    # by hand: v = ln_1(x) W_v + b_v; patches only; bilinear to the proxy grid; A v; W_o
-    y = F.layer_norm(x, (C,), block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
-    v = y @ block.attn.in_proj_weight[2 * C :].T + block.attn.in_proj_bias[2 * C :]
-    v = v[0, 1:].T.reshape(1, C, *clip_grid)
-    v = F.interpolate(v, size=proxy_grid, mode="bilinear", align_corners=False).reshape(C, 24).T
-    expected = (attn[0] @ v) @ block.attn.out_proj.weight.T + block.attn.out_proj.bias
-    with torch.no_grad():
-        got = reduced_block_output(block, x, attn, clip_grid, proxy_grid)
-    torch.testing.assert_close(got[0], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_values_to_grid_keeps_constants_and_identity():

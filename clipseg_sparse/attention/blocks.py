@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dna.module import DenoisingAttention, positive_attention
-from .combine import _attend, aggregate, attention_weights
+from .combine import _attend, aggregate, attended_values, attention_weights
 from .spec import AttentionSpec
 from .taps import TAPS, BlockContext, clip_attention, tap_kind
 
@@ -98,18 +98,20 @@ def edited_block_forward(
         tokens = aggregate(tokens, spec.aggregation_in, BlockContext(grid=grid, offset=off, hidden=state.main))
     source = tokens if reads is None else reads[:, off:]
     ctx = _context(state, source, block, off, state.main)
-    B, N, C = tokens.shape
+    B, _, C = tokens.shape
     if sink is not None:
         weights = attention_weights(spec, ctx)
         sink.append(weights)
-        out = weights @ ctx.v
+        out = weights @ attended_values(spec, ctx)
     elif spec.source == ("id",):
         out = ctx.v
     else:
         out = _attend(ctx.q, ctx.k, ctx.v, spec, grid, ctx)
     if isinstance(block.attn, DenoisingAttention):
+        if out.shape[2] != ctx.u.shape[1]:
+            raise ValueError("dna:PATH adds its branch on CLIP's token grid; it cannot be combined with attention on an external grid")
         out = out + block.attn.negative_branch(ctx.u, ctx.k, ctx.v)
-    out = attn.out_proj(out.transpose(1, 2).reshape(B, N, C))
+    out = attn.out_proj(out.transpose(1, 2).reshape(B, out.shape[2], C))  # N, or an external grid's size
     if spec.cls_residual is not None:
         base = spec.cls_residual * x[:, :1]
     else:

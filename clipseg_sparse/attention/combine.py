@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from ..accel import adasplash_entmax_attention, can_use_adasplash
 from ..normalizers import Normalizer, normalize
 from .spec import AttentionSpec, Group, Term
-from .taps import TAPS, BlockContext, tap_kind
+from ..proxy import values_to_grid
+from .taps import TAPS, BlockContext, attention_grid, tap_kind
 from .transforms import apply_support, gaussian_prior, pair_scores, term_scores
 
 
@@ -59,6 +60,19 @@ def _negative(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.softmax(-scores.float(), dim=-1).to(v.dtype)
 
 
+def attended_values(spec: AttentionSpec, ctx: BlockContext) -> torch.Tensor:
+    """ctx.v on the grid the attention lives on: CLIP's, or resized bilinearly (align_corners False) to
+    an external backbone's grid (ProxyCLIP), which needs `cls:C` (patch tokens only, no residual)."""
+    if ctx.pixels is None:
+        return ctx.v
+    target = attention_grid(spec, tuple(ctx.pixels.shape[-2:]), ctx.grid)
+    if target == tuple(ctx.grid):
+        return ctx.v
+    if ctx.offset != 1:
+        raise ValueError(f"spec {spec}: terms on an external backbone's grid need cls:C (attention over patch tokens only)")
+    return values_to_grid(ctx.v, ctx.grid, target)
+
+
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, grid: tuple[int, int], ctx: BlockContext | None = None
 ) -> torch.Tensor:
@@ -66,6 +80,7 @@ def _attend(
     ctx = ctx or BlockContext(q=q, k=k, v=v, grid=grid)
     scale = spec.temperature if spec.temperature is not None else q.shape[-1] ** -0.5
     norm = Normalizer.parse(spec.normalizer)
+    v = attended_values(spec, ctx)
     out = torch.zeros_like(v)
     for group in spec.groups:
         if not _is_plain(group):
@@ -95,7 +110,8 @@ def attention_weights(spec: AttentionSpec, ctx: BlockContext) -> torch.Tensor:
     """The B x H x N x N matrix that multiplies the values in `_attend` (identity for source `id`),
     built from the same score and normalize functions (no fused kernel)."""
     q = ctx.q
-    B, H, N, _ = q.shape
+    B, H, _, _ = q.shape
+    N = attended_values(spec, ctx).shape[-2]
     if spec.source == ("id",):
         return torch.eye(N, dtype=q.dtype, device=q.device).expand(B, H, N, N)
     norm = Normalizer.parse(spec.normalizer)

@@ -112,3 +112,5 @@ register_preset(
 )
 for _name in ("scclip", "scclip-l14", "gem"):
     register_entmax_variant(_name)
+
+from .. import proxy_source  # noqa: E402,F401  (registers the ext: tap and the proxyclip presets)

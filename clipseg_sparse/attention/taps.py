@@ -66,6 +66,7 @@ class Tap:
     check: Callable[[str], None] = lambda arg: None
     hidden: Callable[[str], set[int]] = lambda arg: set()
     blocks: Callable[[str], set[int]] = lambda arg: set()
+    grid: Callable[[str, tuple[int, int]], tuple[int, int]] | None = None
 
 
 TAPS: Registry[Tap] = Registry("score tap")
@@ -85,6 +86,20 @@ def check_tap(tap: str) -> None:
     if kind not in TAPS:
         raise ValueError(f"unknown tap {tap!r}; taps: {', '.join(TAPS.help(n) for n in TAPS.names())}")
     TAPS.get(kind).check(arg)
+
+
+def attention_grid(spec, pixels: tuple[int, int], grid: tuple[int, int]) -> tuple[int, int]:
+    """The token grid the edited attention lives on for an input of `pixels` (H, W): CLIP's patch grid
+    `grid`, or the grid its taps bring (external backbones, `Tap.grid`); they must all agree."""
+    grids = set()
+    for group in spec.groups:
+        for term in group.terms:
+            kind, arg = tap_kind(term.tap)
+            tap = TAPS.get(kind)
+            grids.add(tuple(tap.grid(arg, tuple(pixels))) if tap.grid else tuple(grid))
+    if len(grids) > 1:
+        raise ValueError(f"spec {spec} mixes terms on different token grids {sorted(grids)}; use taps of one grid")
+    return grids.pop() if grids else tuple(grid)
 
 
 def _no_arg(kind: str) -> Callable[[str], None]:

@@ -1,0 +1,83 @@
+"""The Gradio demo: its computations directly, its API through gradio_client, its page in headless Chromium."""
+
+import socket
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from browser import run_chromium, screenshot
+from clipseg_sparse.demo import DemoError, DemoModel, build_demo, launch
+from clipseg_sparse.inference import InferenceSettings
+
+SETTINGS = InferenceSettings(resolution=64, window=32, stride=16)
+PRESETS = ["clearclip", "clearclip-entmax"]
+CALL_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def image():
+    return np.random.default_rng(1).integers(0, 255, (48, 80, 3), dtype=np.uint8)
+
+
+def test_demo_model_gives_one_overlay_and_one_attention_map_per_preset(tiny_clip, image):
+    model = DemoModel(tiny_clip, SETTINGS, "single")
+    masks = model.predict(image, "a,b|bee", PRESETS)
+    assert [c for _, c in masks] == ["clearclip (qq/softmax/nores/noffn)", "clearclip-entmax (qq/entmax:1.5/nores/noffn)"]
+    assert all(m.shape[0] == 48 and m.shape[1] > 80 for m, _ in masks)  # the legend panel on the right
+    maps = model.attention(image, "a,b", PRESETS, 30, 20)
+    assert [m.shape for m, _ in maps] == [(48, 80, 3)] * 2
+    assert maps[0][1].startswith("clearclip: entropy") and "non-zero 29.0/29" in maps[0][1]  # softmax: every token
+    for bad, message in ((lambda: model.predict(None, "a", PRESETS), "upload"), (lambda: model.predict(image, "a", []), "preset"),
+                         (lambda: model.attention(image, "a", PRESETS, 500, 5), "outside")):  # fmt: skip
+        with pytest.raises(DemoError, match=message):
+            bad()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_clip):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo = build_demo(tiny_clip, SETTINGS, "single", PRESETS)
+    launch(demo, port=port, block=False)
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+def test_predict_and_attention_endpoints_through_gradio_client(server, image, tmp_path):
+    from gradio_client import Client, handle_file
+
+    path = tmp_path / "in.png"
+    Image.fromarray(image).save(path)
+    client = Client(server, verbose=False)
+    masks = client.submit(handle_file(str(path)), "a,b", PRESETS, api_name="/predict").result(timeout=CALL_TIMEOUT_S)
+    assert [m["caption"] for m in masks] == ["clearclip (qq/softmax/nores/noffn)", "clearclip-entmax (qq/entmax:1.5/nores/noffn)"]
+    for m in masks:
+        assert Image.open(m["image"]).size[1] == 48
+    maps = client.submit(handle_file(str(path)), "a,b", PRESETS, 30, 20, api_name="/attention").result(timeout=CALL_TIMEOUT_S)
+    assert len(maps) == 2 and Image.open(maps[1]["image"]).size == (80, 48) and "entropy" in maps[1]["caption"]
+
+
+def test_demo_page_in_headless_chromium_shows_the_form_and_the_random_weights_note(server, tmp_path):
+    shot = tmp_path / "demo.png"
+    budget = "--virtual-time-budget=15000"  # let the page's scripts build the form before the shot
+    console = screenshot(server, shot, 1200, 900, budget, timeout=120)
+    img = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    assert img.shape == (900, 1200, 3)
+    assert img.std() > 20 and len(np.unique(img.reshape(-1, 3), axis=0)) > 50  # not a blank page
+    dom, _ = run_chromium(server, "--dump-dom", budget, width=1200, height=900, timeout=120)
+    assert "Random weights" in dom and "clearclip-entmax" in dom and "segment" in dom
+    assert not [m for m in console if "Uncaught" in m]
+
+
+def test_demo_command_without_gradio_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli import app
+
+    monkeypatch.setitem(sys.modules, "gradio", None)  # what `import gradio` meets when the extra is missing
+    result = CliRunner().invoke(app, ["demo", "--pretrained", "none"])
+    assert result.exit_code == 2 and 'pip install -e ".[demo]"' in result.stderr.strip().splitlines()[-1]
