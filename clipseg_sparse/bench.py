@@ -30,7 +30,7 @@ from .inference import InferenceSettings, Segmenter, resized_shape, to_pixels, w
 from .model import DenseCLIP, load_clip
 from .normalizers import entmax, normalize
 
-# DESIGN.md section 4
+# the project's speed targets, listed with their measurements in benchmarks/README.md
 TARGETS = {
     "fast entmax speed-up over entmax_bisect (ViT-B/16, 448 px)": 5.0,
     "qq/entmax:1.5 forward / qq/softmax forward": 1.15,
@@ -232,7 +232,7 @@ def run_all(quick: bool = False, device: str = "cpu", precision: str = "fp32", m
 
 
 def target_checks(rows: Sequence[BenchRow]) -> list[tuple[str, float, float, bool]]:
-    """(target, measured, limit, met) for the DESIGN.md targets the rows can speak to."""
+    """(target, measured, limit, met) for the speed targets (benchmarks/README.md) the rows can speak to."""
     checks = []
     speedups = [  # normalizer ratios are relative to our fast entmax: bisect's ratio is our speed-up
         r.ratio
@@ -263,7 +263,7 @@ def rich_tables(rows: Sequence[BenchRow]):
         last = (r.suite, r.case)
         ref = " (reference)" if r.variant == r.reference else ""
         table.add_row(r.suite if case else "", case, r.variant + ref, f"{r.ms:.1f}", f"{r.ratio:.2f}")
-    targets = Table("target", "measured", "limit", "met", title="DESIGN.md section 4 targets")
+    targets = Table("target", "measured", "limit", "met", title="targets (benchmarks/README.md)")
     for name, value, limit, met in target_checks(rows):
         bound = ">=" if "speed-up" in name else "<="
         targets.add_row(name, f"{value:.2f}", f"{bound} {limit:g}", "yes" if met else "NO")

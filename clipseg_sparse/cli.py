@@ -29,6 +29,7 @@ from .cli_common import (
     out_console,
     load_model,
     load_proxies,
+    note_softmax_aliases,
     resolve_attention,
 )
 from .cli_dna import dna_app
@@ -151,6 +152,7 @@ def segment(
     """Segment images with any vocabulary: a label PNG, an overlay and a JSON per image under --out.
 
     Default attention preset: sclip. Re-running the same command skips finished images.
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse segment ...` shards the images.
     """
     from .discovery import InputError, discover_images
     from .outputs import ClaimConflictError, OutputOptions
@@ -166,6 +168,7 @@ def segment(
             vocabulary = vocabulary.with_background(background.split(","))
         elif bg_threshold:
             raise ValueError("--bg-threshold needs --background (the class that low-confidence pixels become)")
+        vocabulary.check_unique()
         prompt_templates = resolve_templates(templates)
         options = OutputOptions(mask_format=mask_format, save_probs=save_probs, overwrite=overwrite)
         options.check_classes(len(vocabulary))
@@ -173,13 +176,15 @@ def segment(
     except (ValueError, FileNotFoundError, InputError, UnknownNameError) as e:
         fail(str(e))
     spec = resolve_attention(preset, attn, default="sclip")
-    if found.not_images:
-        names = ", ".join(str(p) for p in found.not_images[:5]) + (", ..." if len(found.not_images) > 5 else "")
-        err_console.print(f"note: skipping {len(found.not_images)} file(s) that are not images: {names}", highlight=False)
+    for skipped, what in ((found.not_images, "that are not images"), (found.special, "that are not regular files (FIFO, socket, device)")):
+        if skipped:
+            names = ", ".join(str(p) for p in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+            err_console.print(f"note: skipping {len(skipped)} file(s) {what}: {names}", highlight=False, soft_wrap=True)
     if not found.jobs:
         fail("no images found in the inputs")
 
     from .batch import plan_run, run_plan
+    from .distributed import init_from_env
     from .inference import InferenceSettings, Segmenter
 
     try:
@@ -189,11 +194,12 @@ def segment(
         )
     except ValueError as e:
         fail(str(e))
+    rank, world = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     load_proxies(spec, clip, proxy_weights)
     try:
-        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=True)
-    except ValueError as e:  # e.g. a dna:PATH adapter made for another model
+        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0)
+    except ValueError as e:  # a spec the model cannot run
         fail(str(e))
     try:
         plan = plan_run(found.jobs, out, options, segmenter.config())
@@ -205,7 +211,8 @@ def segment(
 
     try:
         with progress_bar("images") as bar:
-            task = bar.add_task("segmenting", total=len(plan.todo))
+            bar.disable = rank > 0  # rank 0's bar counts its share
+            task = bar.add_task("segmenting" + (f" (rank 0 of {world})" if world > 1 else ""), total=len(plan.todo[::world]))
 
             def on_image(job, error: str | None) -> None:
                 if error:
@@ -216,7 +223,8 @@ def segment(
     except ClaimConflictError as e:  # a concurrent run on the same --out claimed an image first
         fail(conflict.format(n=1, reason=e) + "; the images this run finished are kept")
 
-    _print_segment_summary(report, segmenter.class_names, len(found.not_images), out)
+    if rank == 0:
+        _print_segment_summary(report, segmenter.class_names, len(found.not_images) + len(found.special), out)
     if report.failed:
         raise typer.Exit(1)
 
@@ -236,7 +244,7 @@ def _print_segment_summary(report, class_names, not_images: int, out: Path) -> N
     console.print(counts)
     console.print(classes)
     if report.failed:
-        err_console.print(f"[red]{len(report.failed)} image(s) could not be read:[/]", highlight=False)
+        err_console.print(f"[red]{len(report.failed)} image(s) failed:[/]", highlight=False)
     for path, reason in report.failed:
         err_console.print(f"  {reason}", highlight=False, soft_wrap=True)
 
@@ -300,18 +308,22 @@ def eval_cmd(
 
     Several processes: `torchrun --nproc-per-node N -m clipseg_sparse eval ...` shards the images.
     """
-    from .datasets import DATASETS, DatasetError
+    from .datasets import DATASETS, DatasetError, class_vocabulary
     from .distributed import init_from_env
     from .evaluate import evaluate
     from .protocols import PROTOCOLS
     from .results import ConfigMismatchError
 
     check_out(out, folder=False)
+    check_out(save_pred, folder=True, option="--save-pred")
     try:
         bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
-        bench.samples(root)  # fail on a missing dataset before loading the model
-    except (KeyError, DatasetError) as e:
+        bench.samples(root)  # fail on a missing dataset or class-name file before loading the model
+        vocabulary, _ = class_vocabulary(bench.name, class_names or proto.class_names)
+    except (KeyError, DatasetError, ValueError) as e:
         fail(str(e))
+    for repeated in vocabulary.repeated_names():  # published name sets are kept as published (SCLIP's COCO-Object)
+        err_console.print(f"note: prompt names of {bench.name}: {repeated}; kept as given, the later class cannot win on that name", highlight=False, soft_wrap=True)
     spec = resolve_attention(preset, attn, default=proto.attention)
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
@@ -438,7 +450,9 @@ def fgovd(
     """Fine-grained region-caption matching on FG-OVD: top-1 and rank of the positive caption among hard negatives.
 
     Default attention: the sclip preset for pool and mask (dense features need a segmentation-style edit to be local), unmodified clip for crop (the benchmark authors' protocol).
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse fgovd ...` shards the images.
     """
+    from .distributed import init_from_env
     from .fgovd import evaluate_fgovd, split_name
     from .fgovd.report import metrics_table
     from .inference import InferenceSettings
@@ -457,6 +471,7 @@ def fgovd(
     except ValueError as e:
         fail(str(e))
     kwargs = {k: v for k, v in {"scale_factor": scale_factor, "negatives": negatives}.items() if v is not None}
+    rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     try:
@@ -465,6 +480,8 @@ def fgovd(
         )
     except (OSError, ValueError) as e:  # missing files, malformed benchmark, config mismatch, unreadable image
         fail(str(e))
+    if rank > 0:
+        return
     _note_shown(out, shown)
     out_console().print(metrics_table(result["metrics"], result["config"]["benchmarks"], result["config"]["negatives"]))
     if out is not None:
@@ -497,7 +514,8 @@ ImagesRootOpt = Annotated[Optional[Path], typer.Option("--images-root", help="CO
 
 def _print_summary(summary, out: Path) -> None:
     err_console.print(
-        f"sweep: {summary.total} cells: {summary.skipped} already done, {summary.ran} ran, "
+        f"sweep: {summary.total} cells: {summary.skipped} already done, {summary.ran} ran"
+        f"{f' ({summary.stale} of them recomputed: their data changed)' if summary.stale else ''}, "
         f"{len(summary.failed)} failed ({summary.wall_s:.1f} s); results in {out}",
         highlight=False,
     )
@@ -505,17 +523,25 @@ def _print_summary(summary, out: Path) -> None:
         err_console.print(f"  [red]failed[/] {failure.cell.label}: {failure.error}  ({failure.cell.hash}.error.json)", highlight=False)
 
 
-def _run_grid(grid, paths, device: Device):
+def _run_grid(grid, paths, device: Device, metric: str | None = None, shard: str | None = None):
+    """Run the grid (under torchrun: this rank's share); returns (summary of all ranks, rank)."""
+    from .distributed import init_from_env, parse_shard
     from .model import resolve_device
-    from .sweep import run_sweep
+    from .sweep import check_fgovd_negatives, run_sweep
 
-    try:  # a missing GPU would otherwise fail every cell
+    try:  # a missing GPU would otherwise fail every cell; a report metric no file can give, the report
+        part = parse_shard(shard) if shard is not None else None
+        rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
         resolve_device(device.value)
+        notes = check_fgovd_negatives(grid, metric)
     except ValueError as e:
         fail(str(e))
-    summary = run_sweep(grid, paths, device=device.value)
-    _print_summary(summary, paths.out)
-    return summary
+    for note in notes if rank == 0 else []:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    summary = run_sweep(grid, paths, device=device.value, part=part)
+    if rank == 0:
+        _print_summary(summary, paths.out)
+    return summary, rank
 
 
 @app.command("sweep", no_args_is_help=True)
@@ -540,8 +566,12 @@ def sweep(
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
     device: DeviceOpt = Device.auto,
+    shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: run only the I-th of N disjoint parts of the grid (every N-th cell), e.g. one per job of a job array.")] = None,
 ) -> None:
-    """Run a grid of eval / FG-OVD runs; done cells are skipped, failures recorded, interruptions resumed."""
+    """Run a grid of eval / FG-OVD runs; done cells are skipped, failures recorded, interruptions resumed.
+
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse sweep ...` deals the cells out to them.
+    """
     import dataclasses
 
     from .sweep import Grid, SweepPaths, parse_roots, read_grid_file
@@ -554,6 +584,7 @@ def sweep(
         "precision": precision.value if precision else None, "protocol": protocol, "limit": limit, "templates": templates,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
+    note_softmax_aliases([*given.get("normalizers", []), *(f"entmax:{a}" for a in given.get("alphas", []))])
     for key, kind in (("resolutions", int), ("alphas", float)):
         try:
             if key in given:
@@ -572,7 +603,7 @@ def sweep(
         fail(str(e))
     roots.update(parse_roots(root or []))
     paths = SweepPaths(out=out, roots=roots, images_root=images_root or images)
-    summary = _run_grid(the_grid, paths, device)
+    summary, _ = _run_grid(the_grid, paths, device, shard=shard)
     if summary.failed:
         raise typer.Exit(1)
 
@@ -634,7 +665,7 @@ def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite:
 
 @app.command("reproduce")
 def reproduce(
-    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a [report] table.")] = None,
+    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a \\[report] table (rows, cols, metric).")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the shipped grids and exit.")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results folder (default results/TABLE).")] = None,
     root: RootOpt = None,
@@ -665,11 +696,12 @@ def reproduce(
     out = out or Path("results") / grid_file.stem
     check_out(out, folder=True)
     paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root)
-    summary = _run_grid(grid_file_spec.grid, paths, device)
     report = grid_file_spec.report
-    try:  # report files are derived from the results in OUT, so they are regenerated each time
-        _render_report(collect(summary.results), report.get("rows", "source"), report.get("cols", "normalizer"),
-                       report.get("metric"), out / "report.md", out / "report.csv", out / "plots", overwrite=True)  # fmt: skip
+    summary, rank = _run_grid(grid_file_spec.grid, paths, device, report.get("metric"))
+    try:  # report files are derived from the results in OUT, so they are regenerated each time (by rank 0)
+        if rank == 0:
+            _render_report(collect(summary.results), report.get("rows", "source"), report.get("cols", "normalizer"),
+                           report.get("metric"), out / "report.md", out / "report.csv", out / "plots", overwrite=True)  # fmt: skip
     except ReportError as e:
         fail(f"no report: {e}")
     if summary.failed:
@@ -707,10 +739,30 @@ INTERRUPTED = (
 )
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, Slurm's time limit, docker stop) handled as Ctrl-C: the run stops where it is and
+    keeps its finished work (every write is atomic), then exits with 143 (128 + SIGTERM)."""
+
+
+_signals: list[int] = []
+
+
+def _on_sigterm(signum: int, frame) -> None:
+    _signals.append(signum)
+    raise Terminated()
+
+
 def main() -> None:
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         app()
     except SystemExit as e:
-        if e.code == 130:  # typer's exit status for Ctrl-C
+        if e.code == 130:  # typer's exit status for Ctrl-C, and for SIGTERM (raised as a KeyboardInterrupt)
             err_console.print(INTERRUPTED, highlight=False)
+            if _signals:
+                raise SystemExit(128 + _signals[0]) from None
         raise
+    finally:  # main() called in-process (tests, notebooks) leaves the caller's handler as it was
+        signal.signal(signal.SIGTERM, previous)

@@ -215,7 +215,7 @@ def demo(
     try:
         import gradio  # noqa: F401
     except ImportError:
-        fail('the demo needs Gradio: pip install -e ".\\[demo]" (or pip install "clipseg-sparse\\[demo]")')
+        fail('the demo needs Gradio: pip install -e ".[demo]" (or pip install "clipseg-sparse[demo]")')
     from .attention import PRESETS
     from .demo import DEFAULT_PRESETS, build_demo, launch
     from .inference import InferenceSettings

@@ -15,6 +15,24 @@ import typer
 from .progress import err_console
 
 
+def _flags_show_no_value_type() -> None:
+    """typer (0.2x) prints `<bool>` after every flag in --help, as if it took a value, and users then
+    write `--overwrite true` ("true: no such file"). A flag takes no value: show no type for it."""
+    option = getattr(typer.core, "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if shown is None or getattr(shown, "flag_aware", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) and self.metavar is None else shown(self, ctx)
+
+    display_type_rich.flag_aware = True
+    option.display_type_rich = display_type_rich
+
+
+_flags_show_no_value_type()
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -65,18 +83,43 @@ def out_console():
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """One-line error on stderr and a non-zero exit (2 = bad usage or input)."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # escaped: a message quoting "[x, y, w, h]" or a path with brackets must not be read as rich markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
-def check_out(out: Path | None, folder: bool) -> None:
-    """Fail early when --out is the wrong kind of path: a file where a folder goes, or the reverse."""
+def check_out(out: Path | None, folder: bool, option: str = "--out") -> None:
+    """Fail early, before any model is loaded, when --out is the wrong kind of path (a file where a folder
+    goes, or the reverse) or cannot be written (read-only place, a file in the way)."""
     if out is None:
         return
     if folder and out.exists() and not out.is_dir():
-        fail(f"--out {out}: is a file; this command writes a folder of outputs there")
+        fail(f"{option} {out}: is a file; this command writes a folder of outputs there")
     if not folder and out.is_dir():
-        fail(f"--out {out}: is a folder; give the result file to write, e.g. {out / 'result.json'}")
+        fail(f"{option} {out}: is a folder; give the result file to write, e.g. {out / 'result.json'}")
+    problem = unwritable(out.absolute() if folder else out.absolute().parent)
+    if problem:
+        fail(f"{option} {out}: {problem}")
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be written in `folder` (created if missing), or None: its nearest existing
+    ancestor must be a folder this process can create files in (probed with a temporary file)."""
+    import tempfile
+
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot be created: {existing} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f"cannot write in {existing} ({e.strerror or e})"
+    return None
 
 
 def resolve_attention(preset: str | None, attn: str | None, default: str = "sclip"):
@@ -87,9 +130,24 @@ def resolve_attention(preset: str | None, attn: str | None, default: str = "scli
         fail(PRESETS.unknown_message(preset))
     text = attn or preset or default
     try:
-        return AttentionSpec.parse(text)
+        spec = AttentionSpec.parse(text)
     except ValueError as e:
         fail(str(e))
+    note_softmax_aliases(text.split("/"))
+    return spec
+
+
+def note_softmax_aliases(normalizers) -> None:
+    """Say so when a normalizer written `entmax:1` runs as softmax (alpha -> 1 is entmax's softmax limit,
+    and results record it as softmax), so nobody reads a softmax number as an entmax one."""
+    for text in normalizers:
+        name, _, arg = str(text).strip().lower().partition(":")
+        try:
+            alias = name == "entmax" and float(arg) == 1.0
+        except ValueError:
+            alias = False
+        if alias:
+            err_console.print(f"note: {text} is softmax (entmax's alpha -> 1 limit); it runs and is recorded as softmax", highlight=False)
 
 
 def load_model(model: str, pretrained: str, device: Device, precision: Precision):

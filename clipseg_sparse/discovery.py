@@ -5,7 +5,8 @@ relative to that folder; a file given directly lands at the top of the output fo
 *output base* `OUT/rel/dir/stem`, to which the output writers add suffixes (`.png`, `.json`, ...).
 
 Rules, all here so the CLI only forwards arguments:
-- files with a non-image suffix are collected as `not_images` (the CLI prints one note); hidden files and
+- files with a non-image suffix are collected as `not_images`, and FIFOs, sockets or devices with an image
+  suffix as `special` (the CLI prints a note for each kind); hidden files and
   folders (names starting with ".") are ignored, and symlinked folders are not followed (no loops);
 - the same file reached twice (a folder and a file inside it) is segmented once;
 - the output folder is never searched for inputs, and an input inside the output folder is refused, so
@@ -45,8 +46,12 @@ class ImageJob:
 
 @dataclass
 class Discovery:
+    """jobs to run; not_images: files skipped for their suffix; special: FIFOs, sockets and devices with an
+    image suffix, skipped because reading one could block forever."""
+
     jobs: list[ImageJob] = field(default_factory=list)
     not_images: list[Path] = field(default_factory=list)
+    special: list[Path] = field(default_factory=list)
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -129,6 +134,9 @@ def discover_images(inputs: Sequence[str | Path], out_dir: str | Path) -> Discov
         for source, rel_file in candidates:
             if not is_image_path(source):
                 found.not_images.append(source)
+                continue
+            if not source.is_file():  # a FIFO named x.png would block the run on open
+                found.special.append(source)
                 continue
             key = source.resolve()
             if _inside(key, out_dir):  # a symlink into the outputs

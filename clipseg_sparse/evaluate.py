@@ -72,7 +72,8 @@ def evaluate(
     proto = PROTOCOLS.get(protocol)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (got {limit})")
-    samples = bench.samples(root)[:limit]
+    every_sample = bench.samples(root)
+    samples = every_sample[:limit]
     which = class_names or proto.class_names
     vocabulary, names_version = class_vocabulary(bench.name, which)
     settings = proto.settings(bench.name, overrides)
@@ -80,7 +81,7 @@ def evaluate(
         raise ValueError(f"{bench.name} has no background class: bg_threshold and area_threshold must be 0")
     rank, world = rank_and_world()
     segmenter = Segmenter(clip, vocabulary, spec or proto.attention, settings, templates, cache_dir, progress=progress and rank == 0)
-    config = run_config(segmenter, bench, root, protocol, which, names_version, limit)
+    config = run_config(segmenter, bench, root, protocol, which, names_version, limit, bench.fingerprint(every_sample))
 
     finished, log = open_run(out, config, overwrite=overwrite, resume=resume, rank=rank, world=world)
     if finished is not None:
@@ -99,13 +100,17 @@ def evaluate(
     return record
 
 
-def run_config(segmenter: Segmenter, bench: Benchmark, root, protocol: str, class_names: str, names_version: str, limit) -> dict:
-    """The flat configuration written next to the numbers (everything that changes them)."""
+def run_config(
+    segmenter: Segmenter, bench: Benchmark, root, protocol: str, class_names: str, names_version: str, limit, data: str
+) -> dict:
+    """The flat configuration written next to the numbers (everything that changes them); `data` is the
+    fingerprint of the whole split (Benchmark.fingerprint), so changed files make a stored result stale."""
     seg = {k: v for k, v in segmenter.config().items() if k != "classes"}
     return {
         **seg,
         "dataset": bench.name,
         "root": str(Path(root).resolve()),
+        "data": data,
         "protocol": protocol,
         "class_names": class_names,
         "class_names_version": names_version,

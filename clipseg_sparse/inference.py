@@ -132,6 +132,82 @@ def iter_window_features(
         yield chunk, encode(crops, spec) if encode is not None else clip.encode_dense(crops, spec, token_stages)
 
 
+#: elements of one band of rows of the N x H x W cosine map (and of each temporary made from it): the final
+#: resize is computed a band at a time, so memory does not grow with classes x image size (16 MiB float32:
+#: small enough for the C library to reuse freed bands instead of mapping fresh pages for each)
+BAND_ELEMENTS = 1 << 22
+
+
+#: rows per matrix-product call: every call has this shape, so a row's result never depends on the band
+ROW_BLOCK = 8
+
+
+@dataclass(frozen=True)
+class CosineMap:
+    """N_names x H x W cosine between patch features and text at the output size, kept factored.
+
+    Bilinear resizing is separable and linear, so every output row is a weighted sum of a few rows of
+    the window grid (`row_index` / `row_weight`, k taps per row), and each of its pixels a weighted sum
+    of the grid's K columns (`cols`, W x K). `rows(y0, y1)` computes one band alone: the row sums
+    elementwise in a fixed order, then W x K @ K x N products in blocks of ROW_BLOCK rows (the same call
+    for every block, whatever the band), so a band equals the same rows of the whole map bit for bit and
+    no N x H x W tensor is ever needed.
+    """
+
+    grid: torch.Tensor  # R x K x N: every window's patch cosines, laid out as window rows x window columns
+    row_index: torch.Tensor  # H' x k (int64), H' = H rounded up to a multiple of ROW_BLOCK (zero weights)
+    row_weight: torch.Tensor  # H' x k
+    cols: torch.Tensor  # W x K
+    height: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.grid.shape[2], self.height, self.cols.shape[0]
+
+    def scaled(self, factor: float) -> "CosineMap":
+        """The same map times `factor` (scaling the small grid, not every pixel)."""
+        return dataclasses.replace(self, grid=self.grid * factor)
+
+    def rows(self, y0: int, y1: int) -> torch.Tensor:
+        """N x (y1 - y0) x W, a fresh tensor seen through a view of a (y1 - y0) x W x N tensor: reductions over names then run along
+        contiguous memory, about twice as fast as over the leading dimension of a C x H x W tensor."""
+        first, last = y0 - y0 % ROW_BLOCK, -(-y1 // ROW_BLOCK) * ROW_BLOCK
+        out = torch.empty(last - first, self.cols.shape[0], self.grid.shape[2], device=self.grid.device, dtype=self.grid.dtype)
+        cols = self.cols.expand(ROW_BLOCK, *self.cols.shape)
+        for start in range(first, last, ROW_BLOCK):
+            index, weight = self.row_index[start : start + ROW_BLOCK], self.row_weight[start : start + ROW_BLOCK, :, None, None]
+            block = self.grid[index[:, 0]] * weight[:, 0]
+            for j in range(1, index.shape[1]):
+                block += self.grid[index[:, j]] * weight[:, j]
+            torch.bmm(cols, block, out=out[start - first : start - first + ROW_BLOCK])
+        return out[y0 - first : y1 - first].permute(2, 0, 1)
+
+
+@dataclass(frozen=True)
+class DenseMap:
+    """An N x H x W map held whole (what post stages such as PAMR return), with CosineMap's interface."""
+
+    values: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.values.shape)
+
+    def scaled(self, factor: float) -> "DenseMap":
+        return DenseMap(self.values * factor)
+
+    def rows(self, y0: int, y1: int) -> torch.Tensor:
+        """N x (y1 - y0) x W, a fresh copy (callers may overwrite it)."""
+        return self.values[:, y0:y1].clone()
+
+
+def row_bands(height: int, row_elements: int, budget: int = BAND_ELEMENTS) -> list[tuple[int, int]]:
+    """(y0, y1) bands of rows covering 0..height, each a multiple of ROW_BLOCK rows holding at most
+    `budget` elements (ROW_BLOCK rows at least)."""
+    step = max(1, budget // max(row_elements * ROW_BLOCK, 1)) * ROW_BLOCK
+    return [(y, min(y + step, height)) for y in range(0, height, step)]
+
+
 def dense_cosine(
     clip: DenseCLIP,
     pixels: torch.Tensor,
@@ -142,16 +218,17 @@ def dense_cosine(
     batch_size: int = 16,
     out_size: tuple[int, int] | None = None,
     token_stages: Sequence[Stage] = (),
-) -> torch.Tensor:
+) -> CosineMap:
     """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size
-    (or at `out_size`, as if that map were then resized bilinearly).
+    (or at `out_size`, as if that map were then resized bilinearly), as a CosineMap (rows on demand).
 
     Windows run as batches of `batch_size` through the model; each window's patch map is upsampled
     bilinearly to the window (zero-padded up to a multiple of the patch size, then cropped) and the
     overlaps are averaged. Bilinear resizing is separable and linear, and the windows form a grid of row
     and column intervals, so upsample -> place -> average -> resize is one product per name,
-    Ly @ G @ Lx^T, with G the grid of all windows' patch maps (N_names x rows*h x cols*w) and Ly, Lx
-    small interpolation matrices: no per-window work or window-sized temporaries beyond the model call.
+    Ly @ G @ Lx^T, with G the grid of all windows' patch maps (rows*h x cols*w per name) and Ly, Lx
+    small interpolation matrices: no per-window work or window-sized temporaries beyond the model call,
+    and Ly is sparse (a few taps per row), which is what CosineMap uses to compute any band of rows.
     """
     _, _, H, W = pixels.shape
     ps = clip.patch_size
@@ -159,21 +236,30 @@ def dense_cosine(
     boxes, cos = [], []
     for chunk, feats in iter_window_features(clip, pixels, spec, window, stride, batch_size, token_stages):
         boxes += chunk
-        cos.append(torch.einsum("bhwd,nd->bnhw", feats, text))
+        cos.append(torch.einsum("bhwd,nd->bhwn", feats, text))
     cos = torch.cat(cos)  # windows row-major over the grid of row and column intervals
     rows = sorted({(y1, y2) for y1, y2, _, _ in boxes})
     cols = sorted({(x1, x2) for _, _, x1, x2 in boxes})
-    _, n, h, w = cos.shape
-    grid = cos.view(len(rows), len(cols), n, h, w).permute(2, 0, 3, 1, 4).reshape(n, len(rows) * h, len(cols) * w)
+    _, h, w, n = cos.shape
+    grid = cos.view(len(rows), len(cols), h, w, n).permute(0, 2, 1, 3, 4).reshape(len(rows) * h, len(cols) * w, n)
     out_h, out_w = out_size or (H, W)
     # a window's map covers the window padded to a multiple of CLIP's patch (h x w patches of CLIP, or
     # the finer grid of an external backbone's attention: ProxyCLIP's DINO B/8 gives 2h x 2w)
     padded_h, padded_w = (-(-(span[1] - span[0]) // ps) * ps for span in (rows[0], cols[0]))
-    ly = _window_interpolation(rows, H, h, padded_h, out_h).to(clip.device)
-    lx = _window_interpolation(cols, W, w, padded_w, out_w).to(clip.device)
-    # computed as H x W x N and returned as an N x H x W view: reductions over names (softmax, max) then
-    # run along contiguous memory, about twice as fast as over the leading dimension of a C x H x W tensor
-    return torch.einsum("hr,nrc,wc->hwn", ly, grid, lx).permute(2, 0, 1)
+    ly = _window_interpolation(rows, H, h, padded_h, out_h)
+    lx = _window_interpolation(cols, W, w, padded_w, out_w)
+    index, weight = (F.pad(t, (0, 0, 0, -out_h % ROW_BLOCK)) for t in _taps(ly))  # whole blocks of rows
+    to = dict(device=clip.device, dtype=grid.dtype)
+    return CosineMap(grid.contiguous(), index.to(clip.device), weight.to(**to), lx.to(**to), out_h)
+
+
+def _taps(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column index, weight) of the non-zero entries of each row of a sparse out x in matrix, in column
+    order, each out x k (k = the most non-zeros in a row; shorter rows padded with zero weights)."""
+    nonzero = matrix != 0
+    k = max(int(nonzero.sum(1).max()), 1)
+    index = torch.argsort((~nonzero).to(torch.int8), dim=1, stable=True)[:, :k]
+    return index, matrix.gather(1, index)
 
 
 def _resize_matrix(src: int, dst: int) -> torch.Tensor:
@@ -194,12 +280,12 @@ def _window_interpolation(spans: list[tuple[int, int]], size: int, patches: int,
     return place if out == size else _resize_matrix(size, out) @ place
 
 
-def class_probabilities(
-    cosine: torch.Tensor, name_to_class: Sequence[int], num_classes: int, logit_scale: float
-) -> torch.Tensor:
-    """softmax(logit_scale * cosine) over all names, then the max over each class's names: C x H x W."""
-    probs = cosine * logit_scale  # a fresh tensor, so the softmax can run in place (a third faster
-    probs -= probs.amax(0, keepdim=True)  # than torch.softmax over dim 0 at C x H x W sizes)
+def class_probabilities(logits: torch.Tensor, name_to_class: Sequence[int], num_classes: int) -> torch.Tensor:
+    """softmax over all names of N x H x W logits (logit_scale x cosine), then the max over each class's
+    names: C x H x W. Overwrites `logits`: the softmax runs in place (a third faster than torch.softmax
+    over dim 0 at C x H x W sizes, and no second N x H x W tensor)."""
+    probs = logits
+    probs -= probs.amax(0, keepdim=True)
     probs.exp_()
     probs /= probs.sum(0, keepdim=True)
     if len(name_to_class) == num_classes:
@@ -217,25 +303,104 @@ def probabilities_to_labels(probs: torch.Tensor, bg_threshold: float = 0.0, area
     predicted pixels are dropped (their probabilities zeroed). bg_threshold: pixels whose top probability
     is below it become class 0.
     """
+    keep = None
     if area_threshold > 0 and probs.shape[0] > 1:
-        pred = probs.argmax(0)
-        area = torch.bincount(pred.flatten(), minlength=probs.shape[0])[1:].to(probs.dtype)
-        keep = (area > area_threshold * area.sum()).to(probs.dtype)
-        probs = torch.cat([probs[:1], probs[1:] * keep.view(-1, 1, 1)])
+        keep = kept_classes(torch.bincount(probs.argmax(0).flatten(), minlength=probs.shape[0]), area_threshold)
+    return masked_labels(probs, bg_threshold, keep)
+
+
+def kept_classes(areas: torch.Tensor, area_threshold: float) -> torch.Tensor:
+    """C 0/1 weights from the C predicted areas (argmax pixel counts): class 0 is kept, classes 1.. only
+    if their area is above `area_threshold` x the non-background area (SCLIP's area_thd)."""
+    area = areas[1:]
+    return torch.cat([torch.ones(1, device=areas.device), (area > area_threshold * area.sum()).float()])
+
+
+def masked_labels(probs: torch.Tensor, bg_threshold: float = 0.0, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Labels of C x H x W probabilities: argmax over the classes `keep` (C 0/1 weights) leaves, and
+    class 0 where the top probability is below `bg_threshold`."""
+    if keep is not None:
+        probs = probs * keep.to(probs.dtype).view(-1, 1, 1)
+    if bg_threshold <= 0:
+        return probs.argmax(0)  # the first of equal maxima, as max(0) picks
     top, labels = probs.max(0)
     if bg_threshold > 0:
         labels[top < bg_threshold] = 0
     return labels
 
 
+class ClassMaps:
+    """The C x H x W class probabilities of one image (softmax over names, max over synonyms), computed a
+    band of rows at a time from its CosineMap, so that no temporary exceeds about `budget` elements
+    whatever the image size and vocabulary; `rows` of any band equal those of the whole map exactly."""
+
+    def __init__(
+        self, cosine: CosineMap | DenseMap, name_to_class: Sequence[int], num_classes: int, logit_scale: float, budget: int = BAND_ELEMENTS
+    ) -> None:
+        self.logits = cosine.scaled(logit_scale)
+        self.name_to_class = name_to_class
+        names, height, width = cosine.shape
+        self.shape = (num_classes, height, width)
+        self.bands = row_bands(height, max(names, num_classes) * width, budget)
+        self._whole: torch.Tensor | None = None  # kept when one band is the whole image: computed once
+
+    @torch.inference_mode()
+    def rows(self, y0: int, y1: int) -> torch.Tensor:
+        """C x (y1 - y0) x W probabilities of rows y0..y1 (on the model's device)."""
+        if self._whole is not None and (y0, y1) == (0, self.shape[1]):
+            return self._whole
+        probs = class_probabilities(self.logits.rows(y0, y1), self.name_to_class, self.shape[0])
+        if (y0, y1) == (0, self.shape[1]):
+            self._whole = probs
+        return probs
+
+    @torch.inference_mode()
+    def labels(self, bg_threshold: float = 0.0, area_threshold: float = 0.0) -> np.ndarray:
+        """H x W int64 labels by `probabilities_to_labels`'s rules, band by band (two passes over the bands
+        when an area threshold needs the whole image's class areas first)."""
+        classes, height, width = self.shape
+        keep = None
+        if area_threshold > 0 and classes > 1:
+            areas = sum(torch.bincount(self.rows(*b).argmax(0).flatten(), minlength=classes) for b in self.bands)
+            keep = kept_classes(areas, area_threshold)
+        labels = torch.empty((height, width), dtype=torch.int64)
+        for y0, y1 in self.bands:
+            labels[y0:y1] = masked_labels(self.rows(y0, y1), bg_threshold, keep).cpu()
+        return labels.numpy()
+
+    def numpy_bands(self) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(y0, y1, C x (y1 - y0) x W float32 array) for every band, top to bottom."""
+        for y0, y1 in self.bands:
+            yield y0, y1, self.rows(y0, y1).float().cpu().numpy()
+
+
 @dataclass
 class SegmentationResult:
-    """labels: H x W int64 at the original size; probs: C x H x W float32 (after the max over synonyms)."""
+    """labels: H x W int64 at the original size. maps: the C x H x W class probabilities (after the max
+    over synonyms), either an array or the ClassMaps `predict` returns, which computes them only when
+    asked: `probs` makes the whole float32 array (C x H x W x 4 bytes), `prob_bands` streams it."""
 
     labels: np.ndarray
-    probs: np.ndarray
+    maps: np.ndarray | ClassMaps
     class_names: tuple[str, ...]
     settings: dict = field(default_factory=dict)
+
+    @property
+    def probs(self) -> np.ndarray:
+        """C x H x W float32 probabilities (computed on first use, then kept)."""
+        if isinstance(self.maps, ClassMaps):
+            out = np.empty(self.maps.shape, dtype=np.float32)
+            for y0, y1, band in self.maps.numpy_bands():
+                out[:, y0:y1] = band
+            self.maps = out
+        return self.maps
+
+    def prob_bands(self) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(y0, y1, C x (y1 - y0) x W float32) bands of `probs`, top to bottom, without making the whole array."""
+        if isinstance(self.maps, ClassMaps):
+            yield from self.maps.numpy_bands()
+        else:
+            yield 0, self.maps.shape[1], self.maps
 
     def present(self) -> dict[str, float]:
         """Pixel fraction of each class present, largest first."""
@@ -272,7 +437,7 @@ class Segmenter:
         self.clip = clip
         self.vocabulary = vocabulary
         self.spec = resolve_spec(spec)
-        clip.check_spec(self.spec)  # e.g. a DnA adapter made for another model: fail before any work
+        clip.check_spec(self.spec)
         if ext_backbones(self.spec):  # ext: terms see this CLIP's crops (its normalisation, precision)
             PROXIES.configure(clip)
         self.settings = settings or InferenceSettings()
@@ -281,6 +446,7 @@ class Segmenter:
         self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir, progress=progress)
         for stage in self._stages("text"):
             self.text = stage(self.text)
+        self.band_elements = BAND_ELEMENTS  # per band of the final resize; lower it to save memory
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -301,42 +467,39 @@ class Segmenter:
     def _stages(self, kind: str) -> list[Stage]:
         return [s for s in self.stages if s.kind == kind]
 
-    def cosine(self, image: np.ndarray) -> torch.Tensor:
-        """N_names x H x W cosine at the original image size, for an RGB uint8 image, after the post
-        stages (PAMR), which run on the whole full-size map."""
+    def cosine(self, image: np.ndarray) -> CosineMap | DenseMap:
+        """N_names x H x W cosine at the original image size, for an RGB uint8 image: factored (see
+        CosineMap), or whole after the post stages (PAMR), which run on the whole full-size map (their
+        memory then grows with names x pixels)."""
         s = self.settings
         height, width = image.shape[:2]
         size = resized_shape(height, width, s.resolution, s.max_long_side)
         pixels = to_pixels(image, self.clip, size)
-        cos = dense_cosine(
+        factored = dense_cosine(
             self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width), self._stages("token")
         )
         post = self._stages("post")
-        if post:
-            # the guide of published PAMR: the network input brought back to the original size
-            guide = F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False)[0].to(cos.device)
-            for stage in post:
-                cos = stage(cos, guide)
-        return cos
-
-    def _probabilities(self, rgb: np.ndarray) -> torch.Tensor:
-        """C x H x W class probabilities at the original size (on the model's device)."""
-        return class_probabilities(self.cosine(rgb), self.vocabulary.name_to_class, len(self.vocabulary), self.settings.logit_scale)
+        if not post:
+            return factored
+        cos = factored.rows(0, height)
+        # the guide of published PAMR: the network input brought back to the original size
+        guide = F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False)[0].to(cos.device)
+        for stage in post:
+            cos = stage(cos, guide)
+        return DenseMap(cos)
 
     @torch.inference_mode()
+    def class_maps(self, rgb: np.ndarray) -> ClassMaps:
+        """The C x H x W class probabilities at the original size, computed band by band on demand."""
+        return ClassMaps(self.cosine(rgb), self.vocabulary.name_to_class, len(self.vocabulary), self.settings.logit_scale, self.band_elements)
+
     def predict(self, image) -> SegmentationResult:
-        """Segment one image (a path, a PIL image or an H x W x 3 array)."""
-        probs = self._probabilities(load_image(image))
-        labels = probabilities_to_labels(probs, self.settings.bg_threshold, self.settings.area_threshold)
-        return SegmentationResult(
-            labels=labels.cpu().numpy(),
-            probs=probs.float().cpu().numpy(),
-            class_names=self.class_names,
-            settings=self.config(),
-        )
+        """Segment one image (a path, a PIL image or an H x W x 3 array). Memory stays bounded at any
+        image size: labels are computed a band of rows at a time, and `result.probs` only when used."""
+        maps = self.class_maps(load_image(image))
+        labels = maps.labels(self.settings.bg_threshold, self.settings.area_threshold)
+        return SegmentationResult(labels, maps, self.class_names, self.config())
 
-    @torch.inference_mode()
     def predict_labels(self, image) -> np.ndarray:
-        """H x W int64 labels only; skips copying the C x H x W probabilities to the host (benchmarks)."""
-        probs = self._probabilities(load_image(image))
-        return probabilities_to_labels(probs, self.settings.bg_threshold, self.settings.area_threshold).cpu().numpy()
+        """H x W int64 labels only (what `eval` scores), computed a band of rows at a time."""
+        return self.class_maps(load_image(image)).labels(self.settings.bg_threshold, self.settings.area_threshold)

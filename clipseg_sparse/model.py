@@ -10,6 +10,7 @@ open_clip's code, nothing patched in place), so one loaded model serves any numb
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import zipfile
@@ -76,8 +77,25 @@ def _weights_help(model_name: str, pretrained: str, option: str = "--pretrained"
     )
 
 
+def _checkpoint_error(path: Path, model_name: str, error: Exception) -> str:
+    """Why a local checkpoint did not load, in our words. A file that is not a checkpoint at all gets no
+    echo of torch's unpickler advice (which suggests unsafe loading with weights_only=False)."""
+    with path.open("rb") as f:
+        head = f.read(16)
+    is_zip, is_pickle = head.startswith(b"PK\x03\x04"), head[:1] == b"\x80"
+    is_safetensors = len(head) >= 9 and head[8:9] == b"{"  # 8-byte header length, then the JSON header
+    if not (is_zip or is_pickle or is_safetensors):
+        return f"{path}: not a weights file (neither a PyTorch checkpoint nor safetensors); give an open_clip checkpoint of {model_name}"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "weights_only" in str(error):
+        return f"{path}: not a plain weights file (it holds objects other than tensors, which are not loaded for safety); give a state dict of {model_name}"
+    return f"{path}: cannot load as {model_name} weights: {first}"
+
+
 def _unsupported(config: dict) -> str | None:
     """Why an open_clip model config cannot be used here (None if it can)."""
+    if isinstance(config.get("vision_cfg", {}).get("layers"), (list, tuple)):
+        return "its image tower is a ResNet (ModifiedResNet), not a ViT; only ViT towers have patch tokens to re-attend"
     if "timm_model_name" in config.get("vision_cfg", {}):
         return "its image tower is a timm model (SigLIP, ViTamin, ...), not open_clip's VisionTransformer"
     if "hf_tokenizer_name" in config.get("text_cfg", {}):
@@ -120,6 +138,13 @@ def check_model_name(model_name: str) -> str:
         path = Path(name)
         if not path.is_file():
             raise ValueError(f"{name}: model config file not found")
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}: not a JSON model config ({e})") from None
+        missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if not isinstance(config, dict) or k not in config]
+        if missing:
+            raise ValueError(f"{name}: not an open_clip model config: no {', '.join(repr(k) for k in missing)}")
         open_clip.add_model_config(path)
         name = path.stem
     elif open_clip.get_model_config(name.replace("/", "-")) is None:
@@ -153,7 +178,7 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
             with _no_stray_open_clip_logs():
                 model = open_clip.create_model(name, pretrained=str(path), force_quick_gelu=gelu)
         except Exception as e:  # wrong architecture, truncated file, ...
-            raise WeightsUnavailableError(f"{pretrained}: cannot load as {name} weights: {e}") from e
+            raise WeightsUnavailableError(_checkpoint_error(path, name, e)) from e
         return model, name, str(path), gelu
     cfg = open_clip.get_pretrained_cfg(name, pretrained)
     if not cfg:
@@ -163,12 +188,67 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
             f"or give a checkpoint path, or 'none'"
         )
     gelu = cfg.get("quick_gelu", False) if quick_gelu is None else quick_gelu
+    unreachable = _unreachable_hub(cfg)
     try:
-        with _no_stray_open_clip_logs():
+        with _no_stray_open_clip_logs(), _hub_offline(unreachable is not None):
             model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=gelu, cache_dir=cache_dir)
     except Exception as e:
-        raise WeightsUnavailableError(_weights_help(name, pretrained)) from e
+        why = f"{unreachable} is unreachable and the weights are not in the cache. " if unreachable else ""
+        raise WeightsUnavailableError(why + _weights_help(name, pretrained)) from e
     return model, name, pretrained, gelu
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def _unreachable_hub(cfg: dict) -> str | None:
+    """The host serving a pretrained tag when it cannot be reached now, else None.
+
+    Offline, huggingface_hub retries for about a minute before failing; one TCP connection with a short
+    timeout (name lookup included) tells the same in seconds. Skipped, returning None, when offline mode
+    is already set or a proxy is configured (the proxy, not the host, would have to be reached).
+    """
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return None
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = os.environ.get("HF_ENDPOINT", "https://huggingface.co") if cfg.get("hf_hub") or not cfg.get("url") else cfg["url"]
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "huggingface.co", parsed.port or (80 if parsed.scheme == "http" else 443)
+    reached: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+            reached.append(True)
+        except OSError:
+            pass
+
+    worker = threading.Thread(target=probe, daemon=True)  # a hanging name lookup is abandoned, not waited for
+    worker.start()
+    worker.join(HUB_PROBE_TIMEOUT_S + 0.5)
+    return None if reached else host
+
+
+@contextlib.contextmanager
+def _hub_offline(offline: bool):
+    """huggingface_hub's offline mode for the block (it reads the flag per request): cached weights still
+    load, and a download fails at once instead of after its retries."""
+    if not offline:
+        yield
+        return
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
 
 
 def load_clip(
@@ -295,6 +375,19 @@ class DenseCLIP:
             self._pos_cache[key] = torch.cat([cls, patches])
         return self._pos_cache[key]
 
+    @property
+    def depth(self) -> int:
+        """Number of transformer blocks of the image tower."""
+        return len(self.visual.transformer.resblocks)
+
+    def check_spec(self, spec: AttentionSpec | str | None) -> None:
+        """ValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth;
+        a `dna:PATH` adapter that is missing, changed or made for another model)."""
+        spec = resolve_spec(spec)
+        if spec.layers > self.depth:
+            raise ValueError(f"attention spec {spec} edits the last {spec.layers} blocks, but {self.model_name} has {self.depth}")
+        self._tower(spec)
+
     def _embed(self, pixels: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """Tokens B x (1 + h*w) x C after ln_pre, and the patch grid (h, w)."""
         v = self.visual
@@ -341,11 +434,6 @@ class DenseCLIP:
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
         return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels).float()
-
-    def check_spec(self, spec: AttentionSpec | str | None) -> None:
-        """Raise ValueError now if `spec` cannot run on this model (a `dna:PATH` adapter that is missing,
-        changed or made for another model), rather than at the first image."""
-        self._tower(resolve_spec(spec))
 
     def _tower(self, spec: AttentionSpec):
         """What the blocks run from: the image tower, or with `dna:PATH` a view of it whose adapter blocks

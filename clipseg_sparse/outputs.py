@@ -17,8 +17,13 @@ and is never replaced without `--overwrite`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
+import tempfile
+import zipfile
 from dataclasses import dataclass
+from functools import lru_cache
 from enum import Enum
 from pathlib import Path
 from typing import Callable
@@ -49,6 +54,18 @@ def _percent(fraction: float) -> str:
     return f"{100 * fraction:.1f}%" if fraction >= 0.0005 else "<0.1%"
 
 
+@lru_cache(maxsize=8)
+def legend_font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    """DejaVu Sans at `size` px, found in matplotlib's data without importing it (matplotlib is a dependency):
+    it covers accented Latin, Greek and Cyrillic, which PIL's default font draws as empty boxes."""
+    spec = importlib.util.find_spec("matplotlib")
+    if spec is not None and spec.origin:
+        path = Path(spec.origin).parent / "mpl-data" / "fonts" / "ttf" / "DejaVuSans.ttf"
+        if path.is_file():
+            return ImageFont.truetype(str(path), size)
+    return ImageFont.load_default(size=size)
+
+
 def overlay_image(rgb: np.ndarray, labels: np.ndarray, present: dict[str, float], class_names: tuple[str, ...]) -> Image.Image:
     """The blended image with a white legend panel on its right: one swatch + name + percentage per class present.
 
@@ -56,7 +73,7 @@ def overlay_image(rgb: np.ndarray, labels: np.ndarray, present: dict[str, float]
     """
     height, width = labels.shape
     size = max(12, height // 30)
-    font = ImageFont.load_default(size=size)
+    font = legend_font(size)
     rows = [(class_names.index(name), f"{name}  {_percent(frac)}") for name, frac in present.items()]
     colours = class_colours(len(class_names))
     pad, line = size // 2, int(size * 1.5)
@@ -225,6 +242,31 @@ def write_outputs(base: Path, source: Path, rgb: np.ndarray, result: Segmentatio
             with atomic_path(path) as tmp:
                 overlay_image(rgb, result.labels, present, result.class_names).save(tmp, format="PNG")
         elif kind == "probs":
-            with atomic_path(path) as tmp, tmp.open("wb") as f:
-                np.savez_compressed(f, probs=result.probs.astype(np.float16), class_names=np.array(result.class_names))
+            write_probs_npz(path, result)
     return record
+
+
+def write_probs_npz(path: Path, result: SegmentationResult, chunk: int = 1 << 24) -> None:
+    """`probs` (C x H x W float16) and `class_names` in an npz file as `np.savez_compressed` writes them
+    (`np.load` reads both back), without ever holding C x H x W values in memory.
+
+    The probabilities come a band of rows at a time, but in C order each class's rows of a band lie
+    apart; so the bands go to an uncompressed scratch file beside `path` (C x H x W x 2 bytes of disk
+    while it runs), which is then deflated into the zip member `chunk` bytes at a time.
+    """
+    classes, (height, width) = len(result.class_names), result.labels.shape
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float16)), "fortran_order": False, "shape": (classes, height, width)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path.parent, prefix=f".{path.name}.scratch") as scratch:
+        for y0, _, band in result.prob_bands():
+            band = band.astype(np.float16)
+            for c in range(classes):
+                scratch.seek((c * height + y0) * width * 2)
+                scratch.write(band[c].tobytes())
+        scratch.seek(0)
+        with atomic_path(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, allowZip64=True) as npz:
+            with npz.open("probs.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array_header_1_0(member, header)
+                shutil.copyfileobj(scratch, member, chunk)
+            with npz.open("class_names.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.array(result.class_names), allow_pickle=False)

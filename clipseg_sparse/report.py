@@ -154,12 +154,15 @@ def collect(sources: Iterable[str | Path]) -> list[Record]:
 
 
 def default_metric(records: Sequence[Record]) -> str:
-    """mIoU for segmentation; for FG-OVD top-1 at the most negatives (`top1@N`); else the first metric."""
+    """mIoU for segmentation; for FG-OVD `top1` (each split at the N it supports), in older results top-1
+    at the most negatives (`top1@N`); else the first metric."""
     names = sorted({m for r in records for m in r.metrics})
     if not names:
         raise ReportError("the results hold no metrics")
     if "mIoU" in names:
         return "mIoU"
+    if "top1" in names:
+        return "top1"
     top1 = [m for m in names if m.startswith("top1@") and m[5:].isdigit()]
     return max(top1, key=lambda m: int(m[5:])) if top1 else names[0]
 

@@ -16,6 +16,7 @@ import platform
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -88,6 +89,21 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+@lru_cache(maxsize=None)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+
+
+def file_id(path: str | Path) -> str:
+    """`name@sha256-prefix` of a data file (an FG-OVD benchmark JSON), hashed once per size and mtime:
+    what identifies the file in a configuration, so another file of the same name is never mistaken for it."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path.name}@missing"
+    st = path.stat()
+    return f"{path.name}@{_file_digest(str(path.resolve()), st.st_size, st.st_mtime_ns)}"
+
+
 def package_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for name in ("clipseg-sparse", "torch", "open_clip_torch", "entmax", "numpy", "pillow"):
@@ -144,7 +160,8 @@ class ItemLog:
         header = next(lines, None)
         if not header or header.get("hash") != self.hash:
             raise ConfigMismatchError(
-                f"{self.path}: progress log of a different configuration; use another output or --overwrite"
+                f"{self.path}: progress log of a different configuration{differences((header or {}).get('config'), self.config)}; "
+                f"use another output or --overwrite"
             )
         for rec in lines:
             if "id" in rec:
@@ -194,8 +211,26 @@ def load_finished(out: Path, config: dict) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigMismatchError(f"{out}: exists but is not a readable result ({e}); use --overwrite or another --out") from e
     if config_hash(record.get("config", {})) != config_hash(config):
-        raise ConfigMismatchError(f"{out}: holds a result of a different configuration; use --overwrite or another --out")
+        raise ConfigMismatchError(
+            f"{out}: holds a result of a different configuration{differences(record.get('config'), config)}; "
+            f"use --overwrite (recompute) or another --out"
+        )
     return record
+
+
+#: configuration keys that identify the data a result was computed on (see README, "stale results")
+DATA_KEYS = ("root", "data", "images_root", "benchmark_files")
+
+
+def differences(old: Any, new: dict) -> str:
+    """` (differs in: a, b)` listing the keys whose values differ, with a word when the data changed."""
+    if not isinstance(old, dict):
+        return ""
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if not keys:
+        return ""
+    changed = " - the data changed since it was made" if any(k in DATA_KEYS for k in keys) else ""
+    return f" (differs in: {', '.join(keys[:8])}{changed})"
 
 
 def open_run(

@@ -7,7 +7,8 @@ each, so the report can put the benchmarks side by side).
 
 Every cell writes its own result file `OUT/<hash>.json`, the hash being `results.config_hash` of the
 cell's full configuration; its resumable progress log lives beside it (written by evaluate /
-evaluate_fgovd). A cell whose result file exists is skipped; a cell that raises gets `OUT/<hash>.error.json`
+evaluate_fgovd). A cell whose result file exists is skipped unless its data changed (another root, or
+files added, removed or modified: `data_changed`), which recomputes it in place; a cell that raises gets `OUT/<hash>.error.json`
 (the error and a traceback summary) and the sweep goes on; re-running the sweep retries failed cells and
 resumes an interrupted one. Cells run ordered by model, so each model is loaded once; the text
 embeddings of a vocabulary are computed once per model and then come from the on-disk text cache.
@@ -16,7 +17,6 @@ embeddings of a vocabulary are computed once per model and then come from the on
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 import tomllib
 import traceback
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .registry import Registry
-from .results import RESULT_SCHEMA, config_hash, write_json_atomic
+from .results import RESULT_SCHEMA, config_hash, file_id, write_json_atomic
 
 GRID_DIR = Path(__file__).parent / "grids"
 
@@ -145,21 +145,6 @@ class Grid:
         return list(unique.values())
 
 
-@lru_cache(maxsize=None)
-def _file_id(path: str, size: int, mtime_ns: int) -> str:
-    """name@sha256-prefix of a benchmark file: what identifies FG-OVD data in a cell's configuration."""
-    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
-    return f"{Path(path).name}@{digest}"
-
-
-def benchmark_id(path: str | Path) -> str:
-    path = Path(path)
-    if not path.is_file():
-        return f"{path.name}@missing"
-    st = path.stat()
-    return _file_id(str(path.resolve()), st.st_size, st.st_mtime_ns)
-
-
 @dataclass(frozen=True)
 class Cell:
     """One run of the grid: one model, one dataset (or FG-OVD benchmark file), one spec, one resolution."""
@@ -180,7 +165,7 @@ class Cell:
         if self.kind == "eval":
             config |= {"dataset": self.data, "protocol": g.protocol, "class_names": g.class_names}
         else:
-            config |= {"benchmark": benchmark_id(self.data), "region": g.region, "negatives": g.negatives}
+            config |= {"benchmark": file_id(self.data), "region": g.region, "negatives": g.negatives}
         return config
 
     @property
@@ -201,6 +186,32 @@ class Cell:
         data = self.data if self.kind == "eval" else Path(self.data).stem
         res = f" @{self.resolution}" if self.resolution else ""
         return f"{Path(self.model).stem} {data} {self.attention}{res}"
+
+
+def check_fgovd_negatives(grid: Grid, metric: str | None = None) -> list[str]:
+    """Before any cell runs: a note per FG-OVD file that is reported below the grid's `negatives` (each
+    split at the N most of its regions reach, `fgovd.metrics.supported_negatives`); ValueError when
+    `metric` names an N (`top1@10`) for which a file has no region, so its split could never be shown."""
+    import re
+
+    from .fgovd.data import negative_counts
+    from .fgovd.metrics import supported_negatives
+
+    asked = re.fullmatch(r"(?:top1|mean_rank|median_rank|count)@(\d+)", metric or "")
+    notes = []
+    for path in grid.fgovd:
+        counts = negative_counts(path)
+        if not counts:
+            continue
+        if asked and max(counts) < int(asked.group(1)):
+            raise ValueError(
+                f"report metric {metric}: {Path(path).name} has no region with {asked.group(1)} hard negatives (at most "
+                f"{max(counts)}); use the metric without @N (each split at the N it supports) or negatives <= {max(counts)}"
+            )
+        n = supported_negatives(counts, grid.negatives)
+        if n is not None and n < grid.negatives:
+            notes.append(f"{Path(path).name}: most regions have fewer than {grid.negatives} hard negatives; reported at N = {n} (`top1` = top1@{n})")
+    return notes
 
 
 # -- running -----------------------------------------------------------------------------------------
@@ -248,6 +259,7 @@ class SweepSummary:
     failed: list[Failure] = field(default_factory=list)
     wall_s: float = 0.0
     results: list[Path] = field(default_factory=list)
+    stale: int = 0  # finished cells recomputed because their data changed
 
 
 def is_done(paths: SweepPaths, cell: Cell) -> bool:
@@ -257,9 +269,36 @@ def is_done(paths: SweepPaths, cell: Cell) -> bool:
     return path.is_file() and read_result(path) is not None
 
 
-def run_cell(clip, cell: Cell, paths: SweepPaths, progress: bool = False) -> None:
+def data_changed(paths: SweepPaths, cell: Cell) -> bool:
+    """Whether a finished eval cell was computed on other data than `paths` now gives it: another root,
+    or files added, removed or modified since (Benchmark.fingerprint). Data that cannot be read now (no
+    root given, a missing folder) is not judged, so a report can be re-rendered without the datasets.
+    FG-OVD cells need no check: their hash holds the benchmark file's content hash."""
+    from .datasets import DatasetError
+    from .report import read_result
+
+    if cell.kind != "eval":
+        return False
+    config = (read_result(paths.result(cell)) or {}).get("config", {})
+    try:
+        root = paths.root(cell.data)
+        now = {"root": str(root.resolve()), "data": _fingerprint(cell.data, str(root.resolve()))}
+    except (ValueError, DatasetError):
+        return False
+    return any(config.get(k) != v for k, v in now.items())
+
+
+@lru_cache(maxsize=None)
+def _fingerprint(dataset: str, root: str) -> str:
+    from .datasets import DATASETS
+
+    bench = DATASETS.get(dataset)
+    return bench.fingerprint(bench.samples(root))
+
+
+def run_cell(clip, cell: Cell, paths: SweepPaths, progress: bool = False, overwrite: bool = False) -> None:
     """One eval / fgovd run writing its result (and resumable progress) at `paths.result(cell)`; progress:
-    its bars (text embedding, images) under the sweep's."""
+    its bars (text embedding, images) under the sweep's; overwrite: recompute a finished (stale) result."""
     g = cell.grid
     out = paths.result(cell)
     templates = {"templates": g.templates} if g.templates else {}
@@ -267,7 +306,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths, progress: bool = False) -> Non
         from .evaluate import evaluate
 
         evaluate(clip, cell.data, paths.root(cell.data), cell.attention, protocol=g.protocol, overrides=cell.settings_changes or None,
-                 class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=progress, **templates)  # fmt: skip
+                 class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=progress, overwrite=overwrite, **templates)  # fmt: skip
     else:
         from .fgovd import evaluate_fgovd
         from .inference import InferenceSettings
@@ -297,30 +336,51 @@ def run_sweep(
     paths: SweepPaths,
     device: str = "auto",
     progress: bool = True,
+    part: tuple[int, int] | None = None,
 ) -> SweepSummary:
     """Run every cell not done yet; see the module doc. KeyboardInterrupt stops the sweep (resume by
-    running it again); any other exception fails only its cell."""
-    from .progress import progress_bar
+    running it again); any other exception fails only its cell.
+
+    part: (index, count) runs only the index-th (0-based) of `count` disjoint parts of the cells (every
+    count-th cell, `--shard I/N`), for job arrays that share nothing but the output folder. Under torchrun
+    the cells still to do are dealt out to the ranks (every world-th, in model order), each cell runs in
+    one rank alone, and every rank returns the summary of all ranks.
+    """
+    from .distributed import barrier, gather, rank_and_world, shard, single_process
     from .model import load_clip
+    from .progress import progress_bar
 
     start = time.perf_counter()
     cells = grid.cells() if isinstance(grid, Grid) else list(grid)
+    if part is not None:
+        cells = shard(cells, *part)
+    rank, world = rank_and_world()
     summary = SweepSummary(total=len(cells))
-    pending = []
+    pending, stale = [], set()
+    _fingerprint.cache_clear()  # files may have changed since an earlier sweep in this process
     for cell in cells:
-        if is_done(paths, cell):
+        if is_done(paths, cell) and data_changed(paths, cell):
+            stale.add(cell.hash)
+            pending.append(cell)
+        elif is_done(paths, cell):
             summary.skipped += 1
             summary.results.append(paths.result(cell))
         else:
             pending.append(cell)
+    summary.stale = len(stale)
     pending.sort(key=lambda c: c.model_key)  # stable: grid order within a model
     paths.out.mkdir(parents=True, exist_ok=True)
+    barrier()  # every rank has listed the same cells to do before any rank writes a result
+    mine = shard(pending, rank, world)
+    ran, failed = [], []
     bar = progress_bar("cells")
-    bar.disable = not progress
-    with bar:
-        task = bar.add_task("sweep", total=len(cells), completed=summary.skipped)
+    bar.disable = not progress or rank > 0
+    with bar, single_process():
+        # under torchrun rank 0's bar counts its own share of the cells
+        share = f" (rank 0 of {world}: its {len(mine)} of {len(pending)} cells to do)" if world > 1 else ""
+        task = bar.add_task("sweep" + share, total=len(mine) if world > 1 else len(cells), completed=0 if world > 1 else summary.skipped)
         clip, loaded = None, None
-        for cell in pending:
+        for cell in mine:
             bar.update(task, description=f"sweep: {cell.label}")
             try:
                 if loaded != cell.model_key:
@@ -328,15 +388,20 @@ def run_sweep(
                     clip = load_clip(cell.model, pretrained=cell.grid.pretrained, device=device, precision=cell.grid.precision)
                 if clip is None:
                     raise RuntimeError(f"model {cell.model} ({cell.grid.pretrained}) could not be loaded; see the first failure")
-                run_cell(clip, cell, paths, progress)
+                run_cell(clip, cell, paths, progress and rank == 0, overwrite=cell.hash in stale)
             except Exception as exc:  # noqa: BLE001 - a failing cell must not stop the sweep
-                summary.failed.append(Failure(cell, record_failure(paths, cell, exc)))
+                failed.append(Failure(cell, record_failure(paths, cell, exc)))
             else:
                 paths.error(cell).unlink(missing_ok=True)
-                summary.ran += 1
-                summary.results.append(paths.result(cell))
+                ran.append(cell.hash)
             bar.advance(task)
-        bar.update(task, description="sweep")
+        bar.update(task, description="sweep" + share)
+    parts = gather((ran, failed))
+    done = {h for hashes, _ in parts for h in hashes}
+    summary.ran = len(done)
+    order = {c.hash: i for i, c in enumerate(pending)}
+    summary.failed = sorted((f for _, fails in parts for f in fails), key=lambda f: order[f.cell.hash])
+    summary.results += [paths.result(c) for c in pending if c.hash in done]
     summary.wall_s = time.perf_counter() - start
     return summary
 

@@ -46,11 +46,35 @@ def resolve_templates(templates: str | Sequence[str] = "openai") -> tuple[str, .
         path = Path(templates)
         if not path.is_file():
             raise ValueError(f"templates {templates!r}: not 'openai', 'single', 'none' or an existing file")
-        out = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
-    bad = [t for t in out if "{}" not in t]
+        out = tuple(line.strip() for line in read_text_lines(path, "templates file"))
+    bad = [t for t in out if not _one_placeholder(t)]
     if not out or bad:
-        raise ValueError(f"every template needs a '{{}}' placeholder for the class name (bad: {bad[:3] or 'none given'})")
+        where = f"templates {templates!r}: " if isinstance(templates, str) else ""
+        raise ValueError(f"{where}every template needs exactly one '{{}}' placeholder for the class name and no other braces (bad: {bad[:3] or 'none given'})")
     return out
+
+
+def read_text_lines(path: Path, what: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file (a byte-order mark is dropped); ValueError naming the
+    file when it is not text."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a UTF-8 text file; a {what} has one entry per line") from None
+    if "\x00" in text:
+        raise ValueError(f"{path}: binary data (NUL bytes), not a text file; a {what} has one entry per line")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _one_placeholder(template: str) -> bool:
+    """True for a template that `template.format(name)` fills: one `{}` and no other replacement field."""
+    import string
+
+    try:
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+    except ValueError:  # an unmatched brace
+        return False
+    return fields == [("", "", None)]
 
 
 def templates_id(templates: Sequence[str]) -> str | list[str]:
@@ -100,7 +124,7 @@ class Vocabulary:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: class-names file not found")
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = read_text_lines(path, "class-names file")
         if not lines:
             raise ValueError(f"{path}: class-names file is empty")
         return cls.from_names([line.split(",") for line in lines])
@@ -111,6 +135,29 @@ class Vocabulary:
         if not names:
             raise ValueError("background needs at least one name")
         return Vocabulary(((*names,), *self.names), (label, *self.labels))
+
+    def repeated_names(self) -> list[str]:
+        """One line per name given more than once (in two classes, or twice in one), saying where.
+
+        A repeated name scores the same for every class holding it, so on its pixels the later class can
+        never win; `check_unique` refuses such a vocabulary (the published SCLIP COCO-Object file has one).
+        """
+        where: dict[str, list[int]] = {}
+        for i, syn in enumerate(self.names):
+            for name in syn:
+                where.setdefault(name.casefold(), []).append(i)
+        out = []
+        for name, classes in where.items():
+            if len(classes) > 1:
+                uses = ", ".join(f"class {i} {self.labels[i]!r}" for i in dict.fromkeys(classes))
+                out.append(f"{name!r} is given {len(classes)} times ({uses})")
+        return out
+
+    def check_unique(self) -> None:
+        """ValueError naming the first repeated name (see `repeated_names`)."""
+        repeated = self.repeated_names()
+        if repeated:
+            raise ValueError(f"duplicate class name: {repeated[0]}; a name may appear once, as a class or as a synonym")
 
     @property
     def flat_names(self) -> tuple[str, ...]:

@@ -40,3 +40,17 @@ def test_ctrl_c_says_how_to_resume(monkeypatch, capsys):
         cli.main()
     assert exit_info.value.code == 130
     assert "run the same command again to resume" in capsys.readouterr().err
+
+
+def test_main_restores_the_callers_sigterm_handler(monkeypatch):
+    import signal
+
+    from clipseg_sparse import cli
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(sys, "argv", ["clipseg-sparse", "--version"])
+    try:
+        cli.main()
+    except SystemExit:
+        pass
+    assert signal.getsignal(signal.SIGTERM) == before

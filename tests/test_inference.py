@@ -108,7 +108,7 @@ def test_window_boxes_cover_image_and_stay_inside():
 
 def test_class_probabilities_max_over_synonyms():
     cos = torch.tensor([[0.1, 0.9], [0.5, 0.2], [0.3, 0.1]]).view(3, 1, 2)
-    probs = class_probabilities(cos, [0, 1, 1], 2, logit_scale=10.0)
+    probs = class_probabilities(cos * 10.0, [0, 1, 1], 2)
     names = torch.softmax(cos * 10, dim=0)
     assert torch.allclose(probs[0], names[0])
     assert torch.allclose(probs[1], torch.maximum(names[1], names[2]))
@@ -190,9 +190,14 @@ def test_dense_cosine_equals_per_window_upsample_and_average(tiny_clip, window, 
     ref = total / count
     if out_size:
         ref = F.interpolate(ref[None], size=out_size, mode="bilinear", align_corners=False)[0]
-    out = dense_cosine(tiny_clip, pixels, text, spec, window, stride, batch_size=3, out_size=out_size)
-    assert out.shape == ref.shape
+    cosine = dense_cosine(tiny_clip, pixels, text, spec, window, stride, batch_size=3, out_size=out_size)
+    assert cosine.shape == tuple(ref.shape)
+    out = cosine.rows(0, ref.shape[1])
     assert torch.allclose(out, ref, atol=1e-5)
+    # any band of rows is the same rows of the whole map, bit for bit
+    for step in (1, 2, 7):
+        bands = torch.cat([cosine.rows(y, min(y + step, ref.shape[1])) for y in range(0, ref.shape[1], step)], dim=1)
+        assert torch.equal(bands, out)
 
 
 def test_settings_replace_names_unknown_settings():

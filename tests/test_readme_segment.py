@@ -61,3 +61,27 @@ def test_documented_command_runs_on_the_tiny_model(tmp_path, monkeypatch):
     listed = re.findall(r"`(a\.[a-z.]+)`", segment_section())
     assert sorted(p.name for p in Path("masks/trips").iterdir()) == sorted(set(listed) - {"a.rle.json"})
     assert (tmp_path / "masks" / "house.png").exists()
+
+
+def setup_segment_command() -> list[str]:
+    """The `clipseg-sparse segment ...` part of the README's first command (after the install steps)."""
+    text = README.read_text(encoding="utf-8").split("## Set up on a fresh machine", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?clipseg-sparse segment .*?)\n```", text, re.S).group(1)
+    return shlex.split(block.split("clipseg-sparse segment", 1)[1])
+
+
+def test_first_command_segments_the_shipped_examples(tmp_path, monkeypatch):
+    """Issue 15 finding 11: on a fresh clone the first command must find its images (it named photos/)."""
+    import shutil
+
+    args = setup_segment_command()
+    assert args[0].rstrip("/") == "examples"
+    shipped = sorted(p.name for p in (README.parent / "examples").glob("*.jpg"))
+    assert len(shipped) >= 3 and sum((README.parent / "examples" / n).stat().st_size for n in shipped) < 500_000
+    shutil.copytree(README.parent / "examples", tmp_path / "examples")  # the repository layout, outputs kept out of it
+    monkeypatch.chdir(tmp_path)
+    tiny = ["--model", TINY_CONFIG, "--pretrained", "none", "--resolution", "64", "--window", "0", "--templates", "single"]
+    result = runner.invoke(app, ["segment", *args, *tiny])
+    assert result.exit_code == 0, result.output
+    out = Path(args[args.index("--out") + 1])
+    assert sorted(p.name for p in out.glob("*.overlay.png")) == sorted(n.replace(".jpg", ".overlay.png") for n in shipped)

@@ -8,8 +8,10 @@ VOC21, Context60 and COCO-Object. datasets.md describes each layout and how to o
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -98,6 +100,21 @@ class Benchmark:
                     raise self._error(f"{what} {path} not found (one of {len(samples)} listed)")
         return samples
 
+    @staticmethod
+    def fingerprint(samples: Sequence[Sample]) -> str:
+        """A cheap identity of the data behind `samples`: every id with its image's and label's size and
+        modification time, hashed. A result records it, so one computed on other data is never reused."""
+        digest = hashlib.sha256()
+        for s in samples:
+            for path in (s.image, s.label):
+                try:
+                    st = path.stat()
+                    stamp = f"{st.st_size}:{st.st_mtime_ns}"
+                except OSError:
+                    stamp = "missing"
+                digest.update(f"{s.id}\t{path.name}\t{stamp}\n".encode())
+        return f"{len(samples)} samples@{digest.hexdigest()[:16]}"
+
     def _part_samples(self, root: str | Path, part: SplitPart) -> list[Sample]:
         base = self.locate(root, part.img_dir)
         img_dir, ann_dir = base / part.img_dir, base / part.ann_dir
@@ -112,7 +129,8 @@ class Benchmark:
             n = len(self.img_suffix)
             ids = sorted(p.relative_to(img_dir).as_posix()[:-n] for p in img_dir.rglob(f"*{self.img_suffix}"))
         if not ids:
-            raise self._error(f"no images ending in {self.img_suffix} in {img_dir}")
+            where = f"split file {base / self.split} lists no image ids" if self.split else f"no images ending in {self.img_suffix} in {img_dir}"
+            raise self._error(where)
         return [Sample(i, img_dir / f"{i}{self.img_suffix}", ann_dir / f"{i}{self.seg_suffix}") for i in ids]
 
     def decode(self, raw: np.ndarray) -> np.ndarray:

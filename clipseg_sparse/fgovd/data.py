@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, NoReturn
@@ -95,7 +96,8 @@ def _fail(path: Path, what: str, entry: Any, index: int, field: str, problem: st
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite JSON number (json reads NaN and Infinity, which would enter the metrics silently)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _validate(data: Any, path: Path) -> None:
@@ -136,7 +138,7 @@ def _validate(data: Any, path: Path) -> None:
             _fail(path, "annotation", ann, i, "neg_category_ids", f"names unknown categories {bad[:3]}")
         box = ann.get("bbox")
         if not (isinstance(box, list) and len(box) == 4 and all(_is_number(v) for v in box)):
-            _fail(path, "annotation", ann, i, "bbox", f"must be [x, y, w, h] numbers (got {box!r})")
+            _fail(path, "annotation", ann, i, "bbox", f"must be 4 finite numbers [x, y, w, h] (got {box!r})")
         if box[2] <= 0 or box[3] <= 0:
             _fail(path, "annotation", ann, i, "bbox", f"has a non-positive width or height ({box!r})")
         width, height = sizes[ann["image_id"]]
@@ -191,6 +193,16 @@ def read_benchmark(path: str | Path, split: str | None = None) -> Benchmark:
     return Benchmark(split=split, path=path, annotations=annotations)
 
 
+def negative_counts(path: str | Path) -> list[int]:
+    """How many hard negatives each annotation of a benchmark file has (raw JSON, no validation: a
+    malformed file gives [] here and fails with its own message when read)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return [len(a["neg_category_ids"]) for a in data["annotations"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def check_images(annotations: Iterable[RegionAnnotation], images_root: str | Path) -> None:
     """Raise MissingImageError for the first annotation whose image is not at images_root / file_name."""
     root = Path(images_root)
@@ -214,8 +226,24 @@ def check_images(annotations: Iterable[RegionAnnotation], images_root: str | Pat
 def check_segmentations(annotations: Iterable[RegionAnnotation]) -> None:
     """Region `mask` needs a polygon or RLE on every annotation; say which one has none."""
     for ann in annotations:
+        where = f"{ann.split} annotation id {ann.id} (image id {ann.image_id}): field 'segmentation'"
         if ann.segmentation is None:
             raise BenchmarkFormatError(
-                f"{ann.split} annotation id {ann.id} (image id {ann.image_id}): field 'segmentation' is missing or "
-                f"empty, so --region mask cannot be used; use --region pool (the box) instead"
+                f"{where} is missing or empty, so --region mask cannot be used; use --region pool (the box) instead"
             )
+        if not _is_segmentation(ann.segmentation):
+            raise BenchmarkFormatError(
+                f"{where} must be a list of polygons [[x1, y1, x2, y2, ...], ...] or an RLE object with 'counts' and "
+                f"'size' (got {type(ann.segmentation).__name__} {str(ann.segmentation)[:40]!r})"
+            )
+
+
+def _is_segmentation(seg: Any) -> bool:
+    """A COCO polygon list (each an even number >= 6 of finite numbers) or an RLE dict with counts and size."""
+    if isinstance(seg, list):
+        return all(isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0 and all(map(_is_number, p)) for p in seg)
+    if isinstance(seg, dict):
+        size = seg.get("size")
+        counts_ok = isinstance(seg.get("counts"), str) or (isinstance(seg.get("counts"), list) and all(isinstance(c, int) for c in seg["counts"]))
+        return counts_ok and isinstance(size, list) and len(size) == 2 and all(isinstance(v, int) for v in size)
+    return False

@@ -5,6 +5,8 @@ once for all its regions (the eight files share most images). Each image's score
 item log `eval` keeps beside its result (`<out>.progress.jsonl`); an interrupted run resumes from it, and
 the metrics are always recomputed from the logged scores, so a resumed run gives the same numbers as an
 uninterrupted one. A finished result with the same configuration is returned, not recomputed.
+Under torchrun each rank scores every world-th image and logs it in its own item log, as `evaluate`
+does; the scores are gathered and rank 0 writes the result.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from typing import Sequence
 import torch
 
 from ..attention import AttentionSpec, resolve_spec
+from ..distributed import gather, rank_and_world, shard
 from ..progress import progress_bar
 from ..images import load_image
 from ..inference import InferenceSettings, resized_shape, to_pixels
 from ..model import DenseCLIP
 from ..registry import Registry
-from ..results import logged_or_computed, open_run, result_record, write_json_atomic
+from ..results import file_id, logged_or_computed, open_run, result_record, write_json_atomic
 from ..text import embed_names, resolve_templates, templates_id
 from .data import Benchmark, RegionAnnotation, check_images, check_segmentations, read_benchmark
 from .metrics import fgovd_metrics
@@ -136,6 +139,7 @@ def evaluate_fgovd(
         **clip.config(),
         "attention": str(spec),
         "benchmarks": splits,
+        "benchmark_files": [file_id(p) for p in benchmarks],  # the files, not only their split names
         "images_root": str(Path(images_root).resolve()),
         "region": region,
         "negatives": negatives,
@@ -150,19 +154,21 @@ def evaluate_fgovd(
         check_segmentations(annotations)
     check_images(annotations, images_root)
 
-    finished, log = open_run(out, config, overwrite=overwrite, resume=resume)
+    rank, world = rank_and_world()
+    finished, log = open_run(out, config, overwrite=overwrite, resume=resume, rank=rank, world=world)
     if finished is not None:
         return finished
 
     captions = list(dict.fromkeys(c for a in annotations for c in a.captions[: negatives + 1]))
-    text = embed_names(clip, captions, templates, progress=progress).to(clip.device)
+    text = embed_names(clip, captions, templates, progress=progress and rank == 0).to(clip.device)
     row = {c: i for i, c in enumerate(captions)}
 
     records: list[dict] = []
     seconds, reused = 0.0, 0
-    with progress_bar("images") if progress else nullcontext() as bar:
-        task = bar.add_task("fgovd", total=len(groups)) if bar else None
-        for file_name, anns in groups.items():
+    mine = shard(list(groups.items()), rank, world)
+    with progress_bar("images") if progress and rank == 0 else nullcontext() as bar:
+        task = bar.add_task("fgovd", total=len(mine)) if bar else None
+        for file_name, anns in mine:
 
             @torch.inference_mode()
             def score_image() -> dict:
@@ -180,6 +186,8 @@ def evaluate_fgovd(
             if bar:
                 bar.advance(task)
 
+    parts = gather((records, seconds, reused))  # every rank's scores, so every rank returns the result
+    records, seconds, reused = [r for p in parts for r in p[0]], max(p[1] for p in parts), sum(p[2] for p in parts)
     order = {s: i for i, s in enumerate(splits)}
     per_annotation = sorted(records, key=lambda r: (order[r["split"]], r["id"]))
     result = result_record(
@@ -193,6 +201,6 @@ def evaluate_fgovd(
         },
         per_annotation=per_annotation,
     )
-    if out is not None:
+    if out is not None and rank == 0:
         write_json_atomic(out, result)
     return result

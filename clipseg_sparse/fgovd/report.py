@@ -8,7 +8,10 @@ from rich.table import Table
 
 
 def table_n(metrics: dict[str, float], split: str, negatives: int) -> int | None:
-    """The N a split is shown at: `negatives`, or the largest smaller N that has regions (None: none)."""
+    """The N a split is shown at: the N it supports (`{split}.n`, see metrics.supported_negatives); in
+    results written before that, `negatives` or the largest smaller N that has regions (None: none)."""
+    if f"{split}.n" in metrics:
+        return int(metrics[f"{split}.n"])
     for n in range(negatives, 0, -1):
         if metrics.get(f"{split}.count@{n}", 1) > 0 and f"{split}.top1@{n}" in metrics:
             return n
@@ -18,8 +21,8 @@ def table_n(metrics: dict[str, float], split: str, negatives: int) -> int | None
 def metrics_table(metrics: dict[str, float], splits: Sequence[str], negatives: int) -> Table:
     """Per split: N, regions, top-1 (%), mean and median rank of the positive among N hard negatives.
 
-    Attribute benchmarks have few negatives per region (transparency has at most 8), so a split with
-    no region at `negatives` is shown at its largest N that has regions; the N column says which.
+    Attribute benchmarks have few negatives per region (transparency mostly 2, at most 8), so each split
+    is shown at the N most of its regions reach; the N column says which.
     """
     table = Table(title=f"FG-OVD (up to {negatives} hard negatives; rank 1 = best)")
     table.add_column("split")
