@@ -406,27 +406,30 @@ class DenseCLIP:
 
     @torch.inference_mode()
     def encode_dense(
-        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
-    ) -> torch.Tensor:
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = (), with_cls: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Dense features B x h x w x D, after ln_post and proj, L2-normalised, CLS dropped.
 
         pixels: B x 3 x H x W CLIP-normalised, H and W multiples of the patch size; h = H / patch.
         spec: AttentionSpec, its text form or a preset name (None = unmodified CLIP).
         token_hooks: token stages (stages.py), each `hook(x, grid) -> x` on the B x (1 + h*w) x C
         hidden states entering the edited blocks, in order, after those the spec names (`hook:`).
+        with_cls: also return the CLS embeddings B x D (L2-normalised; in parallel mode the original
+        path's, i.e. CLIP's image embedding), for match stages such as CLIP Surgery's feature surgery.
         """
-        return self.dense_forward(pixels, spec, token_hooks)
+        return self.dense_forward(pixels, spec, token_hooks, with_cls)
 
     def dense_forward(
-        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
-    ) -> torch.Tensor:
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = (), with_cls: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
         x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks)
-        x = self.visual.ln_post(x[:, 1:]) @ self.visual.proj
+        x = F.normalize((self.visual.ln_post(x[:, (0 if with_cls else 1) :]) @ self.visual.proj).float(), dim=-1)
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
-        return F.normalize(x.float(), dim=-1).reshape(x.shape[0], *out_grid, -1)
+        feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
+        return (feats, x[:, 0]) if with_cls else feats
 
     @torch.inference_mode()
     def attention_maps(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:

@@ -163,7 +163,7 @@ def encode_tokens(
     state.main = {i: state.hidden[i] for i in need_main}
     from ..stages import parse_stage
 
-    for hook in [parse_stage(h) for h in spec.hooks] + list(token_hooks):
+    for hook in [st for st in map(parse_stage, spec.hooks) if st.kind == "token"] + list(token_hooks):
         state.x = hook(state.x, grid, state.main) if getattr(hook, "taps", False) else hook(state.x, grid)
     edited = blocks[n_plain:]
     if spec.parallel:
