@@ -112,10 +112,12 @@ def iter_window_features(
     batch_size: int = 16,
     token_stages: Sequence[Stage] = (),
     encode: Callable[[torch.Tensor, AttentionSpec], torch.Tensor] | None = None,
-) -> Iterator[tuple[list[tuple[int, int, int, int]], torch.Tensor]]:
+    with_cls: bool = False,
+) -> Iterator[tuple]:
     """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
 
-    Yields (window boxes (y1, y2, x1, x2), B x h x w x D features). Windows whose sides are not multiples
+    Yields (window boxes (y1, y2, x1, x2), B x h x w x D features), plus the windows' B x D CLS
+    embeddings when `with_cls`. Windows whose sides are not multiples
     of the patch size are zero-padded at the bottom and right, so patch (i, j) of a window covers pixels
     y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
     encode(crops, spec) replaces `clip.encode_dense` (e.g. attention maps for the analysis).
@@ -129,7 +131,11 @@ def iter_window_features(
         chunk = boxes[i : i + batch_size]
         crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
         crops = F.pad(crops, (0, pad_w, 0, pad_h))
-        yield chunk, encode(crops, spec) if encode is not None else clip.encode_dense(crops, spec, token_stages)
+        if encode is not None:
+            yield chunk, encode(crops, spec)
+        else:
+            out = clip.encode_dense(crops, spec, token_stages, with_cls)
+            yield (chunk, *out) if with_cls else (chunk, out)
 
 
 #: elements of one band of rows of the N x H x W cosine map (and of each temporary made from it): the final
@@ -229,14 +235,19 @@ def dense_cosine(
     Ly @ G @ Lx^T, with G the grid of all windows' patch maps (rows*h x cols*w per name) and Ly, Lx
     small interpolation matrices: no per-window work or window-sized temporaries beyond the model call,
     and Ly is sparse (a few taps per row), which is what CosineMap uses to compute any band of rows.
+    Match stages the spec names (`hook:surgery`) rewrite each window's cosine map before that.
     """
     _, _, H, W = pixels.shape
     ps = clip.patch_size
     text = text.to(clip.device)
+    match = [st for st in resolve_stages(spec.hooks) if st.kind == "match"]  # e.g. CLIP Surgery's
     boxes, cos = [], []
-    for chunk, feats in iter_window_features(clip, pixels, spec, window, stride, batch_size, token_stages):
+    for chunk, feats, *cls in iter_window_features(clip, pixels, spec, window, stride, batch_size, token_stages, with_cls=bool(match)):
         boxes += chunk
-        cos.append(torch.einsum("bhwd,nd->bhwn", feats, text))
+        window_cos = torch.einsum("bhwd,nd->bhwn", feats, text)
+        for stage in match:  # match stages see B x N_names x h x w
+            window_cos = stage(window_cos.permute(0, 3, 1, 2), cls[0], text).permute(0, 2, 3, 1)
+        cos.append(window_cos)
     cos = torch.cat(cos)  # windows row-major over the grid of row and column intervals
     rows = sorted({(y1, y2) for y1, y2, _, _ in boxes})
     cols = sorted({(x1, x2) for _, _, x1, x2 in boxes})

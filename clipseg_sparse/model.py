@@ -380,10 +380,13 @@ class DenseCLIP:
         """Number of transformer blocks of the image tower."""
         return len(self.visual.transformer.resblocks)
 
-    def check_spec(self, spec: AttentionSpec) -> None:
-        """ValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth)."""
+    def check_spec(self, spec: AttentionSpec | str | None) -> None:
+        """ValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth;
+        a `dna:PATH` adapter that is missing, changed or made for another model)."""
+        spec = resolve_spec(spec)
         if spec.layers > self.depth:
             raise ValueError(f"attention spec {spec} edits the last {spec.layers} blocks, but {self.model_name} has {self.depth}")
+        self._tower(spec)
 
     def _embed(self, pixels: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """Tokens B x (1 + h*w) x C after ln_pre, and the patch grid (h, w)."""
@@ -403,31 +406,44 @@ class DenseCLIP:
 
     @torch.inference_mode()
     def encode_dense(
-        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
-    ) -> torch.Tensor:
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = (), with_cls: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Dense features B x h x w x D, after ln_post and proj, L2-normalised, CLS dropped.
 
         pixels: B x 3 x H x W CLIP-normalised, H and W multiples of the patch size; h = H / patch.
         spec: AttentionSpec, its text form or a preset name (None = unmodified CLIP).
         token_hooks: token stages (stages.py), each `hook(x, grid) -> x` on the B x (1 + h*w) x C
         hidden states entering the edited blocks, in order, after those the spec names (`hook:`).
+        with_cls: also return the CLS embeddings B x D (L2-normalised; in parallel mode the original
+        path's, i.e. CLIP's image embedding), for match stages such as CLIP Surgery's feature surgery.
         """
-        return self.dense_forward(pixels, spec, token_hooks)
+        return self.dense_forward(pixels, spec, token_hooks, with_cls)
 
     def dense_forward(
-        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = ()
-    ) -> torch.Tensor:
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = (), with_cls: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        x = attention_blocks.encode_tokens(self.visual, x, spec, grid, pixels, token_hooks)
-        x = self.visual.ln_post(x[:, 1:]) @ self.visual.proj
+        x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks)
+        x = F.normalize((self.visual.ln_post(x[:, (0 if with_cls else 1) :]) @ self.visual.proj).float(), dim=-1)
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
-        return F.normalize(x.float(), dim=-1).reshape(x.shape[0], *out_grid, -1)
+        feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
+        return (feats, x[:, 0]) if with_cls else feats
 
     @torch.inference_mode()
     def attention_maps(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:
         """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        return attention_blocks.attention_maps_from_tokens(self.visual, x, spec, grid, pixels).float()
+        return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels).float()
+
+    def _tower(self, spec: AttentionSpec):
+        """What the blocks run from: the image tower, or with `dna:PATH` a view of it whose adapter blocks
+        run DnA on these same weights (nothing is patched in place)."""
+        adapter = spec.extra("dna")
+        if adapter is None:
+            return self.visual
+        from .dna.spec_option import dna_visual
+
+        return dna_visual(self, adapter)

@@ -13,6 +13,7 @@ weights to half, cast back to float only on CPU): choose `--precision fp16` your
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -119,6 +120,42 @@ PROTOCOLS.register(
     ),
     help="NACLIP (WACV 2025) before v2, no PAMR",
 )
+
+# SC-CLIP's configs (SuleBai/SC-CLIP@0417ba9 configs/cfg_*.py, scclip_segmentor.py defaults): SCLIP's line
+# at 336 everywhere (COCO-Stuff too; Cityscapes 560), 224/112 windows on every dataset, PAMR off
+# (pamr_steps=0). ViT-L/14 runs the same settings with the `scclip-l14` preset.
+PROTOCOLS.register(
+    "scclip",
+    Protocol(
+        name="scclip",
+        attention="scclip",
+        class_names="sclip",
+        source="SuleBai/SC-CLIP@0417ba9 configs/cfg_*.py, scclip_segmentor.py",
+        defaults=_SCLIP_LINE,
+        per_dataset={
+            "cityscapes": dict(resolution=560),
+            "voc21": dict(logit_scale=50.0, bg_threshold=0.15, area_threshold=0.1),
+            "context60": dict(bg_threshold=0.15),
+            "coco-object": dict(logit_scale=55.0, bg_threshold=0.35),
+        },
+    ),
+    help="SC-CLIP (arXiv 2411.15869); ViT-L/14 with preset scclip-l14",
+)
+
+# GEM and CLIP Surgery publish no evaluation code (WalBouss/GEM#5; CLIP Surgery's README: "evaluation ...
+# will be released later"). GEM's numbers on these benchmarks come from ClearCLIP's re-implementation,
+# evaluated under ClearCLIP's protocol; CLIP Surgery gets the same protocol.
+for _name, _paper, _why in (
+    ("gem", "GEM (CVPR 2024)", "under which ClearCLIP re-evaluated GEM; GEM's repository has no evaluation"),
+    ("clipsurgery", "CLIP Surgery (Pattern Recognition 2025)", "CLIP Surgery's repository has a demo, no evaluation"),
+):
+    PROTOCOLS.register(
+        _name,
+        dataclasses.replace(
+            PROTOCOLS.get("clearclip"), name=_name, attention=_name, source=f"ClearCLIP's protocol (mc-lan/ClearCLIP@fd05ce4); {_why}"
+        ),
+        help=f"{_paper}, under ClearCLIP's protocol (its repository has no evaluation code)",
+    )
 
 # ProxyCLIP ships `; `-separated class files whose VOC21 / COCO-Object person and tvmonitor lines are single
 # names (SCLIP's list several); the SCLIP set is the closest shipped here (datasets.md, Protocols).

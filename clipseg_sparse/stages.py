@@ -10,6 +10,9 @@ the call each kind's function receives:
   the spec's score terms read (e.g. SC-CLIP's mid map), to be edited at the same token positions (the
   stage replaces the dict's values). A spec names the token stages its method needs (`hook:lof`).
 - text:  `fn(text) -> text`, text = N_names x D L2-normalised text embeddings.
+- match: `fn(cosine, cls, text) -> cosine` per batch of windows: cosine = B x N_names x h x w (patch
+  features against the text), cls = B x D the windows' L2-normalised CLS embeddings, text = N_names x D.
+  Named by a spec (`hook:surgery`, CLIP Surgery's feature surgery).
 - post:  `fn(cosine, guide) -> cosine`, cosine = N_names x H x W raw cosine at the original image size
   (before the logit scale, the softmax and the max over synonyms); guide = 3 x H x W, the CLIP-normalised
   network input resized bilinearly back to the original size. Post stages see the whole image at once
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 
 from .registry import Registry
 
-KINDS = ("token", "text", "post")
+KINDS = ("token", "text", "match", "post")
 
 
 @dataclass(frozen=True)
@@ -217,4 +220,35 @@ STAGES.register(
     "lof",
     _lof_stage,
     help="token: SC-CLIP's outlier repair (LOF k 30, top 5 %, mean of the 3x3 non-outlier neighbours)",
+)
+
+
+# --- CLIP Surgery's feature surgery -----------------------------------------------------------------
+
+def feature_surgery(cosine: torch.Tensor, cls: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """`xmed-lab/CLIP_Surgery@d4696d4:clip/clip.py clip_feature_surgery` on cosine maps.
+
+    Published: p = softmax(2 cos(CLS, t)) over the names, w = p / mean(p); e_ic = f_i * t_c * w_c (element-
+    wise), r_i = mean_c e_ic, similarity = sum over dims of (e_ic - r_i). Summed over dims this is
+    w_c cos_ic - mean_c(w_c cos_ic), computed here on the cosine directly (same value, no B x N x T x D
+    tensor). Per window (the published reshape of w only works for batch 1). Its `t` argument is unused
+    there (2 is hard-coded); copied.
+    cosine: B x T x h x w; cls: B x D; text: T x D (all L2-normalised).
+    """
+    prob = torch.softmax(2 * cls.float() @ text.float().T, dim=-1)  # B x T
+    w = (prob / prob.mean(-1, keepdim=True)).to(cosine.dtype)[:, :, None, None]
+    weighted = cosine * w
+    return weighted - weighted.mean(1, keepdim=True)
+
+
+def _surgery_stage(args: str) -> Stage:
+    if args:
+        raise ValueError(f"bad stage 'surgery:{args}': surgery takes no arguments")
+    return Stage("match", "surgery", feature_surgery)
+
+
+STAGES.register(
+    "surgery",
+    _surgery_stage,
+    help="match: CLIP Surgery's feature surgery (class weights from softmax(2 cos(CLS, t)), redundant mean removed)",
 )

@@ -34,6 +34,12 @@ def test_every_preset_round_trips_and_cites(name):
     assert PRESETS.help(name)
 
 
+def test_preset_with_more_options():
+    assert AttentionSpec.parse("sclip/entmax:1.5") == PRESETS.get("sclip-entmax").spec
+    assert AttentionSpec.parse("naclip/neg:0.2") == PRESETS.get("naclip").spec.replace(negative=0.2)
+    assert AttentionSpec.parse("gem/sparsemax/temp:0.5") == PRESETS.get("gem").spec.replace(normalizer="sparsemax", temperature=0.5)
+
+
 def test_canonical_forms():
     assert str(AttentionSpec.parse("kk[dot]/softmax/nores/cls:0.3")) == "kk/softmax/cls:0.3"
     assert str(AttentionSpec.parse("1*qq+(kk)/softmax")) == "qq+kk/softmax"
@@ -216,8 +222,9 @@ def _mean_interpolation(fmap, cells):
     return out
 
 
-def _scclip_reference(clip, pixels, pre=8, post=3, start=3, end=10, res_cls=0.3, beta=0.4):
-    """SC-CLIP's VisionTransformer.forward (return_all) for one image, batch first, then ln_post/proj/L2."""
+def _scclip_reference(clip, pixels, pre=8, post=3, start=3, end=10, res_cls=0.3, beta=0.4, maps=None):
+    """SC-CLIP's VisionTransformer.forward (return_all) for one image, batch first, then ln_post/proj/L2.
+    `maps` (a list) receives the main path's H x N x N attention."""
     v = clip.visual
     x, (h, w) = clip._embed(pixels)
     blocks = v.transformer.resblocks
@@ -245,6 +252,8 @@ def _scclip_reference(clip, pixels, pre=8, post=3, start=3, end=10, res_cls=0.3,
         m[m < 0.0] = float("-inf")
         a = torch.softmax(m, -1) + torch.softmax(k @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1)
         a = a / 2
+        if maps is not None:
+            maps.append(a)
         return blk.attn.out_proj((a @ val).transpose(0, 1).reshape(1, -1, C))
 
     x = aggregate(x, before)
@@ -282,9 +291,12 @@ def test_scclip_matches_published_forward(vit_b16):
     pixels = _structured_pixels(2, (224, 224))
     with torch.no_grad():
         ours = vit_b16.encode_dense(pixels, "scclip").reshape(2, 196, -1)
+        ours_maps = attention_maps(vit_b16, pixels, "scclip")  # patch tokens only (cls:0.3)
         for b in range(2):  # the published code runs one window at a time
-            ref = _scclip_reference(vit_b16, pixels[b : b + 1])
+            ref_maps = []
+            ref = _scclip_reference(vit_b16, pixels[b : b + 1], maps=ref_maps)
             assert torch.allclose(ours[b], ref[0], atol=2e-5), (ours[b] - ref[0]).abs().max()
+            assert torch.allclose(ours_maps[b], ref_maps[0], atol=1e-6)
 
 
 def test_scclip_l14_indices_are_the_authors():
@@ -334,23 +346,6 @@ def test_gem_matches_published_forward(vit_b16):
         assert torch.allclose(ours, _gem_reference(vit_b16, pixels), atol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["scclip", "gem"])
-def test_entmax_variant_tends_to_its_softmax_preset(vit_b16, name):
-    """entmax replaces every normalizer slot: at alpha = 1 + 1e-4 the features agree with the softmax
-    preset to 2e-3 (the entmax-softmax gap is O(alpha - 1) and fp32 rounding of (1 + (a-1)s)^(1/(a-1))
-    adds about 1e4 x 6e-8 relative per probability); at alpha 1.5 they differ."""
-    torch.manual_seed(8)
-    pixels = torch.randn(1, 3, 224, 224)
-    spec = PRESETS.get(f"{name}-entmax").spec
-    assert spec == PRESETS.get(name).spec.replace(normalizer="entmax:1.5")
-    with torch.no_grad():
-        soft = vit_b16.encode_dense(pixels, name)
-        near = vit_b16.encode_dense(pixels, spec.replace(normalizer="entmax:1.0001"))
-        sparse = vit_b16.encode_dense(pixels, spec)
-    assert (near - soft).abs().max() < 2e-3
-    assert (sparse - soft).abs().max() > 1e-2
-
-
 def test_ls_presets_shows_the_new_presets_with_their_papers():
     from typer.testing import CliRunner
 
@@ -360,5 +355,114 @@ def test_ls_presets_shows_the_new_presets_with_their_papers():
     assert result.exit_code == 0
     assert str(PRESETS.get("scclip").spec) in result.output  # [..] modifiers are printed, not read as markup
     for name, paper in [("scclip", "SC-CLIP (Bai et al."), ("scclip-l14", "ViT-L/14"), ("gem", "GEM (Bousselham"),
-                        ("gem-entmax", "gem with alpha-entmax")]:
+                        ("gem-entmax", "gem with alpha-entmax"), ("clipsurgery", "CLIP Surgery (Li")]:
         assert any(paper in line and f" {name} " in line for line in result.output.splitlines()), (name, result.output)
+
+
+# values typed from SuleBai/SC-CLIP@0417ba9 configs/cfg_*.py and SCCLIPForSegmentation's defaults
+SCCLIP_PUBLISHED = {
+    "voc21": dict(resolution=336, window=224, stride=112, logit_scale=50, bg_threshold=0.15, area_threshold=0.1, pamr=False),
+    "voc20": dict(resolution=336, window=224, stride=112, logit_scale=40, bg_threshold=0),
+    "context60": dict(resolution=336, logit_scale=40, bg_threshold=0.15, area_threshold=0),
+    "coco-object": dict(resolution=336, logit_scale=55, bg_threshold=0.35),
+    "coco-stuff": dict(resolution=336, window=224, logit_scale=40),
+    "cityscapes": dict(resolution=560, window=224, stride=112),
+}
+
+
+@pytest.mark.parametrize("dataset", list(SCCLIP_PUBLISHED))
+def test_scclip_protocol_matches_published_configs(dataset):
+    from clipseg_sparse.protocols import PROTOCOLS
+
+    settings = PROTOCOLS.get("scclip").settings(dataset)
+    for name, value in SCCLIP_PUBLISHED[dataset].items():
+        assert getattr(settings, name) == pytest.approx(value), name
+
+
+@pytest.mark.parametrize("grid,models,presets", [
+    ("scclip", ["ViT-B-16"], ["scclip"]), ("scclip-l14", ["ViT-L-14"], ["scclip-l14"]), ("gem", ["ViT-B-16", "ViT-L-14"], ["gem"]),
+    ("clipsurgery", ["ViT-B-16", "ViT-L-14"], ["clipsurgery"]),
+])
+def test_reproduce_grids_cross_the_new_presets_with_softmax_and_entmax(grid, models, presets):
+    """Each grid: its preset x {softmax, entmax:1.5} x the 8 benchmarks, with the right layer indices per model."""
+    from clipseg_sparse.datasets import DATASETS
+    from clipseg_sparse.sweep import GRIDS, read_grid_file
+
+    g = read_grid_file(GRIDS.get(grid)).grid
+    assert list(g.models) == models and set(g.datasets) == set(DATASETS.names()) and g.protocol == grid.split("-")[0]
+    specs = {str(PRESETS.get(p).spec.replace(normalizer=n)) for p in presets for n in ("softmax", "entmax:1.5")}
+    assert set(g.attention_specs()) == specs and len(g.cells()) == len(models) * 8 * 2
+
+
+def _surgery_reference(clip, pixels, depth=6):
+    """xmed-lab/CLIP_Surgery@d4696d4 clip_surgery_model.py: Attention.forward (v-v) and the dual-path
+    ResidualAttentionBlock.forward, written per head; output x with its CLS row from x_ori."""
+    v = clip.visual
+    x, _ = clip._embed(pixels)
+    blocks = v.transformer.resblocks
+    for blk in blocks[: len(blocks) - depth]:
+        x = blk(x)
+    x_new, x_ori = x.clone(), x
+    for blk in blocks[len(blocks) - depth :]:
+        u = blk.ln_1(x_ori)
+        B, N, C = u.shape
+        H = blk.attn.num_heads
+        qkv = F.linear(u, blk.attn.in_proj_weight, blk.attn.in_proj_bias).reshape(B, N, 3, H, C // H)
+        heads = []
+        for b in range(B):
+            for hd in range(H):
+                val = qkv[b, :, 2, hd]
+                heads.append(torch.softmax(val @ val.T * (C // H) ** -0.5, -1) @ val)
+        out = torch.stack(heads).reshape(B, H, N, C // H).transpose(1, 2).reshape(B, N, C)
+        x_new = x_new + blk.attn.out_proj(out)  # skip ffn for the new path
+        x_ori = blk(x_ori)
+    x_new[:, 0] = x_ori[:, 0]
+    return F.normalize(v.ln_post(x_new) @ v.proj, dim=-1)
+
+
+def _feature_surgery_reference(image_features, text_features):
+    """clip.py clip_feature_surgery (redundant_feats None), batch 1: B x (1 + N) x D, T x D -> B x (1 + N) x T."""
+    prob = (image_features[:, :1, :] @ text_features.t() * 2).softmax(-1)
+    w = prob / prob.mean(-1, keepdim=True)
+    b, n_t, n_i, c = image_features.shape[0], text_features.shape[0], image_features.shape[1], image_features.shape[2]
+    feats = image_features.reshape(b, n_i, 1, c) * text_features.reshape(1, 1, n_t, c)
+    feats *= w.reshape(1, 1, n_t, 1)
+    feats = feats - feats.mean(2, keepdim=True)
+    return feats.sum(-1)
+
+
+def test_clipsurgery_matches_published_forward_and_feature_surgery(vit_b16):
+    from clipseg_sparse.inference import dense_cosine
+
+    torch.manual_seed(9)
+    pixels = _structured_pixels(1, (160, 160))
+    text = F.normalize(torch.randn(5, 512), dim=-1)
+    with torch.no_grad():
+        ref = _surgery_reference(vit_b16, pixels)  # 1 x (1 + N) x D, CLS first
+        feats, cls = vit_b16.encode_dense(pixels, "clipsurgery", with_cls=True)
+        assert torch.allclose(feats.reshape(1, -1, 512), ref[:, 1:], atol=2e-5)
+        assert torch.allclose(cls, ref[:, 0], atol=2e-5)  # the original path's CLS: CLIP's image embedding
+        surgery = _feature_surgery_reference(ref, text)[0, 1:].T.reshape(5, 10, 10)
+        # one window covering the image, kept at the patch grid: the matcher applies the surgery there
+        ours = dense_cosine(vit_b16, pixels, text, AttentionSpec.parse("clipsurgery"), window=0, out_size=(160, 160)).rows(0, 160)
+        plain = dense_cosine(vit_b16, pixels, text, AttentionSpec.parse("clipsurgery").replace(hooks=()), window=0, out_size=(160, 160)).rows(0, 160)
+        up = F.interpolate(surgery[None], size=(160, 160), mode="bilinear", align_corners=False)[0]
+    assert torch.allclose(ours, up, atol=5e-5)
+    assert (plain - ours).abs().max() > 1e-2  # the surgery changes the map
+
+
+@pytest.mark.parametrize("name", ["scclip", "gem", "clipsurgery"])
+def test_entmax_variant_tends_to_its_softmax_preset(vit_b16, name):
+    """entmax replaces every normalizer slot: at alpha = 1 + 1e-4 the features agree with the softmax
+    preset to 2e-3 (the entmax-softmax gap is O(alpha - 1) and fp32 rounding of (1 + (a-1)s)^(1/(a-1))
+    adds about 1e4 x 6e-8 relative per probability); at alpha 1.5 they differ."""
+    torch.manual_seed(8)
+    pixels = _structured_pixels(1, (224, 224))
+    spec = PRESETS.get(f"{name}-entmax").spec
+    assert spec == PRESETS.get(name).spec.replace(normalizer="entmax:1.5")
+    with torch.no_grad():
+        soft = vit_b16.encode_dense(pixels, name)
+        near = vit_b16.encode_dense(pixels, spec.replace(normalizer="entmax:1.0001"))
+        sparse = vit_b16.encode_dense(pixels, spec)
+    assert (near - soft).abs().max() < 2e-3
+    assert (sparse - soft).abs().max() > 1e-2

@@ -37,7 +37,8 @@ Compact text form, used on the command line, in sweep grids, result files and ta
                               divided by their sum + 1e-6), e.g. x@9[cos,thresh:0.4] (SC-CLIP)
                 aggout:TERM   the same on the block output
                 in:[W*]sum@A-B | in:[W*]mean@A-B   also run the block on that input and add its output
-                hook:NAME     a token stage the method needs (`clipseg_sparse.stages`), e.g. lof
+                hook:NAME     a token or match stage the method needs (`clipseg_sparse.stages`): lof
+                              (SC-CLIP's outlier repair), surgery (CLIP Surgery's feature surgery)
                 NAME:ARG      an option registered with `register_option` (extension point)
 
 `str(spec)` writes the canonical form, and `AttentionSpec.parse(str(spec)) == spec`. Every option is
@@ -72,3 +73,5 @@ __all__ = [
     "edited_block_forward", "encode_tokens", "gaussian_prior", "list_presets", "register_entmax_variant",
     "register_option", "register_preset", "resolve_spec",
 ]
+
+from ..dna import spec_option as _dna_option  # noqa: E402,F401  registers the option dna:PATH

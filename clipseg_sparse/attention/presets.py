@@ -110,7 +110,18 @@ register_preset(
     "copied: 6 blocks (gem_depth 7 gives range(1, 7)), temperature = mean token norm of the original path's "
     "ln_1 state x d^-1/2 per image, final maps applied to the unnormalised v, CLS included in the attention",
 )
-for _name in ("scclip", "scclip-l14", "gem"):
+register_preset(
+    "clipsurgery",
+    "vv/softmax/noffn/layers:6/parallel/hook:surgery",
+    "CLIP Surgery (Li et al., Pattern Recognition 2025): v-v self-attention on a parallel path over the last "
+    "6 blocks (residual kept, no FFN, CLS from the original path) and feature surgery on the text side",
+    "copied: 6 blocks (range(1, 7)), v-v attention with the usual 1/sqrt(d) and no normalisation (ViT "
+    "setting), the new path reads ln_1 of the original path, feature surgery with its hard-coded factor 2 "
+    "(its t argument is unused); fixed: feature surgery per window (the published reshape works for batch 1 "
+    "only); not copied (protocol or demo matters): the positional embedding resized bilinearly and written "
+    "back into the model, the 85 templates, min-max normalised maps",
+)
+for _name in ("scclip", "scclip-l14", "gem", "clipsurgery"):
     register_entmax_variant(_name)
 
 from .. import proxy_source  # noqa: E402,F401  (registers the ext: tap and the proxyclip presets)

@@ -287,7 +287,8 @@ class AttentionSpec:
         the original path's ln_1 state (GEM, CLIP Surgery). average: divide the sum of groups by their
         number. aggregate_in/out: identity-value aggregation x <- R(support(S)) x before / after the block
         (R: row sums + 1e-6, SC-CLIP). inputs: extra inputs of the block (SC-CLIP's multi-level sum).
-        hooks: token stages the method needs (`clipseg_sparse.stages`, e.g. lof). extras: registered options.
+        hooks: token and match stages the method needs (`clipseg_sparse.stages`: lof, surgery). extras:
+        registered options.
     """
 
     source: tuple[str, ...] = ("qk",)
@@ -367,24 +368,22 @@ class AttentionSpec:
         """The canonical argument of a registered option, or None when the spec does not set it."""
         return dict(self.extras).get(name)
 
-    @property
-    def is_v1(self) -> bool:
-        """Every group is one plain q/k/v term of weight 1 and no v2 option is set: the v1 engine path."""
-        return all(len(g.terms) == 1 and g.weight == 1.0 and g.terms[0].is_plain for g in self.groups) and (
-            self.cls_residual is None and not self.parallel and not self.average and self.aggregate_in is None
-            and self.aggregate_out is None and not self.inputs and not self.hooks
-        )
-
     # -- text form -------------------------------------------------------------------------------
     @classmethod
     def parse(cls, text: str) -> "AttentionSpec":
-        """Parse a preset name (`sclip`) or the compact form (`qq+kk/entmax:1.5/nores`)."""
+        """Parse a preset name (`sclip`), a preset with more options (`sclip/entmax:1.5/neg:0.2`) or the
+        compact form (`qq+kk/entmax:1.5/nores`)."""
         from .presets import PRESETS
 
         text = text.strip()
         if text in PRESETS:
             return PRESETS.get(text).spec
         source_text, *options = text.split("/")
+        if source_text in PRESETS:  # PRESET/[NORMALIZER/]OPTION...: the preset with more edits
+            parts = str(PRESETS.get(source_text).spec).split("/")
+            if options[0].split(":")[0] in NORMALIZER_KINDS:
+                parts[1] = options.pop(0)
+            return cls.parse("/".join(parts + options))
         if not options and "+" not in text and "[" not in text and "@" not in text and text not in SOURCES:
             raise ValueError(
                 f"unknown attention spec {text!r}: not a preset ({', '.join(PRESETS.names())}) and not of the "
@@ -477,14 +476,14 @@ def _taps_help() -> str:
 
 
 def _check_hook(text: str) -> str:
-    """The canonical text of a token stage named by `hook:`; ValueError naming the token stages."""
+    """The canonical text of a token or match stage named by `hook:`; ValueError naming them."""
     from ..stages import STAGES, parse_stage
 
     try:
         stage = parse_stage(text)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_token_stages()}") from None
-    if stage.kind != "token":
+    if stage.kind not in ("token", "match"):
         raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_token_stages()} (post stages run with --pamr or InferenceSettings.stages)")
     return stage.name
 
@@ -492,4 +491,4 @@ def _check_hook(text: str) -> str:
 def _token_stages() -> str:
     from ..stages import STAGES
 
-    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith("token"))
+    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith(("token", "match")))
