@@ -397,10 +397,13 @@ class DenseCLIP:
         """Number of transformer blocks of the image tower."""
         return len(self.visual.transformer.resblocks)
 
-    def check_spec(self, spec: AttentionSpec) -> None:
-        """ValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth)."""
+    def check_spec(self, spec: AttentionSpec | str | None) -> None:
+        """ValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth;
+        a `dna:PATH` adapter that is missing, changed or made for another model)."""
+        spec = resolve_spec(spec)
         if spec.layers > self.depth:
             raise ValueError(f"attention spec {spec} edits the last {spec.layers} blocks, but {self.model_name} has {self.depth}")
+        self._tower(spec)
 
     def _embed(self, pixels: torch.Tensor, pos_interp: str = "size") -> tuple[torch.Tensor, tuple[int, int]]:
         """Tokens B x (1 + h*w) x C after ln_pre, and the patch grid (h, w); `pos_interp` as in
@@ -452,7 +455,7 @@ class DenseCLIP:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
-        x = attention_blocks.encode_tokens(self.visual, x, spec, grid, pixels, token_hooks)
+        x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks)
         x = F.normalize((self.visual.ln_post(x[:, (0 if with_cls else 1) :]) @ self.visual.proj).float(), dim=-1)
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
         feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
@@ -463,4 +466,14 @@ class DenseCLIP:
         """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        return attention_blocks.attention_maps_from_tokens(self.visual, x, spec, grid, pixels).float()
+        return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels).float()
+
+    def _tower(self, spec: AttentionSpec):
+        """What the blocks run from: the image tower, or with `dna:PATH` a view of it whose adapter blocks
+        run DnA on these same weights (nothing is patched in place)."""
+        adapter = spec.extra("dna")
+        if adapter is None:
+            return self.visual
+        from .dna.spec_option import dna_visual
+
+        return dna_visual(self, adapter)

@@ -1,5 +1,6 @@
 """The benchmark module on tiny shapes: well-formed rows, every variant present (no timing assertions)."""
 
+import pytest
 from typer.testing import CliRunner
 
 from clipseg_sparse.bench import (
@@ -70,17 +71,66 @@ def test_target_checks_read_the_right_rows():
         BenchRow("normalizer", "ViT-B-16 448px qq H12 N785 alpha 1.5", "entmax.entmax_bisect:1.5", 100.0, 20.0, "fast entmax:1.5"),
         BenchRow("normalizer", "ViT-B-16 448px peaked H12 N785 alpha 1.5", "entmax.entmax_bisect:1.5", 40.0, 4.0, "fast entmax:1.5"),
         BenchRow("forward", "x", "qq/entmax:1.5", 110.0, 1.1, "qq/softmax"),
+        BenchRow("normalizer", "ViT-L-14 448px qq H16 N1025 alpha 1.5", "entmax.entmax15 k=64", 9.0, 0.9, "fast entmax:1.5"),
+        BenchRow("normalizer", "ViT-L-14 448px qq H16 N1025 alpha 1.5", "entmax.entmax15", 30.0, 3.0, "fast entmax:1.5"),
+        BenchRow("forward", "x", "qq/entmax:1.5", 110.0, 1.1, "qq/softmax"),
+        BenchRow("forward", "x", "qq/entmax:1.25", 104.0, 1.04, "qq/softmax"),
         BenchRow("segment", "y", "segment", 130.0, 1.3, "bare model"),
+        BenchRow("text", "240 of 12000", "open_clip encode_text (77 tokens)", 80.0, 8.0, "fast encode_text", max_abs_diff=2e-7),
+        BenchRow("text", "per prompt: ...", "fast encode_text", 1.0, 1.0, "fast encode_text"),
+        BenchRow("text", "per prompt: ...", "open_clip encode_text (77 tokens)", 6.0, 6.0, "fast encode_text"),
+        BenchRow("windows", "z", "ours", 10.0, 1.0, "ours"),
+        BenchRow("windows", "z", "published", 25.0, 2.5, "ours"),
     ]
     checks = {name: (value, met) for name, value, _, met in target_checks(rows)}
     speedup = checks["fast entmax speed-up over entmax_bisect (ViT-B/16, 448 px)"]
     assert speedup[0] == 4.0 and not speedup[1]  # the worst case counts
+    assert checks["fast entmax speed-up over the entmax package's fastest path (worst case)"] == (0.9, False)
     assert checks["qq/entmax:1.5 forward / qq/softmax forward"] == (1.1, True)
+    assert checks["qq/entmax:1.25 forward / qq/softmax forward"] == (1.04, True)
     assert checks["segment time / bare model time"] == (1.3, False)
+    assert checks["text speed-up over open_clip encode_text (per prompt)"] == (6.0, True)
+    assert checks["text max abs difference to open_clip encode_text"] == (2e-7, True)
+    assert checks["published window loop time / ours"] == (2.5, True)
+
+
+def test_bench_ttfm_fields(tiny_clip):
+    """Time to first mask on the tiny model: 3 classes x 4 templates, the plain path on every 2nd prompt."""
+    from clipseg_sparse.bench_ttfm import ade20k_names, bench_ttfm
+
+    names = ade20k_names()
+    assert len(names) == 150 and names[:3] == ["wall", "building", "sky"]
+    templates = ["a photo of a {}.", "{}", "a bad photo of the {}.", "itap of my {}."]
+    rows, s = bench_ttfm(tiny_clip, names[:3], templates, image_size=(48, 64), settings=InferenceSettings(resolution=64, window=0), plain_prompts=6, repeat=1)
+    assert (s["prompts"], s["subset"]) == (12, 6)
+    assert s["total_s"] == s["text_s"] + s["image_s"] and s["text_s"] > 0 and s["image_s"] > 0
+    assert 0 <= s["max_abs_diff"] <= 1e-6 and s["rate_speedup"] > 0 and s["subset_speedup"] > 0
+    assert s["rate_speedup"] == pytest.approx((s["plain_ms"] / 6) / (s["text_s"] * 1e3 / 12))
+    first = {r.variant: r for r in rows if r.suite == "first mask"}
+    assert first["total"].ms == pytest.approx(s["total_s"] * 1e3) and "text (12 prompts, cold cache)" in first
+    text = [r for r in rows if r.suite == "text"]
+    assert [r.max_abs_diff for r in text] == [None, s["max_abs_diff"], None, None]
+    assert "6 of 12 prompts (every 2)" in text[0].case
 
 
 def test_cli_bench_quick_prints_tables():
     result = CliRunner().invoke(app, ["bench", "--quick", "--model", TINY_CONFIG])
     assert result.exit_code == 0, result.output
-    for text in ["fast entmax:1.5", "entmax.entmax15 k=64", "qq/softmax", "bare model", "targets (benchmarks/README.md)"]:
+    for text in ["fast entmax:1.5", "entmax.entmax15 k=64", "qq/softmax", "bare model", "targets (benchmarks/README.md)",
+                 "first mask", "open_clip encode_text", "published", "bf16", "text speed-up over open_clip"]:
         assert text in result.output
+
+
+def test_published_window_loop_gives_our_labels(tiny_clip):
+    """The mmseg-style loop (one window per forward, logits accumulated at full size) and our batched,
+    separable computation are the same arithmetic: the labels agree (up to float ties)."""
+    from clipseg_sparse.bench import smooth_image
+    from clipseg_sparse.bench_compare import bench_published_windows, published_slide_labels
+    from clipseg_sparse.inference import Segmenter
+
+    settings = InferenceSettings(resolution=72, window=40, stride=24)  # windows not a multiple of the patch
+    seg = Segmenter(tiny_clip, "cat,dog|puppy,sky,grass", spec="sclip", settings=settings, templates="single")
+    image = smooth_image((60, 90))
+    assert (published_slide_labels(seg, image) == seg.predict_labels(image)).mean() >= 0.999
+    rows, agree = bench_published_windows(seg, [image], repeat=1)
+    assert agree >= 0.999 and [r.ratio > 0 for r in rows] == [True, True] and rows[0].ratio == 1.0

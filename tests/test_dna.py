@@ -134,9 +134,10 @@ def test_warm_start_values(tiny_clip):
     assert all(r["angle_max"] < 1e-3 and abs(r["frobenius"] + 1) < 1e-9 for r in rows)
 
 
-def test_gradients_reach_only_the_negative_branch(tiny_clip):
+@pytest.mark.parametrize("negative", ["softmax", "entmax:1.5"])
+def test_gradients_reach_only_the_negative_branch(tiny_clip, negative):
     clip = copy.deepcopy(tiny_clip)
-    convert_to_dna(clip, 2)
+    convert_to_dna(clip, 2, negative=negative)
     trainable = {n for n, p in clip.model.named_parameters() if p.requires_grad}
     expected = {f"visual.transformer.resblocks.{i}.attn.{n}" for i in (1, 2) for n in ("alpha", "q_neg.weight", "q_neg.bias", "v_neg.weight", "v_neg.bias")}
     assert trainable == expected

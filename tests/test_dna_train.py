@@ -89,6 +89,21 @@ def test_train_lowers_the_loss_and_resume_equals_uninterrupted_run(ade_train, tm
     assert again.resumed_from == 4 and again.losses == whole.losses
 
 
+def test_image_objective_on_an_image_folder(tmp_path):
+    rng = np.random.default_rng(0)
+    for name in ("golden_retriever", "tabby_cat"):
+        (tmp_path / "imgs" / name).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(tmp_path / "imgs" / name / f"{i}.jpg")
+    cfg = TrainConfig(objective="image", data=str(tmp_path / "imgs"), model=TINY_CONFIG, pretrained="none", steps=2,
+                      batch_size=2, lr=1e-2, resolution=64, templates="single", amp="off")
+    result = train(cfg, tmp_path / "run", device="cpu", progress=False)
+    assert result.step == 2 and all(np.isfinite(result.losses))
+    # 2 classes: the loss starts near log 2 (random weights give near-uniform zero-shot probabilities)
+    assert 0.3 < result.losses[0] < 1.5
+    assert (tmp_path / "run" / "adapter.safetensors").is_file()
+
+
 def test_lr_schedule_warmup_then_cosine():
     cfg = TrainConfig(dataset="ade20k", steps=10, warmup=2, lr=1.0, min_lr=0.1)
     assert [lr_factor(s, cfg) for s in (0, 1)] == [0.5, 1.0]

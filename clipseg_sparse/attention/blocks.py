@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..dna.module import DenoisingAttention, positive_attention
 from .combine import _attend, aggregate, attended_values, attention_weights
 from .spec import AttentionSpec
 from .taps import TAPS, BlockContext, clip_attention, tap_kind
@@ -58,7 +59,7 @@ def _tap_needs(spec: AttentionSpec) -> tuple[set[int], set[int], set[int]]:
 
 def _context(state: EncoderState, reads: torch.Tensor, block: torch.nn.Module, offset: int, hidden) -> BlockContext:
     """ln_1 and q/k/v (B x H x N x d) of `reads` (B x N x C) for `block`."""
-    attn = block.attn
+    attn = positive_attention(block.attn)
     B, N, C = reads.shape
     H = attn.num_heads
     u = block.ln_1(reads)
@@ -84,7 +85,7 @@ def edited_block_forward(
     that multiplies the values is appended to it (analysis). Uses the block's own weights (`attn.in_proj_*`,
     `attn.out_proj`, `ln_1`, `ln_2`, `mlp`, `ls_*`) and changes none of them.
     """
-    attn = block.attn
+    attn = positive_attention(block.attn)  # a DnA block (dna:PATH) adds its negative branch below
     if not isinstance(attn, torch.nn.MultiheadAttention):
         raise TypeError(
             f"attention edits need open_clip's default ResidualAttentionBlock (nn.MultiheadAttention), "
@@ -106,6 +107,10 @@ def edited_block_forward(
         out = ctx.v
     else:
         out = _attend(ctx.q, ctx.k, ctx.v, spec, grid, ctx)
+    if isinstance(block.attn, DenoisingAttention):
+        if out.shape[2] != ctx.u.shape[1]:
+            raise ValueError("dna:PATH adds its branch on CLIP's token grid; it cannot be combined with attention on an external grid")
+        out = out + block.attn.negative_branch(ctx.u, ctx.k, ctx.v)
     out = attn.out_proj(out.transpose(1, 2).reshape(B, out.shape[2], C))  # N, or an external grid's size
     if spec.cls_residual is not None:
         base = spec.cls_residual * x[:, :1]

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from ..dna.module import positive_attention
 from ..registry import Registry
 
 Features = Callable[["BlockContext", str], "tuple[torch.Tensor, torch.Tensor]"]
@@ -149,8 +150,9 @@ TAPS.register(
 
 
 def clip_attention(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """B x H x N x N softmax(q k^T / sqrt(d)) of an unmodified open_clip block on tokens x (B x N x C)."""
-    attn = block.attn
+    """B x H x N x N softmax(q k^T / sqrt(d)) of an unmodified open_clip block on tokens x (B x N x C)
+    (of its positive branch when the block runs DnA)."""
+    attn = positive_attention(block.attn)
     B, N, C = x.shape
     H = attn.num_heads
     q, k, _ = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)

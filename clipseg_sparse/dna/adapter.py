@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .convert import dna_modules, vision_blocks
-from .module import DenoisingAttention
+from .module import DenoisingAttention, positive_attention
 
 FORMAT = "clipseg-sparse-dna/1"
 
@@ -103,8 +103,7 @@ def load_adapter(path: str | Path) -> Adapter:
 def check_compatible(adapter: Adapter, clip) -> None:
     """AdapterError naming the first difference between the adapter's base model and `clip`."""
     blocks = vision_blocks(clip)
-    attn = blocks[0].attn
-    attn = attn.positive if isinstance(attn, DenoisingAttention) else attn
+    attn = positive_attention(blocks[0].attn)
     have = {
         "model": clip.model_name,
         "pretrained": weights_name(clip.pretrained),
@@ -130,8 +129,7 @@ def build_modules(adapter: Adapter, clip) -> dict[int, DenoisingAttention]:
     blocks = vision_blocks(clip)
     modules = {}
     for i in adapter.blocks:
-        attn = blocks[i].attn
-        attn = attn.positive if isinstance(attn, DenoisingAttention) else attn
+        attn = positive_attention(blocks[i].attn)
         m = DenoisingAttention(
             attn.embed_dim, attn.num_heads, positive=attn, sign=int(adapter.meta["sign"]),
             negative=adapter.meta["negative"], shared_values=adapter.meta["shared_values"] == "true",

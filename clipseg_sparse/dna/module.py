@@ -109,18 +109,28 @@ class DenoisingAttention(nn.Module):
         """Concatenated head outputs before the output projection, B x N x C (batch first); mask: additive,
         broadcastable to B x H x N x M."""
         B, N, C = query.shape
-        H = self.num_heads
         W, b = self.positive.in_proj_weight, self.positive.in_proj_bias
         wq, wk, wv = W.chunk(3)
         bq, bk, bv = b.chunk(3) if b is not None else (None, None, None)
 
-        def heads(t: torch.Tensor) -> torch.Tensor:  # B x M x C -> B x H x M x d
-            return t.view(t.shape[0], t.shape[1], H, -1).transpose(1, 2)
-
+        heads = self._heads
         q, k, v = heads(F.linear(query, wq, bq)), heads(F.linear(key, wk, bk)), heads(F.linear(value, wv, bv))
         pos = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = pos + self.negative_output(heads(self.q_neg(query)), k, v if self.v_neg is None else heads(self.v_neg(value)), mask)
+        out = pos + self.negative_branch(query, k, v, value, mask)
         return out.transpose(1, 2).reshape(B, N, C)
+
+    def negative_branch(
+        self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, value: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """sign * alpha_h * normalize(-S-) V-, B x H x N x d, from the (normalised) query tokens B x N x C and
+        the positive branch's keys and values k, v (B x H x M x d); value: the value tokens (default query).
+        This is what an attention-spec block adds to its own positive attention (`dna:PATH`)."""
+        v_neg = v if self.v_neg is None else self._heads(self.v_neg(query if value is None else value))
+        return self.negative_output(self._heads(self.q_neg(query)), k, v_neg, mask)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """B x M x C -> B x H x M x d."""
+        return t.view(t.shape[0], t.shape[1], self.num_heads, -1).transpose(1, 2)
 
     def negative_output(self, q_neg: torch.Tensor, k: torch.Tensor, v_neg: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """sign * alpha_h * normalize(-S-) V-, B x H x N x d; q_neg, k, v_neg: B x H x N x d (heads split)."""
@@ -154,3 +164,8 @@ def _additive_mask(
         pad = additive(key_padding_mask)[:, None, None, :]
         mask = pad if mask is None else mask + pad
     return mask
+
+
+def positive_attention(attn: torch.nn.Module) -> torch.nn.Module:
+    """The nn.MultiheadAttention holding a block's own q/k/v/out weights, whether or not DnA wraps it."""
+    return attn.positive if isinstance(attn, DenoisingAttention) else attn

@@ -1,6 +1,6 @@
 """The attention-spec option `dna:PATH`: run a trained DnA adapter's blocks with their negative branch.
 
-`qk/softmax/dna:runs/dna/adapter.safetensors` is DnA as trained; with other edits (`sclip/dna:PATH`) the
+`qk/softmax/dna:runs/dna/adapter.safetensors` is DnA as trained; with other edits (`qq+kk/softmax/dna:PATH`, SCLIP) the
 adapter's negative branch is added to whatever positive attention the spec computes in those blocks. The
 option takes the rest of the spec text (paths contain '/'), so it is written last. Its canonical form
 carries the first 12 hex digits of the file's SHA-256 (`dna:PATH@1a2b3c4d5e6f`): result files say which
@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import torch.nn as nn
 
+from ..attention.spec import register_option
 from .adapter import AdapterError, build_modules, load_adapter
 
 _HASH = re.compile(r"^(?P<path>.+)@(?P<hash>[0-9a-f]{12})$")
@@ -76,8 +77,15 @@ def dna_visual(clip, arg: str) -> SimpleNamespace:
     if recorded is not None and recorded != digest:
         raise AdapterError(f"{path}: DnA adapter changed since it was recorded (sha256 {digest}, recorded {recorded})")
     cache = _BLOCKS.setdefault(clip.visual, {})
-    if digest not in cache:
+    key = (digest, str(clip.device), clip.dtype)  # the new modules follow the weights' device and dtype
+    if key not in cache:
         modules = build_modules(load_adapter(path), clip)
         blocks = [with_attention(b, modules[i]) if i in modules else b for i, b in enumerate(clip.visual.transformer.resblocks)]
-        cache[digest] = SimpleNamespace(transformer=SimpleNamespace(resblocks=nn.ModuleList(blocks), batch_first=True))
-    return cache[digest]
+        cache[key] = SimpleNamespace(transformer=SimpleNamespace(resblocks=nn.ModuleList(blocks), batch_first=True))
+    return cache[key]
+
+
+register_option(
+    "dna", check_arg, rest_of_spec=True,
+    help="dna:PATH  add a trained DnA adapter's negative branch to its blocks (last option; see `dna train`)",
+)
