@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
+from conftest import TINY_CONFIG
 from clipseg_sparse.attention import AttentionSpec
 from clipseg_sparse.backbones import BACKBONES, Backbone
 from clipseg_sparse.inference import InferenceSettings, Segmenter, dense_cosine
@@ -176,7 +177,6 @@ def test_bad_ext_specs_are_one_line_errors(proxy):
 
 def test_segmenter_records_the_backbone_and_segment_cli_accepts_the_preset(proxy, tmp_path):
     from clipseg_sparse.cli import app
-    from tests.conftest import TINY_CONFIG
 
     clip, _ = proxy
     seg = Segmenter(clip, "cat,dog", spec="proxyclip-entmax", settings=InferenceSettings(resolution=0, window=64, stride=32), templates="single")
@@ -201,7 +201,6 @@ def test_eval_runs_the_proxyclip_protocol(proxy, tmp_path):
     from fake_benchmarks import make_benchmark
 
     from clipseg_sparse.cli import app
-    from tests.conftest import TINY_CONFIG
 
     make_benchmark("voc21", tmp_path / "voc", n=2, size=(40, 56))
     out = tmp_path / "voc.json"
@@ -218,7 +217,6 @@ def test_eval_runs_the_proxyclip_protocol(proxy, tmp_path):
 
 def test_missing_proxy_weights_stop_the_cli_with_one_line(proxy, tmp_path):
     from clipseg_sparse.cli import app
-    from tests.conftest import TINY_CONFIG
 
     Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / "a.png")
     res = CliRunner().invoke(app, [
