@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionSpec, resolve_spec
-from .datasets import DATASETS, IGNORE_INDEX, Benchmark, Sample
+from .datasets import DATASETS, Benchmark, Sample
 from .datasets.classnames import DATA_DIR
+from .datasets.labels import patch_labels
 from .model import DenseCLIP
 
 STATS = ("entropy", "support", "nonzero", "own_mass", "stuff_mass", "cls_mass", "diffusivity")
@@ -64,26 +65,6 @@ def stuff_classes(dataset: str) -> tuple[int, ...] | None:
 
 
 # -- pure tensor functions ---------------------------------------------------------------------------
-def patch_labels(labels: torch.Tensor, patch: int, ignore: int = IGNORE_INDEX) -> torch.Tensor:
-    """Majority ground-truth class of each patch: H x W labels -> (ceil(H/p) * ceil(W/p)) int64, row-major.
-
-    The label map is padded with `ignore` to whole patches (as the pixels are zero-padded). The ignore
-    value is counted like a class; a patch whose most frequent value is `ignore` gets -1 (skipped).
-    Ties go to the smallest class index, and `ignore` loses every tie.
-    """
-    H, W = labels.shape
-    h, w = -(-H // patch), -(-W // patch)
-    padded = torch.full((h * patch, w * patch), ignore, dtype=torch.int64)
-    padded[:H, :W] = torch.as_tensor(labels, dtype=torch.int64)
-    blocks = padded.view(h, patch, w, patch).permute(0, 2, 1, 3).reshape(h * w, patch * patch)
-    valid = blocks != ignore
-    n_values = int(blocks[valid].max()) + 2 if valid.any() else 1
-    values = torch.where(valid, blocks, n_values - 1)  # ignore -> the last bin, so it loses ties
-    counts = torch.zeros(h * w, n_values, dtype=torch.int64).scatter_add_(1, values, torch.ones_like(values))
-    top = counts.argmax(1)  # first maximum: the smallest value wins a tie
-    return torch.where(top == n_values - 1, -1, top)
-
-
 def row_entropy(rows: torch.Tensor) -> torch.Tensor:
     """-sum p log p over the last dim (nats), with 0 log 0 = 0 so entmax's exact zeros add nothing."""
     return -torch.special.xlogy(rows, rows).sum(-1)

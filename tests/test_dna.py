@@ -214,4 +214,4 @@ def test_patch_majority_by_hand():
         [255, 255, 5, 4],
     ])
     # patches of 2x2: [1,1,1,3] -> 1; [2,2,255,255] -> 2; all ignore -> 255; [4,5,5,4] tie -> 4 (lowest)
-    assert patch_majority(labels, 2, 6).tolist() == [[1, 2], [255, 4]]
+    assert patch_majority(labels, 2).tolist() == [[1, 2], [255, 4]]

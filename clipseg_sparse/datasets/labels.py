@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
+from ..metrics import IGNORE_INDEX
 from .errors import DatasetError
 
 
@@ -61,3 +63,31 @@ def write_label_png(path: Path, values: np.ndarray) -> None:
         raise ValueError("label values must be in 0..255 to fit an 8-bit PNG")
     with atomic_path(path) as tmp:
         label_image(values).save(tmp, format="PNG")
+
+
+def patch_labels(
+    labels: torch.Tensor, patch: int, ignore: int = IGNORE_INDEX, void_majority_skips: bool = True
+) -> torch.Tensor:
+    """Majority ground-truth class of each patch: H x W labels -> (ceil(H/p) * ceil(W/p)) int64, row-major.
+
+    The label map is padded with `ignore` to whole patches (as the pixels are zero-padded). Ties go to the
+    smallest class index. With `void_majority_skips` (attention analysis) the ignore value is counted like a
+    class and loses every tie, and a patch whose most frequent value is `ignore` gets -1 (skipped); without
+    it (DnA training targets) ignored pixels are not counted and only a patch with no labelled pixel gets -1.
+    """
+    H, W = labels.shape
+    h, w = -(-H // patch), -(-W // patch)
+    padded = torch.full((h * patch, w * patch), ignore, dtype=torch.int64)
+    padded[:H, :W] = torch.as_tensor(labels, dtype=torch.int64)
+    blocks = padded.view(h, patch, w, patch).permute(0, 2, 1, 3).reshape(h * w, patch * patch)
+    valid = blocks != ignore
+    if not valid.any():
+        return torch.full((h * w,), -1, dtype=torch.int64)
+    n_values = int(blocks[valid].max()) + 2
+    values = torch.where(valid, blocks, n_values - 1)  # ignore -> the last bin, so it loses ties
+    counts = torch.zeros(h * w, n_values, dtype=torch.int64).scatter_add_(1, values, torch.ones_like(values))
+    if void_majority_skips:
+        top = counts.argmax(1)  # first maximum: the smallest value wins a tie
+        return torch.where(top == n_values - 1, -1, top)
+    labelled = counts[:, :-1]
+    return torch.where(labelled.sum(1) > 0, labelled.argmax(1), -1)

@@ -16,20 +16,16 @@ import torch
 from PIL import Image
 
 from ..datasets import IGNORE_INDEX, Benchmark
+from ..datasets.labels import patch_labels
 from ..images import IMAGE_SUFFIXES, load_image
 
 
-def patch_majority(labels: np.ndarray, patch: int, num_classes: int) -> np.ndarray:
+def patch_majority(labels: np.ndarray, patch: int) -> np.ndarray:
     """H x W labels (H, W multiples of `patch`) -> h x w: each patch's most frequent non-ignored label
     (ties: the lowest class index), IGNORE_INDEX where the patch has no labelled pixel."""
-    H, W = labels.shape
-    cells = labels.reshape(H // patch, patch, W // patch, patch).transpose(0, 2, 1, 3).reshape(H // patch, W // patch, -1)
-    cells = np.where(cells == IGNORE_INDEX, num_classes, cells).reshape(-1, cells.shape[-1])
-    rows = np.arange(len(cells))[:, None] * (num_classes + 1)
-    counts = np.bincount((rows + cells).ravel(), minlength=len(cells) * (num_classes + 1))
-    counts = counts.reshape(H // patch, W // patch, num_classes + 1)[..., :num_classes]
-    out = counts.argmax(-1)
-    return np.where(counts.sum(-1) > 0, out, IGNORE_INDEX)
+    grid = patch_labels(torch.from_numpy(labels), patch, IGNORE_INDEX, void_majority_skips=False)
+    grid = torch.where(grid < 0, IGNORE_INDEX, grid)
+    return grid.view(labels.shape[0] // patch, labels.shape[1] // patch).numpy()
 
 
 def image_folder(root: str | Path) -> tuple[list[str], list[tuple[Path, int]]]:
@@ -100,7 +96,7 @@ class TrainingSet(torch.utils.data.Dataset):
             return pixels, torch.tensor(item[1])
         raw = self.bench.load_label(item.label)
         labels = np.asarray(_apply(Image.fromarray(raw.astype(np.uint8)), params, self.size, Image.Resampling.NEAREST)).astype(np.int64)
-        return pixels, torch.from_numpy(patch_majority(labels, self.patch, self.bench.num_classes))
+        return pixels, torch.from_numpy(patch_majority(labels, self.patch))
 
 
 @dataclass
