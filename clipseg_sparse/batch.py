@@ -98,7 +98,7 @@ def run_plan(
             on_image(job, str(e))
             continue
         try:
-            result = segmenter.predict(rgb)
+            result = segmenter.predict(rgb, str(job.rel))
             report.records.append(write_outputs(plan.base(job), job.source, rgb, result, options))
         except (MemoryError, RuntimeError) as e:
             if not out_of_memory(e):

@@ -23,12 +23,14 @@ from .cli_common import (
     PresetOpt,
     PretrainedOpt,
     ProxyWeightsOpt,
+    RegionsOpt,
     TemplatesOpt,
     check_out,
     fail,
     out_console,
     load_model,
     load_proxies,
+    load_regions,
     note_softmax_aliases,
     resolve_attention,
 )
@@ -143,6 +145,7 @@ def segment(
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
     proxy_weights: ProxyWeightsOpt = "auto",
+    regions: RegionsOpt = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Windows per forward pass (default 16).")] = None,
     pamr: Annotated[bool, typer.Option("--pamr", help=PAMR_HELP)] = False,
     save_probs: Annotated[bool, typer.Option("--save-probs", help="Also write per-class probabilities (float16, compressed npz).")] = False,
@@ -194,11 +197,14 @@ def segment(
         )
     except ValueError as e:
         fail(str(e))
+    from .regions import region_reader
+
+    region_src = load_regions(regions, [str(job.rel) for job in found.jobs], device, region_reader(spec, settings.stage_texts()))
     rank, world = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     load_proxies(spec, clip, proxy_weights)
     try:
-        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0)
+        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0, regions=region_src)
     except ValueError as e:  # a spec the model cannot run
         fail(str(e))
     try:
@@ -269,7 +275,7 @@ def _protocols_table():
     from .protocols import PROTOCOLS
 
     table = Table("protocol", "attention", "class names", "all datasets", "per dataset", "follows (source)")
-    fmt = lambda d: ", ".join(f"{k}={v}" if isinstance(v, (bool, str)) else f"{k}={v:g}" for k, v in d.items())  # noqa: E731
+    fmt = lambda d: ", ".join(f"{k}={'+'.join(v) if isinstance(v, tuple) else v}" if isinstance(v, (bool, str, tuple)) else f"{k}={v:g}" for k, v in d.items())  # noqa: E731
     for name in PROTOCOLS:
         p = PROTOCOLS.get(name)
         per = "\n".join(f"{ds}: {fmt(d)}" for ds, d in p.per_dataset.items())
@@ -286,6 +292,7 @@ def eval_cmd(
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
     proxy_weights: ProxyWeightsOpt = "auto",
+    regions: RegionsOpt = None,
     preset: PresetOpt = None,
     attn: AttnOpt = None,
     protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip, proxyclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
@@ -318,22 +325,29 @@ def eval_cmd(
     check_out(save_pred, folder=True, option="--save-pred")
     try:
         bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
-        bench.samples(root)  # fail on a missing dataset or class-name file before loading the model
+        samples = bench.samples(root)[:limit]  # fail on a missing dataset or class-name file before loading the model
         vocabulary, _ = class_vocabulary(bench.name, class_names or proto.class_names)
     except (KeyError, DatasetError, ValueError) as e:
         fail(str(e))
     for repeated in vocabulary.repeated_names():  # published name sets are kept as published (SCLIP's COCO-Object)
         err_console.print(f"note: prompt names of {bench.name}: {repeated}; kept as given, the later class cannot win on that name", highlight=False, soft_wrap=True)
     spec = resolve_attention(preset, attn, default=proto.attention)
+    overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
+                     bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
+    try:
+        stages = proto.settings(bench.name, overrides).stage_texts()
+    except ValueError as e:
+        fail(str(e))
+    from .regions import region_reader
+
+    region_src = load_regions(regions, [s.id for s in samples], device, region_reader(spec, stages))
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     load_proxies(spec, clip, proxy_weights)
-    overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
-                     bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     try:
         record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
-                          limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates)
+                          limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, regions=region_src)
     except (DatasetError, ConfigMismatchError, ValueError, FileNotFoundError) as e:
         fail(str(e))
     if rank > 0:
@@ -510,6 +524,10 @@ RootOpt = Annotated[
     typer.Option("--root", help="Dataset root: DIR for every dataset, or NAME=DIR for one (repeatable)."),
 ]
 ImagesRootOpt = Annotated[Optional[Path], typer.Option("--images-root", help="COCO 2017 images folder for FG-OVD cells.")]
+SweepRegionsOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--regions", help="Region masks of corrclip cells: DIR (DIR/<dataset>/ holds each dataset's), NAME=DIR for one, or sam2 (repeatable)."),
+]
 
 
 def _print_summary(summary, out: Path) -> None:
@@ -565,6 +583,7 @@ def sweep(
     pamr: Annotated[Optional[bool], typer.Option("--pamr/--no-pamr", help=PAMR_HELP + " Default: the protocol's; added to the grid's overrides.", show_default=False)] = None,
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
+    regions: SweepRegionsOpt = None,
     device: DeviceOpt = Device.auto,
     shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: run only the I-th of N disjoint parts of the grid (every N-th cell), e.g. one per job of a job array.")] = None,
 ) -> None:
@@ -602,7 +621,7 @@ def sweep(
     except ValueError as e:
         fail(str(e))
     roots.update(parse_roots(root or []))
-    paths = SweepPaths(out=out, roots=roots, images_root=images_root or images)
+    paths = SweepPaths(out=out, roots=roots, images_root=images_root or images, regions=parse_roots(regions or []))
     summary, _ = _run_grid(the_grid, paths, device, shard=shard)
     if summary.failed:
         raise typer.Exit(1)
@@ -670,6 +689,7 @@ def reproduce(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results folder (default results/TABLE).")] = None,
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
+    regions: SweepRegionsOpt = None,
     benchmarks: Annotated[Optional[Path], typer.Option("--benchmarks", help="Folder of the FG-OVD benchmark JSON files.")] = None,
     models: Annotated[Optional[str], typer.Option("--models", help="Replace the grid's models (e.g. a model-config JSON for a smoke run).")] = None,
     pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Replace the grid's weights (tag, checkpoint or none).")] = None,
@@ -695,7 +715,8 @@ def reproduce(
         fail(f"{len(missing)} FG-OVD benchmark file(s) not found, e.g. {missing[0]}; pass --benchmarks DIR (the folder holding them)")
     out = out or Path("results") / grid_file.stem
     check_out(out, folder=True)
-    paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root)
+    paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root,
+                       regions=parse_roots(regions or []))
     report = grid_file_spec.report
     summary, rank = _run_grid(grid_file_spec.grid, paths, device, report.get("metric"))
     try:  # report files are derived from the results in OUT, so they are regenerated each time (by rank 0)

@@ -65,6 +65,11 @@ ProxyWeightsOpt = Annotated[
     typer.Option("--proxy-weights", help="Weights of the external backbones of proxy presets (proxyclip, `ls backbones`): hub, a checkpoint file, none, or auto (none when --pretrained none, else hub)."),
 ]
 
+RegionsOpt = Annotated[
+    Optional[str],
+    typer.Option("--regions", help="Region masks for CorrCLIP (corrclip presets, stage regionvote): a folder with one png/npy/npz per image, named like it, or sam2 (SAM2 automatic masks, extra .[proxy], cached)."),
+]
+
 TemplatesOpt = Annotated[
     str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file with one {}-template per line.")
 ]
@@ -173,4 +178,21 @@ def load_proxies(spec, clip, weights: str) -> None:
         with err_console.status("loading proxy backbones"):
             prepare_proxies(spec, clip, weights)
     except (WeightsUnavailableError, MissingExtraError, ValueError) as e:
+        fail(str(e))
+
+
+def load_regions(value: str | None, names: list[str], device: Device, reader: str | None):
+    """The --regions source (`regions.open_regions`), with one-line errors before any model loads; `reader`
+    (what needs regions, `regions.region_reader`) without --regions is an error."""
+    from .backbones import MissingExtraError
+    from .model import resolve_device
+    from .regions import open_regions
+
+    if value is None:
+        if reader:
+            fail(f"{reader} needs region masks for each image: give --regions FOLDER (png/npy/npz per image) or --regions sam2")
+        return None
+    try:
+        return open_regions(value, str(resolve_device(device.value)), names)
+    except (ValueError, MissingExtraError) as e:
         fail(str(e))

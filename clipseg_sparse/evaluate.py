@@ -53,6 +53,7 @@ def evaluate(
     overwrite: bool = False,
     templates: str = "openai",
     cache_dir: str | Path | None = None,
+    regions: Callable | None = None,
 ) -> dict:
     """Evaluate `clip` with `spec` on a benchmark and return the result record (see README, schema 1).
 
@@ -63,7 +64,8 @@ def evaluate(
     log; overwrite=True recomputes a finished result. save_pred: a folder for palette PNG predictions
     in the dataset's own label encoding (reduce_zero_label datasets store class k as k + 1).
     Raises DatasetError for a missing / malformed dataset, ConfigMismatchError when `out` or its log
-    hold another configuration, ValueError for bad settings.
+    hold another configuration, ValueError for bad settings. regions: the region source of specs and
+    stages that read region maps (CorrCLIP; see `Segmenter`), called with each sample's id.
 
     Under torchrun (an initialised process group) each rank scores every world-th image, the counts are
     summed over ranks and rank 0 writes `out`; every rank returns the same record.
@@ -80,7 +82,7 @@ def evaluate(
     if not bench.background and (settings.bg_threshold or settings.area_threshold):
         raise ValueError(f"{bench.name} has no background class: bg_threshold and area_threshold must be 0")
     rank, world = rank_and_world()
-    segmenter = Segmenter(clip, vocabulary, spec or proto.attention, settings, templates, cache_dir, progress=progress and rank == 0)
+    segmenter = Segmenter(clip, vocabulary, spec or proto.attention, settings, templates, cache_dir, progress=progress and rank == 0, regions=regions)
     config = run_config(segmenter, bench, root, protocol, which, names_version, limit, bench.fingerprint(every_sample))
 
     finished, log = open_run(out, config, overwrite=overwrite, resume=resume, rank=rank, world=world)
@@ -140,7 +142,7 @@ def _score(segmenter: Segmenter, bench: Benchmark, sample: Sample, save_pred) ->
     rgb = load_image(sample.image)
     if rgb.shape[:2] != label.shape:
         raise DatasetError(f"{bench.name}: image {sample.image} is {rgb.shape[:2]} but label {sample.label} is {label.shape}")
-    pred = segmenter.predict_labels(rgb)
+    pred = segmenter.predict_labels(rgb, sample.id)
     if save_pred is not None:
         write_label_png(prediction_path(Path(save_pred), sample), bench.encode(pred))
     return intersect_and_union(pred, label, bench.num_classes)

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, resolve_spec
 from .images import load_image
 from .model import POS_INTERP_RULES, DenseCLIP
+from .proxy import resize_regions
 from .proxy_source import PROXIES, ext_backbones, proxy_config
+from .regions import region_reader
 from .stages import Stage, resolve_stages
 from .text import Vocabulary, embed_names, resolve_templates, templates_id
 
@@ -160,6 +162,7 @@ def iter_window_features(
     remainder: str = "pad",
     encode: Callable[[torch.Tensor, AttentionSpec], torch.Tensor] | None = None,
     with_cls: bool = False,
+    regions: torch.Tensor | None = None,
 ) -> Iterator[tuple]:
     """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
 
@@ -169,6 +172,8 @@ def iter_window_features(
     right, so patch (i, j) of a window covers pixels
     y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
     encode(crops, spec) replaces `clip.encode_dense` (e.g. attention maps for the analysis).
+    regions: H x W integer region ids of `pixels` (-1 unsegmented), cropped like each window; padded
+    pixels form one more region (CorrCLIP pads its masks with 10000), for specs that read regions.
     """
     _, _, H, W = pixels.shape
     boxes = window_boxes(H, W, window, stride)
@@ -179,10 +184,14 @@ def iter_window_features(
         chunk = boxes[i : i + batch_size]
         crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
         crops = F.pad(crops, (left, right, top, bottom))
+        crop_regions = None
+        if regions is not None:
+            crop_regions = torch.stack([regions[y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
+            crop_regions = F.pad(crop_regions, (left, right, top, bottom), value=int(regions.max()) + 1)
         if encode is not None:
             yield chunk, encode(crops, spec)
         else:
-            out = clip.encode_dense(crops, spec, token_stages, with_cls, pos_interp=pos_interp)
+            out = clip.encode_dense(crops, spec, token_stages, with_cls, pos_interp=pos_interp, regions=crop_regions)
             yield (chunk, *out) if with_cls else (chunk, out)
 
 
@@ -274,6 +283,7 @@ def dense_cosine(
     token_stages: Sequence[Stage] = (),
     pos_interp: str = "size",
     remainder: str = "pad",
+    regions: torch.Tensor | None = None,
 ) -> CosineMap:
     """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size
     (or at `out_size`, as if that map were then resized bilinearly), as a CosineMap (rows on demand).
@@ -286,13 +296,14 @@ def dense_cosine(
     small interpolation matrices: no per-window work or window-sized temporaries beyond the model call,
     and Ly is sparse (a few taps per row), which is what CosineMap uses to compute any band of rows.
     Match stages the spec names (`hook:surgery`) rewrite each window's cosine map before that.
+    regions: H x W region ids of `pixels`, for specs that read regions (see `iter_window_features`).
     """
     _, _, H, W = pixels.shape
     text = text.to(clip.device)
     match = [st for st in resolve_stages(spec.hooks) if st.kind == "match"]  # e.g. CLIP Surgery's
     boxes, cos = [], []
     windows = iter_window_features(
-        clip, pixels, spec, window, stride, batch_size, token_stages, pos_interp, remainder, with_cls=bool(match)
+        clip, pixels, spec, window, stride, batch_size, token_stages, pos_interp, remainder, with_cls=bool(match), regions=regions
     )
     for chunk, feats, *cls in windows:
         boxes += chunk
@@ -507,6 +518,10 @@ class Segmenter:
 
     The vocabulary is embedded once (and cached on disk) when the segmenter is built; `progress` shows a
     progress bar on stderr while it is (or a note that the cache is reused).
+    regions: where region maps come from, for specs and stages that read them (CorrCLIP): a callable
+    (rgb, name) -> H x W integer ids (-1 unsegmented) with a `source()` text for result files, e.g.
+    `regions.RegionFolder` or `regions.Sam2Regions`; `predict(image, name)` passes the image's name.
+    A source is required when the spec or a stage reads regions, and ignored (not recorded) otherwise.
     """
 
     def __init__(
@@ -518,6 +533,7 @@ class Segmenter:
         templates: str | Sequence[str] = "openai",
         cache_dir: str | Path | None = None,
         progress: bool = False,
+        regions: Callable[[np.ndarray, str], np.ndarray] | None = None,
     ) -> None:
         if isinstance(vocabulary, str):
             vocabulary = Vocabulary.parse(vocabulary)
@@ -532,6 +548,10 @@ class Segmenter:
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
         self.stages = resolve_stages(self.settings.stage_texts())
+        reader = region_reader(self.spec, self.settings.stage_texts())
+        if reader and regions is None:
+            raise ValueError(f"{reader} needs region masks for each image: give a region source (--regions FOLDER or --regions sam2)")
+        self.regions = regions if reader else None  # read (and recorded) only when something uses them
         self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir, progress=progress)
         for stage in self._stages("text"):
             self.text = stage(self.text)
@@ -551,22 +571,31 @@ class Segmenter:
             **dataclasses.asdict(self.settings),
             "stages": [s.name for s in self.stages],  # canonical names, PAMR included when on
             **proxy_config(self.spec),  # backbones of ext: terms, their tags and weights
+            **({"regions": self.regions.source()} if self.regions is not None else {}),
         }
 
     def _stages(self, kind: str) -> list[Stage]:
         return [s for s in self.stages if s.kind == kind]
 
-    def cosine(self, image: np.ndarray) -> CosineMap | DenseMap:
+    def region_map(self, image: np.ndarray, name: str | None) -> np.ndarray | None:
+        """The image's H x W region ids from the region source (None without one)."""
+        if self.regions is None:
+            return None
+        return self.regions(image, name if name is not None else "image")
+
+    def cosine(self, image: np.ndarray, regions: np.ndarray | None = None) -> CosineMap | DenseMap:
         """N_names x H x W cosine at the original image size, for an RGB uint8 image: factored (see
         CosineMap), or whole after the post stages (PAMR), which run on the whole full-size map (their
-        memory then grows with names x pixels)."""
+        memory then grows with names x pixels). regions: the image's H x W region ids, resized
+        nearest with the image (CorrCLIP), for specs that read them."""
         s = self.settings
         height, width = image.shape[:2]
         size = resized_shape(height, width, s.resolution, s.max_long_side)
         pixels = to_pixels(image, self.clip, size, s.resize)
+        scaled = None if regions is None else resize_regions(torch.from_numpy(np.asarray(regions, dtype=np.int64)), size)
         factored = dense_cosine(
             self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width),
-            self._stages("token"), s.pos_interp, s.remainder,
+            self._stages("token"), s.pos_interp, s.remainder, scaled,
         )  # fmt: skip
         post = self._stages("post")
         if not post:
@@ -579,21 +608,32 @@ class Segmenter:
         return DenseMap(cos)
 
     @torch.inference_mode()
-    def class_maps(self, rgb: np.ndarray) -> ClassMaps:
+    def class_maps(self, rgb: np.ndarray, regions: np.ndarray | None = None) -> ClassMaps:
         """The C x H x W class probabilities at the original size, computed band by band on demand."""
         s = self.settings
         return ClassMaps(
-            self.cosine(rgb), self.vocabulary.name_to_class, len(self.vocabulary), s.logit_scale, self.band_elements,
+            self.cosine(rgb, regions), self.vocabulary.name_to_class, len(self.vocabulary), s.logit_scale, self.band_elements,
             s.area_threshold, s.renormalize,
         )  # fmt: skip
 
-    def predict(self, image) -> SegmentationResult:
-        """Segment one image (a path, a PIL image or an H x W x 3 array). Memory stays bounded at any
-        image size: labels are computed a band of rows at a time, and `result.probs` only when used."""
-        maps = self.class_maps(load_image(image))
+    def _labels(self, image, name: str | None) -> tuple[ClassMaps, np.ndarray]:
+        rgb = load_image(image)
+        if name is None and isinstance(image, (str, Path)):
+            name = Path(image).name
+        regions = self.region_map(rgb, name)
+        maps = self.class_maps(rgb, regions)
         labels = maps.labels(self.settings.bg_threshold, self.settings.area_threshold)
+        for stage in self._stages("labels"):  # e.g. CorrCLIP's map correction, on the original regions
+            labels = stage(torch.from_numpy(labels), torch.from_numpy(np.asarray(regions, dtype=np.int64))).numpy()
+        return maps, labels
+
+    def predict(self, image, name: str | None = None) -> SegmentationResult:
+        """Segment one image (a path, a PIL image or an H x W x 3 array). Memory stays bounded at any
+        image size: labels are computed a band of rows at a time, and `result.probs` only when used.
+        name: the image's name for the region source (default: a path's file name)."""
+        maps, labels = self._labels(image, name)
         return SegmentationResult(labels, maps, self.class_names, self.config())
 
-    def predict_labels(self, image) -> np.ndarray:
+    def predict_labels(self, image, name: str | None = None) -> np.ndarray:
         """H x W int64 labels only (what `eval` scores), computed a band of rows at a time."""
-        return self.class_maps(load_image(image)).labels(self.settings.bg_threshold, self.settings.area_threshold)
+        return self._labels(image, name)[1]

@@ -430,6 +430,7 @@ class DenseCLIP:
         token_hooks: Sequence[Callable] = (),
         with_cls: bool = False,
         pos_interp: str = "size",
+        regions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Dense features B x h x w x D, after ln_post and proj, L2-normalised, CLS dropped.
 
@@ -441,8 +442,10 @@ class DenseCLIP:
         path's, i.e. CLIP's image embedding), for match stages such as CLIP Surgery's feature surgery.
         pos_interp: the positional-embedding rule, "size" or the published repositories' "scale" (see
         `positional_embedding`).
+        regions: B x H x W integer region ids of the pixels (-1 unsegmented), for specs that read region
+        maps (CorrCLIP's `region:EPS` support and `mct:BETA` branch).
         """
-        return self.dense_forward(pixels, spec, token_hooks, with_cls, pos_interp)
+        return self.dense_forward(pixels, spec, token_hooks, with_cls, pos_interp, regions)
 
     def dense_forward(
         self,
@@ -451,22 +454,23 @@ class DenseCLIP:
         token_hooks: Sequence[Callable] = (),
         with_cls: bool = False,
         pos_interp: str = "size",
+        regions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
-        x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks)
-        x = F.normalize((self.visual.ln_post(x[:, (0 if with_cls else 1) :]) @ self.visual.proj).float(), dim=-1)
+        x = attention_blocks.encode_normed(self._tower(spec), x, spec, grid, self.visual.ln_post, pixels, token_hooks, regions)
+        x = F.normalize((x[:, (0 if with_cls else 1) :] @ self.visual.proj).float(), dim=-1)
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
         feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
         return (feats, x[:, 0]) if with_cls else feats
 
     @torch.inference_mode()
-    def attention_maps(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:
+    def attention_maps(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, regions: torch.Tensor | None = None) -> torch.Tensor:
         """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels)
-        return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels).float()
+        return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels, regions).float()
 
     def _tower(self, spec: AttentionSpec):
         """What the blocks run from: the image tower, or with `dna:PATH` a view of it whose adapter blocks

@@ -186,3 +186,18 @@ PROTOCOLS.register(
     ),
     help="ProxyCLIP (ECCV 2024): short side 336 (ADE20K, Cityscapes 448), 336/112 windows (Cityscapes 224), logit scale 40",
 )
+
+# CorrCLIP's v1 configs are ProxyCLIP's (short side 336, ADE20K / Cityscapes 448, 336/112 windows, Cityscapes
+# 224/112, logit scale 40, prob_thd 0.2 / 0.15 / 0.25) with its map correction after the labels; it needs
+# region masks (--regions). Its class files are `; `-separated with `people` in VOC21 (datasets.md).
+PROTOCOLS.register(
+    "corrclip",
+    dataclasses.replace(
+        PROTOCOLS.get("proxyclip"),
+        name="corrclip",
+        attention="corrclip",
+        source="zdk258/CorrCLIP@103bc18 CorrCLIPv1/configs/cfg_*.py, corrclip_segmentor.py (postprocess_result)",
+        defaults={**PROTOCOLS.get("proxyclip").defaults, "stages": ("regionvote",)},
+    ),
+    help="CorrCLIP (ICCV 2025): ProxyCLIP's settings plus the map correction (stage regionvote); needs --regions",
+)

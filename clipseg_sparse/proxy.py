@@ -112,7 +112,7 @@ def merge_regions(regions: torch.Tensor, feats: torch.Tensor, eps: float = CORRC
         return regions.clone()
     means = torch.stack([feats[regions == i].float().mean(0) for i in ids])
     sim = feature_cosine(means[None])[0]
-    linked = (sim.max() - sim) <= eps
+    linked = ((sim.max() - sim) <= eps) | torch.eye(len(ids), dtype=torch.bool)  # every region is its own neighbour (rounding)
     cluster = torch.arange(len(ids))
     while True:  # label propagation: each region takes the smallest label among its linked regions
         new = torch.where(linked, cluster[None, :], len(ids)).min(dim=1).values

@@ -152,9 +152,18 @@ def ext_features(pixels: torch.Tensor, arg: str) -> torch.Tensor:
     return f[:, None].to(pixels.dtype)
 
 
+def _ext_tap(ctx, arg: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tap's features, computed once per batch of windows (kept in ctx.extra: the extra inputs of the
+    block and CorrCLIP's region merging read the same backbone run)."""
+    key = ("ext", arg)
+    if key not in ctx.extra:
+        ctx.extra[key] = ext_features(ctx.pixels, arg)
+    return (ctx.extra[key],) * 2
+
+
 TAPS.register(
     "ext",
-    Tap(features=lambda ctx, arg: (ext_features(ctx.pixels, arg),) * 2, check=lambda arg: split_ext(arg) and None, grid=proxy_grid),
+    Tap(features=_ext_tap, check=lambda arg: split_ext(arg) and None, grid=proxy_grid),
     help="ext:NAME[.qk] (an external backbone's last tokens or last-block q+k, `ls backbones`)",
 )
 

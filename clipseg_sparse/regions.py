@@ -2,9 +2,11 @@
 
 A region map is an H x W integer array: one id >= 0 per region, -1 where no mask covers the pixel
 ("unsegmented"; CorrCLIP uses the map's minimum value for that). Sources:
-- a folder of per-image files named like the image (`photos/a.jpg` -> `MASKS/a.png|.npy|.npz`): PNG
-  (8- or 16-bit label image, 0 = unsegmented, region r stored as r + 1), .npy (the map itself, negative =
-  unsegmented) or .npz (key `regions`, else its only array);
+- a folder of per-image files named like the image (`photos/sub/a.jpg` -> `MASKS/sub/a.png|.npy|.npz`,
+  else `MASKS/a.*`, the flat layout of CorrCLIP's released masks): PNG (8- or 16-bit label image,
+  0 = unsegmented, region r stored as r + 1), .npy (the map itself, negative = unsegmented) or .npz (key
+  `regions`, else its only array; CorrCLIP's files, key `instance_mask`, mark unsegmented pixels with the
+  map's minimum, read as -1);
 - SAM2's automatic mask generator (`sam2` package, extra `.[proxy]`) with CorrCLIP's settings
   (points_per_side 8, pred_iou_thresh 0.4, stability_score_thresh 0.4), cached as .npy per image.
 """
@@ -18,6 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from .backbones import BACKBONES, require_extra
+from .images import IMAGE_SUFFIXES
 from .model import WeightsUnavailableError
 
 REGION_SUFFIXES = (".png", ".npy", ".npz")
@@ -41,6 +44,8 @@ def read_region_map(path: str | Path) -> np.ndarray:
                 if "regions" not in keys and len(keys) != 1:
                     raise ValueError(f"has arrays {', '.join(keys)}; expected 'regions' or a single array")
                 regions = z["regions" if "regions" in keys else keys[0]]
+                if keys == ["instance_mask"]:  # CorrCLIP's released masks: the minimum is "unsegmented"
+                    regions = np.where(regions == regions.min(), -1, regions)
         else:
             raise ValueError(f"unsupported suffix; use {', '.join(REGION_SUFFIXES)}")
     except (OSError, ValueError) as e:
@@ -70,16 +75,30 @@ class RegionFolder:
     def source(self) -> str:
         return f"folder:{self.root}"
 
+    def find(self, name: str) -> Path | None:
+        """The region file of image `name` (a path relative to the images' folder, suffix optional)."""
+        stem = Path(name).with_suffix("") if Path(name).suffix.lower() in IMAGE_SUFFIXES else Path(name)
+        for base in dict.fromkeys((stem, Path(stem.name))):
+            for suffix in REGION_SUFFIXES:
+                path = self.root / f"{base}{suffix}"
+                if path.is_file():
+                    return path
+        return None
+
+    def check(self, names: Sequence[str]) -> None:
+        """ValueError naming the first image without a region file (before any work starts)."""
+        missing = [n for n in names if self.find(n) is None]
+        if missing:
+            raise ValueError(f"no region masks for {len(missing)} image(s) in {self.root}, e.g. {missing[0]} (expected {Path(missing[0]).stem}{'|'.join(REGION_SUFFIXES)})")
+
     def __call__(self, image: np.ndarray, name: str) -> np.ndarray:
-        stem = Path(name).with_suffix("")
-        for suffix in REGION_SUFFIXES:
-            path = self.root / stem.with_suffix(suffix)
-            if path.is_file():
-                regions = read_region_map(path)
-                if regions.shape != image.shape[:2]:
-                    raise ValueError(f"{path}: region masks are {regions.shape[1]}x{regions.shape[0]}, the image is {image.shape[1]}x{image.shape[0]}")
-                return regions
-        raise ValueError(f"no region masks for {name} in {self.root} (expected {stem}{'|'.join(REGION_SUFFIXES)})")
+        path = self.find(name)
+        if path is None:
+            raise ValueError(f"no region masks for {name} in {self.root} (expected {Path(name).stem}{'|'.join(REGION_SUFFIXES)})")
+        regions = read_region_map(path)
+        if regions.shape != image.shape[:2]:
+            raise ValueError(f"{path}: region masks are {regions.shape[1]}x{regions.shape[0]}, the image is {image.shape[1]}x{image.shape[0]}")
+        return regions
 
 
 class Sam2Regions:
@@ -126,3 +145,30 @@ class Sam2Regions:
         np.save(tmp, regions)
         tmp.replace(path)
         return regions
+
+
+def open_regions(value: str, device: str = "cpu", names: Sequence[str] = ()) -> "RegionFolder | Sam2Regions":
+    """The region source a `--regions` value names: `sam2` (its extra checked now; masks cached under the
+    package cache) or a folder, checked to hold a file for each image of `names`. ValueError /
+    MissingExtraError name the problem."""
+    if value == "sam2":
+        from .text import default_cache_dir
+
+        require_extra("sam2", "--regions sam2")
+        return Sam2Regions(default_cache_dir() / "regions", device=device)
+    source = RegionFolder(value)
+    source.check(names)
+    return source
+
+
+def region_reader(spec, stages: Sequence[str] = ()) -> str | None:
+    """What reads region maps: the attention spec (a `region:EPS` support or `mct:` branch) or a labels
+    stage (regionvote), as text for error messages; None when nothing does."""
+    from .attention import resolve_spec
+    from .attention.scope import needs_regions
+    from .stages import resolve_stages
+
+    spec = resolve_spec(spec)
+    if needs_regions(spec):
+        return f"attention {spec}"
+    return next((f"stage {st.name}" for st in resolve_stages(stages) if st.kind == "labels"), None)

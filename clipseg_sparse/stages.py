@@ -17,6 +17,10 @@ the call each kind's function receives:
   (before the logit scale, the softmax and the max over synonyms); guide = 3 x H x W, the CLIP-normalised
   network input resized bilinearly back to the original size. Post stages see the whole image at once
   (they are not row-tiled), so they cost about (N_names + 20) x H x W floats of memory.
+- labels: `fn(labels, regions) -> labels`, labels = H x W int64 class labels at the original size (after
+  the background rules), regions = the image's H x W region ids (-1 unsegmented) from the region source
+  (`Segmenter(regions=...)`); e.g. `regionvote`, CorrCLIP's map correction. The saved probabilities are
+  the ones before this stage (as CorrCLIP's seg_logit).
 
 PAMR (Araslanov & Roth, CVPR 2020, `visinf/1-stage-wseg`) is the first post stage, with the arithmetic of
 `sinahmr/NACLIP@0cac3a6:pamr.py` (= `wangf3014/SCLIP:pamr.py`), quirks included (see `pamr`).
@@ -30,9 +34,10 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .proxy import region_vote
 from .registry import Registry
 
-KINDS = ("token", "text", "match", "post")
+KINDS = ("token", "text", "match", "post", "labels")
 
 
 @dataclass(frozen=True)
@@ -241,14 +246,23 @@ def feature_surgery(cosine: torch.Tensor, cls: torch.Tensor, text: torch.Tensor)
     return weighted - weighted.mean(1, keepdim=True)
 
 
-def _surgery_stage(args: str) -> Stage:
-    if args:
-        raise ValueError(f"bad stage 'surgery:{args}': surgery takes no arguments")
-    return Stage("match", "surgery", feature_surgery)
+def register_plain_stage(name: str, kind: str, fn: Callable[..., torch.Tensor], help: str) -> None:
+    """Register a stage that takes no arguments (`NAME` only)."""
+
+    def factory(args: str) -> Stage:
+        if args:
+            raise ValueError(f"bad stage '{name}:{args}': {name} takes no arguments")
+        return Stage(kind, name, fn)
+
+    STAGES.register(name, factory, help=help)
 
 
-STAGES.register(
-    "surgery",
-    _surgery_stage,
+register_plain_stage(
+    "surgery", "match", feature_surgery,
     help="match: CLIP Surgery's feature surgery (class weights from softmax(2 cos(CLS, t)), redundant mean removed)",
-)
+)  # fmt: skip
+# CorrCLIP's map correction (zdk258/CorrCLIP postprocess_result), on the original region map
+register_plain_stage(
+    "regionvote", "labels", region_vote,
+    help="labels: CorrCLIP's map correction, every region of the image's region map takes its most frequent label",
+)  # fmt: skip

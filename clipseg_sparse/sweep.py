@@ -217,17 +217,30 @@ def check_fgovd_negatives(grid: Grid, metric: str | None = None) -> list[str]:
 # -- running -----------------------------------------------------------------------------------------
 @dataclass
 class SweepPaths:
-    """Where a sweep reads data and writes results. roots: dataset name -> root, "*" for any dataset."""
+    """Where a sweep reads data and writes results. roots: dataset name -> root, "*" for any dataset.
+    regions: dataset name -> region-mask folder (or sam2), "*" -> a folder with one sub-folder per dataset."""
 
     out: Path
     roots: Mapping[str, Path] = field(default_factory=dict)
     images_root: Path | None = None
+    regions: Mapping[str, Path] = field(default_factory=dict)
 
     def result(self, cell: Cell) -> Path:
         return self.out / f"{cell.hash}.json"
 
     def error(self, cell: Cell) -> Path:
         return self.out / f"{cell.hash}.error.json"
+
+    def region_source(self, dataset: str, device: str = "cpu"):
+        """The region source of `dataset`'s cells (`regions.open_regions`), None when none was given."""
+        from .regions import open_regions
+
+        value = self.regions.get(dataset, self.regions.get("*"))
+        if value is None:
+            return None
+        if str(value) == "sam2":
+            return open_regions("sam2", device)
+        return open_regions(str(value if dataset in self.regions else Path(value) / dataset))
 
     def root(self, dataset: str) -> Path:
         root = self.roots.get(dataset, self.roots.get("*"))
@@ -306,7 +319,8 @@ def run_cell(clip, cell: Cell, paths: SweepPaths, progress: bool = False, overwr
         from .evaluate import evaluate
 
         evaluate(clip, cell.data, paths.root(cell.data), cell.attention, protocol=g.protocol, overrides=cell.settings_changes or None,
-                 class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=progress, overwrite=overwrite, **templates)  # fmt: skip
+                 class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=progress, overwrite=overwrite,
+                 regions=paths.region_source(cell.data, str(clip.device)), **templates)  # fmt: skip
     else:
         from .fgovd import evaluate_fgovd
         from .inference import InferenceSettings

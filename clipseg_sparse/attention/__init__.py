@@ -23,6 +23,9 @@ Compact text form, used on the command line, in sweep grids, result files and ta
                 iter:N               GEM's clustering steps a <- normalize(norm(t a a^T) a)
                 shift:BETA scale:G   S <- G * (S - BETA * mean(S))  (ProxyCLIP / SC-CLIP)
                 pos | thresh:T | topk:K | topp:P   support: entries outside get -inf (probability 0)
+                region:EPS           CorrCLIP's scope: same region, or either token unsegmented
+                                     and S > mean(S); regions merged by DBSCAN (eps EPS) on the
+                                     term's region-mean features; needs region maps per window
     NORMALIZER  softmax | entmax:ALPHA | sparsemax | randmask:ALPHA  (every normalizer slot)
     OPTION      gauss:SIGMA   NACLIP's Gaussian neighbourhood prior on the patch grid (added to logits)
                 temp:T        score scale of dot terms (default 1/sqrt(head_dim))
@@ -39,6 +42,10 @@ Compact text form, used on the command line, in sweep grids, result files and ta
                 in:[W*]sum@A-B | in:[W*]mean@A-B   also run the block on that input and add its output
                 hook:NAME     a token or match stage the method needs (`clipseg_sparse.stages`): lof
                               (SC-CLIP's outlier repair), surgery (CLIP Surgery's feature surgery)
+                mct:BETA      CorrCLIP's semantic branch: one CLS copy per region attends to the CLS and
+                              its region's patches in every block; its last-block output, weight BETA,
+                              goes to its region's patches; every branch (main, in:, semantic) then
+                              passes ln_post on its own before the sum
                 NAME:ARG      an option registered with `register_option` (extension point)
 
 `str(spec)` writes the canonical form, and `AttentionSpec.parse(str(spec)) == spec`. Every option is

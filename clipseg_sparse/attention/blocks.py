@@ -7,6 +7,8 @@ read), the token hooks, then the last `spec.layers` blocks from their own weight
   and adds each edited attention, computed from the *original* path's ln_1 state (GEM, CLIP Surgery).
   Its output has the original path's CLS token (CLIP Surgery; patch tokens do not depend on it).
 Extra inputs (`in:sum@A-B`) run the last block again on that input and add its output (SC-CLIP).
+Region maps (CorrCLIP, `scope.py`): the `region:EPS` support and the `mct:BETA` semantic branch; with
+`mct`, `encode_normed` applies ln_post to each branch before the weighted sum.
 Nothing is patched in place; the model's weights are only read.
 """
 
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 
 from ..dna.module import DenoisingAttention, positive_attention
 from .combine import _attend, aggregate, attended_values, attention_weights
+from ..proxy import resize_regions
+from .scope import mask_class_tokens, mct_step, needs_regions, prepare_regions, semantic_tokens, semantic_weight
 from .spec import AttentionSpec
 from .taps import TAPS, BlockContext, clip_attention, tap_kind
 
@@ -38,6 +42,7 @@ class EncoderState:
     main: dict[int, torch.Tensor] = field(default_factory=dict)
     maps: dict[int, torch.Tensor] = field(default_factory=dict)
     pixels: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)  # BlockContext.extra of every edited block (regions, cached taps)
 
 
 def _tap_needs(spec: AttentionSpec) -> tuple[set[int], set[int], set[int]]:
@@ -64,7 +69,7 @@ def _context(state: EncoderState, reads: torch.Tensor, block: torch.nn.Module, o
     H = attn.num_heads
     u = block.ln_1(reads)
     q, k, v = F.linear(u, attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
-    return BlockContext(q=q, k=k, v=v, u=u, grid=state.grid, offset=offset, hidden=hidden, maps=state.maps, pixels=state.pixels)
+    return BlockContext(q=q, k=k, v=v, u=u, grid=state.grid, offset=offset, hidden=hidden, maps=state.maps, pixels=state.pixels, extra=state.extra)
 
 
 def edited_block_forward(
@@ -132,12 +137,17 @@ def encode_tokens(
     pixels: torch.Tensor | None = None,
     token_hooks: Sequence[Callable] = (),
     sink: list | None = None,
+    regions: torch.Tensor | None = None,
+    branches: list | None = None,
 ) -> torch.Tensor:
     """Tokens B x (1 + h*w) x C after the last block, the last `spec.layers` blocks edited.
 
     x: B x (1 + h*w) x C after ln_pre. token_hooks: token stages (`stages.py`) to run after the spec's
     own (`hook:`), before the edited blocks. sink: see `edited_block_forward` (filled by the last
-    edited block's main path)."""
+    edited block's main path). regions: B x H x W region ids of the input's pixels (-1 unsegmented),
+    for specs that read regions (`scope.py`). branches: with `mct:BETA`, a list that receives the
+    (weight, B x M x C tokens) of the extra inputs and the semantic branch instead of adding them to
+    the main output (see `encode_normed`)."""
     blocks = visual.transformer.resblocks
     if spec.layers > len(blocks):
         raise ValueError(f"spec edits {spec.layers} blocks but the model has {len(blocks)}")
@@ -153,9 +163,23 @@ def encode_tokens(
     if late:
         raise ValueError(f"spec {spec} reads block {late[0]}, which is edited or past the last block; taps and inputs must come from blocks 1..{n_plain}")
     state = EncoderState(x, grid, pixels=pixels)
+    if needs_regions(spec):
+        prepare_regions(spec, regions, pixels, grid, state.extra)
+    beta = semantic_weight(spec)
+    if beta is not None and branches is None:
+        if sink is None:
+            raise ValueError(f"spec {spec}: the mct branch is added after ln_post; encode it with encode_normed")
+        beta = None  # attention maps only: the main path does not depend on the MCTs
+    if beta is not None:
+        if spec.layers != 1 or spec.parallel:
+            raise ValueError(f"spec {spec}: mct needs one edited block in replace mode (layers:1, no parallel)")
+        ids = torch.stack([resize_regions(r.view(state.extra["regions_grid"]), grid) for r in state.extra["regions"]])
+        mct, allowed, index = mask_class_tokens(x, ids.flatten(1))
     for i, blk in enumerate(blocks[:n_plain], start=1):
         if i in need_maps:
             state.maps[i] = clip_attention(blk, x)
+        if beta is not None:
+            mct = mct_step(blk, mct, x, allowed)
         x = blk(x)
         if i in need_main | need_raw:
             state.hidden[i] = x
@@ -176,7 +200,34 @@ def encode_tokens(
         layers = [state.hidden[i] for i in range(inp.first, inp.last + 1)]
         r = sum(layers[1:], layers[0].clone()) if inp.kind == "sum" else torch.stack(layers).mean(0)
         y = edited_block_forward(edited[-1], r, spec, grid, state, main=False)[:, off:]
+        if beta is not None:
+            branches.append((inp.weight, y))
+            continue
         x = torch.cat([x[:, :off], x[:, off:] + (y if inp.weight == 1.0 else inp.weight * y)], dim=1)
+    if beta is not None:
+        mct = mct_step(edited[-1], mct, state.x, allowed)
+        branches.append((beta, semantic_tokens(mct, index, grid, state.extra["regions_grid"])))
+    return x
+
+
+def encode_normed(
+    visual: torch.nn.Module,
+    x: torch.Tensor,
+    spec: AttentionSpec,
+    grid: tuple[int, int],
+    ln_post: Callable[[torch.Tensor], torch.Tensor],
+    pixels: torch.Tensor | None = None,
+    token_hooks: Sequence[Callable] = (),
+    regions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`ln_post` (the tower's final LayerNorm) of `encode_tokens`' output, B x (1 + M) x C. With `mct:BETA` (CorrCLIP) the main
+    output, each extra input's and the semantic branch's pass ln_post separately and are then summed
+    with their weights (patch tokens; the CLS token is the main path's)."""
+    branches: list = []
+    x = ln_post(encode_tokens(visual, x, spec, grid, pixels, token_hooks, regions=regions, branches=branches))
+    for weight, y in branches:
+        y = ln_post(y)
+        x = torch.cat([x[:, :1], x[:, 1:] + (y if weight == 1.0 else weight * y)], dim=1)
     return x
 
 
@@ -189,8 +240,10 @@ def _parallel(edited, state: EncoderState, spec: AttentionSpec, sink: list | Non
     return torch.cat([x_orig[:, :1], x_par[:, 1:]], dim=1)
 
 
-def attention_maps_from_tokens(visual: torch.nn.Module, x: torch.Tensor, spec: AttentionSpec, grid: tuple[int, int], pixels=None) -> torch.Tensor:
+def attention_maps_from_tokens(
+    visual: torch.nn.Module, x: torch.Tensor, spec: AttentionSpec, grid: tuple[int, int], pixels=None, regions=None
+) -> torch.Tensor:
     """B x H x N x N attention of the last edited block's main path (see `attention.attention_maps`)."""
     sink: list = []
-    encode_tokens(visual, x, spec, grid, pixels, sink=sink)
+    encode_tokens(visual, x, spec, grid, pixels, sink=sink, regions=regions)
     return sink[-1]

@@ -18,7 +18,7 @@ from ..normalizers import NORMALIZER_KINDS, Normalizer
 from ..registry import Registry
 
 SOURCES = ("qk", "qq", "kk", "vv", "id")  # the v1 sources; `id` is the value path alone (MaskCLIP)
-SUPPORTS = ("all", "pos", "thresh", "topk", "topp")
+SUPPORTS = ("all", "pos", "thresh", "topk", "topp", "region")
 INPUT_KINDS = ("sum", "mean")
 
 
@@ -119,6 +119,8 @@ class Term:
             raise ValueError(f"term {self.tap!r}: topk needs an integer >= 1 (got {self.support_arg})")
         if self.support == "topp" and not 0 < self.support_arg <= 1:
             raise ValueError(f"term {self.tap!r}: topp needs 0 < p <= 1 (got {self.support_arg})")
+        if self.support == "region" and not self.support_arg >= 0:
+            raise ValueError(f"term {self.tap!r}: region needs a merge distance EPS >= 0 (got {self.support_arg})")
 
     @property
     def kind(self) -> str:
@@ -170,11 +172,11 @@ def _parse_modifier(mod: str, term: str) -> dict:
         return {"scale": _num(arg, what)}
     if name in ("all", "pos") and not arg:
         return {"support": name}
-    if name in ("thresh", "topk", "topp") and arg:
+    if name in ("thresh", "topk", "topp", "region") and arg:
         return {"support": name, "support_arg": _num(arg, what)}
     raise ValueError(
         f"bad {what}; modifiers: cos, dot, temp:T|auto, iter:N, shift:BETA, scale:GAMMA, "
-        f"pos, thresh:T, topk:K, topp:P"
+        f"pos, thresh:T, topk:K, topp:P, region:EPS"
     )
 
 

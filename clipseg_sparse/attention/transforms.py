@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..normalizers import Normalizer, normalize
+from ..proxy import region_support
 from .spec import Term
 from .taps import TAPS, BlockContext, tap_kind
 
@@ -58,7 +59,7 @@ def term_scores(term: Term, ctx: BlockContext, normalizer: Normalizer, default_s
         a = normalize(pair_scores(a, a, t), normalizer) @ a
         a = b = F.normalize(a, dim=-1) if term.metric == "cos" else a
     scores = pair_scores(a, b, t)
-    return apply_support(transform(scores, term), term)
+    return apply_support(transform(scores, term), term, ctx)
 
 
 def transform(scores: torch.Tensor, term: Term) -> torch.Tensor:
@@ -70,12 +71,20 @@ def transform(scores: torch.Tensor, term: Term) -> torch.Tensor:
     return scores
 
 
-def apply_support(scores: torch.Tensor, term: Term) -> torch.Tensor:
+def apply_support(scores: torch.Tensor, term: Term, ctx: BlockContext | None = None) -> torch.Tensor:
     """-inf outside the support: pos (S < 0 dropped), thresh:T (S < T dropped), topk:K (the K largest
-    of each row kept, ties included), topp:P (the largest entries whose softmax mass first reaches P)."""
+    of each row kept, ties included), topp:P (the largest entries whose softmax mass first reaches P),
+    region:EPS (CorrCLIP's scope on the B x M region ids `ctx.extra["regions"]`, see `proxy.region_support`)."""
     kind, arg = term.support, term.support_arg
     if kind == "all":
         return scores
+    if kind == "region":
+        regions = (ctx.extra if ctx is not None else {}).get("regions")
+        if regions is None or regions.shape[-1] != scores.shape[-1]:
+            raise ValueError(f"term {term}: the region support needs region maps on its {scores.shape[-1]}-token grid (give regions)")
+        B, H = scores.shape[:2]
+        allowed = region_support(scores.reshape(B * H, *scores.shape[2:]), regions.repeat_interleave(H, 0))
+        return scores.masked_fill(~allowed.view_as(scores), float("-inf"))
     if kind == "pos":
         drop = scores < 0
     elif kind == "thresh":
