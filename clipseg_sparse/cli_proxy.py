@@ -14,4 +14,3 @@ def backbones_table():
         b = BACKBONES.get(name)
         table.add_row(name, b.kind, b.timm_name, str(b.patch_size), ", ".join(b.features) or "region masks", b.pos_rule, b.published)
     return table
-

@@ -81,10 +81,10 @@ def test_an_image_out_of_memory_fails_alone(tmp_path, monkeypatch):
         Image.fromarray(np.full((40, 48, 3), ord(name), np.uint8)).save(tmp_path / f"{name}.png")
     real = Segmenter.predict
 
-    def predict(self, image):
+    def predict(self, image, name=None):
         if int(image[0, 0, 0]) == ord("b"):  # what torch raises when an allocation fails
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 7200000000 bytes.")
-        return real(self, image)
+        return real(self, image, name)
 
     monkeypatch.setattr(Segmenter, "predict", predict)
     monkeypatch.setenv("CLIPSEG_SPARSE_CACHE", str(tmp_path / "cache"))
@@ -96,7 +96,7 @@ def test_an_image_out_of_memory_fails_alone(tmp_path, monkeypatch):
     assert "can't allocate memory" in run.output
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png") if "overlay" not in p.name) == ["a.png", "c.png"]
     # any other RuntimeError is a bug, not a full memory: it is raised, not hidden as a failed image
-    monkeypatch.setattr(Segmenter, "predict", lambda self, image: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    monkeypatch.setattr(Segmenter, "predict", lambda self, image, name=None: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):
         CliRunner().invoke(app, [*args[:4], "--out", str(tmp_path / "out2"), *args[6:]], catch_exceptions=False)
 

@@ -73,11 +73,11 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tiny_clip, tmp_path
     real = Segmenter.predict_labels
     calls = []
 
-    def crash_after_two(self, image):
+    def crash_after_two(self, image, name=None):
         calls.append(1)
         if len(calls) > 2:
             raise KeyboardInterrupt  # what a Ctrl-C or a kill mid-run looks like to the loop
-        return real(self, image)
+        return real(self, image, name)
 
     monkeypatch.setattr(Segmenter, "predict_labels", crash_after_two)
     with pytest.raises(KeyboardInterrupt):
@@ -89,7 +89,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tiny_clip, tmp_path
         f.write('{"id": "2008_000002", "areas": {"0": [1, ')  # a line torn by the kill
 
     calls.clear()
-    monkeypatch.setattr(Segmenter, "predict_labels", lambda self, image: (calls.append(1), real(self, image))[1])
+    monkeypatch.setattr(Segmenter, "predict_labels", lambda self, image, name=None: (calls.append(1), real(self, image, name))[1])
     resumed = run(tiny_clip, "context60", tmp_path / "data", out=out)
     assert len(calls) == 3  # only the images not in the log were segmented
     assert resumed["timing"]["resumed_images"] == 2
@@ -102,7 +102,7 @@ def test_finished_result_is_not_recomputed_unless_overwritten(tiny_clip, tmp_pat
     out = tmp_path / "r.json"
     first = run(tiny_clip, "coco-object", tmp_path, out=out)
 
-    def boom(self, image):
+    def boom(self, image, name=None):
         raise AssertionError("recomputed")
 
     monkeypatch.setattr(Segmenter, "predict_labels", boom)

@@ -69,7 +69,7 @@ def counting(monkeypatch, interrupt_at=None):
     loads = Counter(clipseg_sparse.model.load_clip)
     images = Counter(Segmenter.predict_labels, interrupt_at)
     monkeypatch.setattr(clipseg_sparse.model, "load_clip", loads)
-    monkeypatch.setattr(Segmenter, "predict_labels", lambda self, rgb: images(self, rgb))
+    monkeypatch.setattr(Segmenter, "predict_labels", lambda self, rgb, name=None: images(self, rgb, name))
     return loads, images
 
 
