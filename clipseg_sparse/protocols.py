@@ -187,16 +187,18 @@ PROTOCOLS.register(
     help="ProxyCLIP (ECCV 2024): short side 336 (ADE20K, Cityscapes 448), 336/112 windows (Cityscapes 224), logit scale 40",
 )
 
-# CorrCLIP's v1 configs are ProxyCLIP's (short side 336, ADE20K / Cityscapes 448, 336/112 windows, Cityscapes
-# 224/112, logit scale 40, prob_thd 0.2 / 0.15 / 0.25) with its map correction after the labels; it needs
-# region masks (--regions). Its class files are `; `-separated with `people` in VOC21 (datasets.md).
+# CorrCLIP's v1 configs are ProxyCLIP's (short side 336, Cityscapes 448, 336/112 windows, Cityscapes 224/112,
+# logit scale 40, prob_thd 0.2 / 0.15 / 0.25; read for VOC21, Context60/59, COCO-Object and Cityscapes, the
+# others not in the index: ADE20K 448 as research/peers-sota.md 2.8) with its map correction after the
+# labels; it needs region masks (--regions). Its class files are `; `-separated with `people` in VOC21.
 PROTOCOLS.register(
     "corrclip",
     dataclasses.replace(
         PROTOCOLS.get("proxyclip"),
         name="corrclip",
         attention="corrclip",
-        source="zdk258/CorrCLIP@103bc18 CorrCLIPv1/configs/cfg_*.py, corrclip_segmentor.py (postprocess_result)",
+        source="zdk258/CorrCLIP@103bc18 CorrCLIPv1/configs/cfg_{voc21,context60,coco_object,context59,city_scapes}.py, "
+        "CorrCLIPv2/corrclip_segmentor.py postprocess_result, CorrCLIPv1/demo_colab.py",
         defaults={**PROTOCOLS.get("proxyclip").defaults, "stages": ("regionvote",)},
     ),
     help="CorrCLIP (ICCV 2025): ProxyCLIP's settings plus the map correction (stage regionvote); needs --regions",

@@ -17,7 +17,8 @@ Published arithmetic (quirks documented):
   the cosine of SAM's values (kept where cos > min(0.9, cos_fac x row mean), heads averaged, rows
   re-normalised by their sum) smooths the spliced features.
 The CorrCLIP and Trident details follow research/peers-sota.md (read from zdk258/CorrCLIP@103bc18 and
-YuHengsss/Trident@a93b346 there); their code was not re-read for this module.
+YuHengsss/Trident@a93b346 there); CorrCLIP's were re-read in CorrCLIPv2/open_clip/transformer.py and
+CorrCLIPv2/corrclip_segmentor.py (the engine's `corrclip` presets use these functions, attention/scope.py).
 """
 
 from __future__ import annotations

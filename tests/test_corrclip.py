@@ -306,3 +306,19 @@ def test_eval_corrclip_protocol_reads_regions_by_sample_id(proxy, tmp_path):  # 
     # a sweep's --regions DIR reads DIR/<dataset>/
     assert SweepPaths(out=tmp_path, regions={"*": tmp_path / "masks"}).region_source("voc21").source() == f"folder:{tmp_path / 'masks' / 'voc21'}"
     assert SweepPaths(out=tmp_path).region_source("voc21") is None
+
+
+@pytest.mark.parametrize("spec", ["sclip", "naclip-entmax", "proxyclip", "qq+kk/softmax/cls:0.3/in:sum@1-2"])
+def test_specs_without_regions_keep_their_features(proxy, spec):  # noqa: F811
+    """encode_dense now applies ln_post to all tokens (branches of mct); without mct it must give exactly
+    the features of the former rule, ln_post of the patch tokens of encode_tokens' output."""
+    from clipseg_sparse.attention import encode_tokens, resolve_spec
+
+    clip, _ = proxy
+    torch.manual_seed(8)
+    pixels = torch.randn(2, 3, 64, 48)
+    x, grid = clip._embed(pixels)
+    tokens = encode_tokens(clip.visual, x, resolve_spec(spec), grid, pixels)
+    former = F.normalize((clip.visual.ln_post(tokens[:, 1:]) @ clip.visual.proj).float(), dim=-1)
+    got = clip.encode_dense(pixels, spec)
+    assert torch.equal(got.flatten(1, 2), former)

@@ -62,16 +62,17 @@ from .taps import TAPS, BlockContext, Tap
 from .transforms import gaussian_prior
 
 
-def attention_maps(clip, pixels, spec) -> "torch.Tensor":  # noqa: F821
+def attention_maps(clip, pixels, spec, regions=None) -> "torch.Tensor":  # noqa: F821
     """B x H x N x N: the normalised attention that multiplies the values in the last edited block
     (main path), per head, computed by the forward's own score and normalize functions.
 
     clip: a DenseCLIP; pixels: B x 3 x H x W CLIP-normalised (sides multiples of the patch size);
     spec: a spec, its text or a preset name. N = 1 + h*w tokens (CLS first, then the patch grid
     row-major), or h*w with `cls:C`. Rows sum to 1 (to the sum of group weights with weights, plus W
-    with `neg:W`); for source `id` the identity.
+    with `neg:W`); for source `id` the identity. regions: B x H x W region ids of the pixels, for specs
+    with the `region:EPS` support (CorrCLIP).
     """
-    return clip.attention_maps(pixels, spec)
+    return clip.attention_maps(pixels, spec, regions)
 
 
 __all__ = [
