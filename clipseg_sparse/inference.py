@@ -602,6 +602,9 @@ class Segmenter:
         self.templates = resolve_templates(templates)
         self.stages = resolve_stages(self.settings.stage_texts())
         self.global_stage = global_stage(self.spec, self.stages)
+        s, patch = self.settings, clip.patch_size
+        if self.global_stage and s.window and (s.window % patch or s.stride % patch):
+            raise ValueError(f"stage {self.global_stage.name} splices the windows: window and stride must be multiples of the patch size {patch} (got {s.window} / {s.stride})")
         if self.backbones():  # ext: terms see this CLIP's crops (its normalisation, precision)
             PROXIES.configure(clip)
         self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir, progress=progress)

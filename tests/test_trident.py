@@ -262,6 +262,9 @@ def test_segment_cli_records_both_backbones_and_missing_weights_are_one_line(tri
         lines = [line for line in res.output.splitlines() if line.strip()]
         assert res.exit_code == 2 and len(lines) == 1 and message in lines[0], res.output
     assert not (tmp_path / "o2" / "a.json").exists()
+    res = CliRunner().invoke(app, base + ["--preset", "trident", "--window", "50", "--out", str(tmp_path / "o3")], env={"COLUMNS": "300"})
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "window and stride must be multiples of the patch size 16" in lines[0], res.output
     use_proxy_weights("auto")  # other weights dropped the tiny backbones: put them back for later tests
     for backbone in trident[1:]:
         use_backbone(backbone, "cpu")
