@@ -460,10 +460,30 @@ class DenseCLIP:
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
         x = attention_blocks.encode_normed(self._tower(spec), x, spec, grid, self.visual.ln_post, pixels, token_hooks, regions)
-        x = F.normalize((x[:, (0 if with_cls else 1) :] @ self.visual.proj).float(), dim=-1)
+        x = self._features(x[:, (0 if with_cls else 1) :])
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
         feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
         return (feats, x[:, 0]) if with_cls else feats
+
+    @torch.inference_mode()
+    def dense_tokens(
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = (), pos_interp: str = "size"
+    ) -> torch.Tensor:
+        """B x h x w x C patch tokens after the last block, before ln_post (the width of the transformer):
+        what Trident splices across windows before its global stage; `project` finishes them."""
+        spec = resolve_spec(spec)
+        x, grid = self._embed(pixels, pos_interp)
+        x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks)
+        out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
+        return x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
+
+    def project(self, tokens: torch.Tensor) -> torch.Tensor:
+        """ln_post, proj and L2 normalisation (fp32) of ... x C tokens: ... x D features."""
+        return self._features(self.visual.ln_post(tokens))
+
+    def _features(self, normed: torch.Tensor) -> torch.Tensor:
+        """proj and L2 normalisation (fp32) of tokens after ln_post."""
+        return F.normalize((normed @ self.visual.proj).float(), dim=-1)
 
     @torch.inference_mode()
     def attention_maps(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, regions: torch.Tensor | None = None) -> torch.Tensor:

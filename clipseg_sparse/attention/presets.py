@@ -126,3 +126,4 @@ for _name in ("scclip", "scclip-l14", "gem", "clipsurgery"):
 
 from .. import proxy_source  # noqa: E402,F401  (registers the ext: tap and the proxyclip presets)
 from .. import corrclip  # noqa: E402,F401  (registers the corrclip presets)
+from .. import trident  # noqa: E402,F401  (registers the sam global stage and the trident presets)
