@@ -135,9 +135,9 @@ def _entmax_rows(x: torch.Tensor, alpha: float, k: int, shift_only: bool = False
 def _entmax_block(x: torch.Tensor, alpha: float, k: int, shift_only: bool = False) -> torch.Tensor:
     """entmax (or its shift) of each row of one block `x`, R x N fp32; see `entmax` for the strategy.
 
-    Only the shifts are solved per kind of row (wide rows whole, narrow rows on their gathered
-    candidates); the probabilities are then computed on the whole block at once, which in cache is
-    cheaper than scattering them back. A block that is mostly wide rows is solved whole.
+    A block that is mostly wide rows is solved whole: in cache a pass over every row costs less than
+    splitting the block into wide and narrow rows and scattering the results back. Otherwise narrow rows
+    are solved on their gathered candidates and the few wide rows apart.
     """
     R, n = x.shape
     am1 = alpha - 1.0
@@ -149,21 +149,30 @@ def _entmax_block(x: torch.Tensor, alpha: float, k: int, shift_only: bool = Fals
     n_wide = int(wide.sum())
     if 4 * n_wide > R:
         c = _solve_shift(x, alpha)
-    else:
-        if n_wide:
-            cand[wide] = False
-            counts = counts.masked_fill(wide, 0)
-        rows, cols = cand.nonzero(as_tuple=True)
-        start = counts.cumsum(0) - counts
-        pos = torch.arange(rows.numel(), device=x.device) - start[rows]
-        # at least one column: rows without a finite score have no candidate (they end up NaN in _probs)
-        z = torch.full((R, max(int(counts.max()), 1)), float("-inf"), dtype=x.dtype, device=x.device)
-        z[rows, pos] = x[rows, cols]
-        c = _solve_shift(z, alpha)
-        if n_wide:
-            rows_w = wide.nonzero().squeeze(-1)
-            c[rows_w] = _solve_shift(x[rows_w], alpha)
-    return c if shift_only else _probs(x, c, alpha)
+        return c if shift_only else _probs(x, c, alpha)
+    if n_wide:
+        cand[wide] = False
+        counts = counts.masked_fill(wide, 0)
+    rows, cols = cand.nonzero(as_tuple=True)
+    start = counts.cumsum(0) - counts
+    pos = torch.arange(rows.numel(), device=x.device) - start[rows]
+    # at least one column: rows without a finite score have no candidate (they are set to NaN below)
+    z = torch.full((R, max(int(counts.max()), 1)), float("-inf"), dtype=x.dtype, device=x.device)
+    z[rows, pos] = x[rows, cols]
+    c = _solve_shift(z, alpha)
+    if n_wide:
+        rows_w = wide.nonzero().squeeze(-1)
+        full = x[rows_w]
+        c_wide = _solve_shift(full, alpha)
+        c[rows_w] = c_wide
+    if shift_only:
+        return c
+    out = torch.zeros_like(x)
+    out[rows, cols] = _probs(z, c, alpha)[rows, pos]
+    if n_wide:
+        out[rows_w] = _probs(full, c_wide, alpha)
+    out[~torch.isfinite(top).squeeze(-1)] = float("nan")  # no finite score: undefined, as in softmax
+    return out
 
 
 def _solve_shift(z: torch.Tensor, alpha: float, max_iter: int = 50, tol: float = 1e-5) -> torch.Tensor:
