@@ -567,6 +567,9 @@ def global_stage(spec: AttentionSpec, stages: Sequence[Stage]) -> Stage | None:
     found = given + [s for s in resolve_stages(spec.hooks) if s.kind == "global" and s.name.partition(":")[0] not in named]
     if len(found) > 1:
         raise ValueError(f"one global stage at a time (got {', '.join(s.name for s in found)})")
+    match = [s.name for s in resolve_stages(spec.hooks) if s.kind == "match"]
+    if found and match:
+        raise ValueError(f"match stage {match[0]} works on each window's cosine map; it cannot run with the global stage {found[0].name}")
     return found[0] if found else None
 
 
