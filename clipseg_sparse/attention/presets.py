@@ -125,3 +125,4 @@ for _name in ("scclip", "scclip-l14", "gem", "clipsurgery"):
     register_entmax_variant(_name)
 
 from .. import proxy_source  # noqa: E402,F401  (registers the ext: tap and the proxyclip presets)
+from .. import trident  # noqa: E402,F401  (registers the sam global stage and the trident presets)
