@@ -236,10 +236,14 @@ def test_bad_stage_and_global_stage_conflicts_are_errors(trident):
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="one global stage"):
         Segmenter(clip, "cat", spec="trident", settings=InferenceSettings(stages=("sam:1", "sam:3")), templates="single")
+    with pytest.raises(ValueError, match="match stage surgery works on each window's cosine map"):
+        Segmenter(clip, "cat", spec="vv/softmax/noffn/hook:surgery/hook:sam", templates="single")
     # the protocol's stage replaces the spec's default; a spec without one runs the settings' stage alone
     seg = Segmenter(clip, "cat", spec="trident", settings=InferenceSettings(stages=("sam:3",)), templates="single")
     assert seg.global_stage.name == "sam:3" and seg.backbones() == ["dino_vitb16", "sam_vitb"]
     assert Segmenter(clip, "cat", spec="sclip", templates="single").global_stage is None
+    sclip_sam = Segmenter(clip, "cat,dog", spec="sclip", settings=SETTINGS.replace(stages=("sam:1.2",)), templates="single")
+    assert sclip_sam.global_stage.name == "sam:1.2" and sclip_sam.predict(image(5)).labels.shape == (50, 70)
 
 
 def test_segment_cli_records_both_backbones_and_missing_weights_are_one_line(trident, tmp_path):
