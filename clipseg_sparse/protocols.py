@@ -223,8 +223,8 @@ PROTOCOLS.register(
         PROTOCOLS.get("proxyclip"),
         name="corrclip",
         attention="corrclip",
-        source="zdk258/CorrCLIP@103bc18 CorrCLIPv1/configs/cfg_{voc21,context60,coco_object,context59,city_scapes}.py, "
-        "CorrCLIPv2/corrclip_segmentor.py postprocess_result, CorrCLIPv1/demo_colab.py",
+        source="zdk258/CorrCLIP@103bc18 CorrCLIPv1/configs/cfg_*.py (voc21, context59, context60, coco_object, "
+        "city_scapes), CorrCLIPv2/corrclip_segmentor.py postprocess_result, CorrCLIPv1/demo_colab.py",
         defaults={**PROTOCOLS.get("proxyclip").defaults, "stages": ("regionvote",)},
     ),
     help="CorrCLIP (ICCV 2025): ProxyCLIP's settings plus the map correction (stage regionvote); needs --regions",
