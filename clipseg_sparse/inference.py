@@ -179,12 +179,14 @@ def iter_window_features(
     _, left, right, _ = window_geometry(ww, clip.patch_size, remainder, not window)
     for i in range(0, len(boxes), batch_size):
         chunk = boxes[i : i + batch_size]
-        crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
-        crops = F.pad(crops, (left, right, top, bottom))
+        windows = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
+        crops = F.pad(windows, (left, right, top, bottom))
         if encode is not None:
             yield chunk, encode(crops, spec)
         else:
-            out = clip.encode_dense(crops, spec, token_stages, with_cls, pos_interp=pos_interp, context=context)
+            # ResCLIP's first pass upsamples to the whole window, also where `drop` cuts it to whole patches
+            ctx = dict(context, windows=windows) if context and min(right, bottom) < 0 else context
+            out = clip.encode_dense(crops, spec, token_stages, with_cls, pos_interp=pos_interp, context=ctx)
             yield (chunk, *out) if with_cls else (chunk, out)
 
 

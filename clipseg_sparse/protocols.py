@@ -112,6 +112,13 @@ PROTOCOLS.register(
     help="ClearCLIP (ECCV 2024)",
 )
 
+_NACLIP_V2_DATASETS = {  # NACLIP v2's per-dataset values, which ResCLIP's configs share
+    "cityscapes": dict(resolution=560),
+    "voc21": dict(window=0, bg_threshold=0.1),
+    "voc20": dict(window=0),
+    "context60": dict(bg_threshold=0.1),
+    "coco-object": dict(bg_threshold=0.1),
+}
 # NACLIP's configs after its "Update for v2" commit (research/peers.md section 4; issue 11): VOC21 and
 # VOC20 on the whole image (slide_crop=0), COCO-Stuff at the common 336, PAMR on (pamr_steps=10, its
 # segmentor default and test_all.sh's "on" for the main results).
@@ -123,13 +130,7 @@ PROTOCOLS.register(
         class_names="sclip",
         source="sinahmr/NACLIP@0cac3a6 (Update for v2) configs/cfg_*.py, naclip.py, pamr.py",
         defaults={**_SCLIP_LINE, "pamr": True, "renormalize": True},
-        per_dataset={
-            "cityscapes": dict(resolution=560),
-            "voc21": dict(window=0, bg_threshold=0.1),
-            "voc20": dict(window=0),
-            "context60": dict(bg_threshold=0.1),
-            "coco-object": dict(bg_threshold=0.1),
-        },
+        per_dataset=_NACLIP_V2_DATASETS,
     ),
     help="NACLIP (WACV 2025), current configs (v2): PAMR on",
 )
@@ -227,13 +228,7 @@ PROTOCOLS.register(
         class_names="sclip",
         source="yvhangyang/ResCLIP@6b082d9 configs/cfg_*.py, resclip_segmentor.py, clip/model.py",
         defaults={**_SCLIP_LINE, "renormalize": True},
-        per_dataset={
-            "cityscapes": dict(resolution=560),
-            "voc21": dict(window=0, bg_threshold=0.1),
-            "voc20": dict(window=0),
-            "context60": dict(bg_threshold=0.1),
-            "coco-object": dict(bg_threshold=0.1),
-        },
+        per_dataset=_NACLIP_V2_DATASETS,
         attention_per_dataset={d: resclip_text(*c) for d, c in RESCLIP_CONSTANTS.items()},
     ),
     help="ResCLIP (CVPR 2025) on NACLIP: per-dataset lambda, tau and temp_thd in the spec, final PAMR off",

@@ -101,7 +101,8 @@ def _resclip_reference(clip, pixels, text_patches, thd, rcs, sfr, logit_scale=40
     first pass's own features at `text_patches` (so the labels vary); returns (features N x D, text,
     patch labels, fp16 feedback map)."""
     v = clip.visual
-    x, (h, w) = clip._embed(pixels)
+    H, W = pixels.shape[-2:]
+    x, (h, w) = clip._embed(pixels[..., : H // 16 * 16, : W // 16 * 16])  # the patch convolution drops the rest
     blocks = v.transformer.resblocks
     maps = []
     for blk in blocks[:-1]:
@@ -128,7 +129,6 @@ def _resclip_reference(clip, pixels, text_patches, thd, rcs, sfr, logit_scale=40
 
     first = last_block()
     text = first[text_patches]
-    H, W = pixels.shape[-2:]
     logits = F.interpolate((first @ text.T).T.reshape(1, -1, h, w), size=(H, W), mode="bilinear", align_corners=False)[0]
     probs = torch.softmax(_pamr_reference(logits, pixels[0]) * logit_scale, dim=0)
     pred = probs.argmax(0)
@@ -166,6 +166,30 @@ def test_resclip_equals_the_published_forward(vit_b16):
     assert engine_labels.tolist() == labels
     assert torch.allclose(ours, ref, atol=2e-5)
     assert (ours - no_feedback).abs().max() > 1e-2 and (ours - naclip).abs().max() > 1e-2
+
+
+def test_resclip_on_a_whole_image_that_is_not_whole_patches(vit_b16):
+    """remainder drop (VOC21 / VOC20 whole images): the network sees 80 x 96, the first pass upsamples to
+    and runs PAMR on the whole 80 x 104 image, as the published create_logit_temp does."""
+    from clipseg_sparse.inference import dense_cosine
+
+    torch.manual_seed(3)
+    pixels = _structured((80, 104), seed=6)
+    with torch.no_grad():
+        ref, text, labels, _ = _resclip_reference(vit_b16, pixels, [0, 11, 20, 27], 0.5, (2.0, 0.3), (2.2, 0.7))
+        spec = _resclip_protocol().spec_for("voc21", "resclip")
+        ours = dense_cosine(vit_b16, pixels, text, spec, window=0, remainder="drop", logit_scale=40.0).rows(0, 80)
+        cut = vit_b16.encode_dense(pixels[..., :96], spec, context={"text": text, "logit_scale": 40.0}).reshape(-1, 512)
+    expected = F.interpolate((ref @ text.T).T.reshape(1, -1, 5, 6), size=(80, 104), mode="bilinear", align_corners=False)[0]
+    assert len(set(sum(labels, []))) >= 3
+    assert torch.allclose(ours, expected, atol=5e-5)
+    assert (cut - ref).abs().max() > 1e-3  # PAMR and the upsampling on the cut image would give other labels
+
+
+def _resclip_protocol():
+    from clipseg_sparse.protocols import PROTOCOLS
+
+    return PROTOCOLS.get("resclip")
 
 
 def test_resclip_entmax_tends_to_resclip(vit_b16):

@@ -77,12 +77,14 @@ def first_pass_spec(spec: AttentionSpec) -> AttentionSpec:
 
 
 def first_pass_labels(
-    cosine: torch.Tensor, window: torch.Tensor, logit_scale: float, threshold: float
+    cosine: torch.Tensor, window: torch.Tensor, logit_scale: float, threshold: float, patch: int = 16
 ) -> torch.Tensor:
     """h x w name index per patch (`create_logit_temp` + `create_patch_matrix`).
 
-    cosine: T x h x w raw cosine of the first pass; window: 3 x H x W the CLIP-normalised window
-    (PAMR's guide; H = h x patch). Ties of the per-patch mode: torch.mode's (the smallest name on CPU).
+    cosine: T x h x w raw cosine of the first pass; window: 3 x H x W the CLIP-normalised window (PAMR's
+    guide; H = h x patch, or up to a patch more where the patch convolution dropped the remainder, whose
+    pixels then join PAMR but no patch); patch: the patch size in pixels. Ties of the per-patch mode:
+    torch.mode's (the smallest name on CPU).
     """
     from ..stages import pamr
 
@@ -93,16 +95,16 @@ def first_pass_labels(
     probs = torch.softmax(up * logit_scale, dim=0)
     labels = probs.argmax(0)
     labels[probs.max(0)[0] < threshold] = 0
-    ph, pw = H // h, W // w
-    patches = labels[: h * ph, : w * pw].unfold(0, ph, ph).unfold(1, pw, pw).reshape(h, w, -1)
+    patches = labels[: h * patch, : w * patch].unfold(0, patch, patch).unfold(1, patch, patch).reshape(h, w, -1)
     return torch.mode(patches, dim=-1)[0]
 
 
-def line_stays_on_label(labels: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def line_stays_on_label(labels: torch.Tensor, budget: int = 1 << 22) -> tuple[torch.Tensor, torch.Tensor]:
     """(N x N bool: the path check passes, N x N Chebyshev distances) for the raster-ordered patches of
     an h x w label grid, as `check_path`: the points start (1 - t) + end t, t = k / K for k = 0..steps,
     K = the largest distance on the grid (not the pair's own), rounded half to even in float32; the path
-    passes when every point has the start's label. So only the first steps / K of the segment is walked."""
+    passes when every point has the start's label. So only the first steps / K of the segment is walked.
+    Start patches run in chunks of about `budget` points (memory stays bounded on whole images)."""
     h, w = labels.shape
     flat = labels.flatten()
     index = torch.arange(h * w, device=labels.device)
@@ -112,6 +114,7 @@ def line_stays_on_label(labels: torch.Tensor, chunk: int = 64) -> tuple[torch.Te
     t = torch.linspace(0, 1, steps=K + 1, device=labels.device).view(1, 1, -1, 1)
     walked = torch.arange(K + 1, device=labels.device)
     valid = torch.empty_like(steps, dtype=torch.bool)
+    chunk = max(1, budget // (h * w * (K + 1)))
     for i in range(0, h * w, chunk):
         start = coords[i : i + chunk, None, None, :]
         points = (start * (1 - t) + coords[None, :, None, :] * t).round().long()  # c x N x (K+1) x 2
@@ -154,7 +157,8 @@ def feedback_scores(
     """B x 1 x (1 + N) x (1 + N): each window's feedback map over its maximum, rounded to fp16.
 
     tokens: B x (1 + h*w) x C first-pass output on the (h, w) grid; windows: B x 3 x H x W the encoded windows; context:
-    `text` (T x D L2-normalised name embeddings) and `logit_scale` (default 40, ResCLIP's)."""
+    `text` (T x D L2-normalised name embeddings), `logit_scale` (default 40, ResCLIP's) and `windows`, the
+    windows before `remainder=drop` cut them to whole patches (the published first pass upsamples to them)."""
     if not context or context.get("text") is None:
         raise ValueError(
             f"spec {spec}: the feedback tap needs the vocabulary's text embeddings (context['text']); "
@@ -165,10 +169,12 @@ def feedback_scores(
     threshold = float(tap_kind(feedback_terms(spec)[0].tap)[1])
     text = context["text"].to(tokens.device).float()
     feats = F.normalize((visual.ln_post(tokens[:, 1:]) @ visual.proj).float(), dim=-1)  # B x N x D
+    patch = windows.shape[-2] // grid[0]  # the encoded windows are whole patches
+    windows = context.get("windows", windows)
     maps = []
     for b in range(feats.shape[0]):
         cosine = (feats[b] @ text.T).T.reshape(-1, *grid)
-        labels = first_pass_labels(cosine, windows[b], float(context.get("logit_scale", 40.0)), threshold)
+        labels = first_pass_labels(cosine, windows[b], float(context.get("logit_scale", 40.0)), threshold, patch)
         m = sfr_map(labels, spec.gauss_sigma)
         maps.append((m / m.max()).half())
     return torch.stack(maps)[:, None].to(tokens.dtype)

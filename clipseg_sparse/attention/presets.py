@@ -156,10 +156,9 @@ register_preset(
     "along the flattened raster index, so it mixes the ends of neighbouring rows; map divided by its "
     "maximum and rounded to fp16 before the mix; "
     "fixed / not copied: fp32 everywhere else (the published model runs in fp16 on GPU); batches of windows "
-    "(each window its own map, maximum and labels; the published code runs one window at a time); with the "
-    "protocol's remainder rule 'drop' on whole images (VOC21, VOC20) the first pass upsamples and runs PAMR "
-    "on the image cut to whole patches (the published code upsamples to the full image and then ignores the "
-    "leftover pixels); PAMR's silent skip on GPU out-of-memory. "
+    "(each window its own map, maximum and labels; the published code runs one window at a time); "
+    "PAMR's silent skip on GPU out-of-memory. With remainder 'drop' (whole-image VOC) the first pass "
+    "upsamples to the whole window and runs PAMR there, as published; the leftover pixels join no patch. "
     "entmax variant: entmax replaces both edited normalizers (first and final pass); A_rcs stays CLIP's own "
     "softmax maps, so each row keeps tau_r lambda_r A_rcs > 0 (dense) and the sparsity is in the k-k/feedback "
     "share tau_r (1 - lambda_r) of the attention",
