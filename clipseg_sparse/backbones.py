@@ -278,7 +278,6 @@ class Backbone:
 
     def _sam_features(self, pixels: torch.Tensor, want: Sequence[str]) -> BackboneFeatures:
         from timm.layers import resample_abs_pos_embed_nhwc
-        from timm.models.vision_transformer_sam import get_decomposed_rel_pos_bias
 
         m = self.model
         x = m.patch_embed(pixels)
@@ -295,16 +294,25 @@ class Backbone:
             qkv = a.qkv(last.norm1(x).reshape(B, gh * gw, C)).view(B, gh * gw, 3, a.num_heads, -1).permute(2, 0, 3, 1, 4)
             q, k, v = qkv[0], qkv[1], qkv[2]
             if "attn" in want:
-                scores = (q * a.scale) @ k.transpose(-2, -1)
-                if a.use_rel_pos:
-                    bias = get_decomposed_rel_pos_bias(q.flatten(0, 1), a.rel_pos_h, a.rel_pos_w, (gh, gw), (gh, gw))
-                    scores = scores + bias.view_as(scores)
-                out.attn = scores.softmax(-1)
+                out.attn = sam_scores(a, q, k, (gh, gw)).softmax(-1)
             if "qkv" in want:
                 out.q, out.k, out.v = q, k, v
         if "tokens" in want:
             out.tokens = m.neck(last(x).permute(0, 3, 1, 2)).flatten(2).transpose(1, 2)
         return out
+
+
+def sam_scores(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """SAM's attention logits before the softmax, B x H' x N x N for q, k B x H' x N x d (any subset of
+    heads, so callers can go one head at a time): (q * scale) k^T plus the decomposed relative-position
+    bias of a global-attention block (`attn`, a timm SAM Attention) on the grid."""
+    from timm.models.vision_transformer_sam import get_decomposed_rel_pos_bias
+
+    scores = (q * attn.scale) @ k.transpose(-2, -1)
+    if attn.use_rel_pos:
+        bias = get_decomposed_rel_pos_bias(q.flatten(0, 1), attn.rel_pos_h, attn.rel_pos_w, grid, grid)
+        scores = scores + bias.view_as(scores)
+    return scores
 
 
 def load_backbone(

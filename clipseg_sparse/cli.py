@@ -269,7 +269,9 @@ def _protocols_table():
     from .protocols import PROTOCOLS
 
     table = Table("protocol", "attention", "class names", "all datasets", "per dataset", "follows (source)")
-    fmt = lambda d: ", ".join(f"{k}={v}" if isinstance(v, (bool, str)) else f"{k}={v:g}" for k, v in d.items())  # noqa: E731
+    fmt = lambda d: ", ".join(  # noqa: E731
+        f"{k}={','.join(v)}" if isinstance(v, tuple) else f"{k}={v}" if isinstance(v, (bool, str)) else f"{k}={v:g}" for k, v in d.items()
+    )
     for name in PROTOCOLS:
         p = PROTOCOLS.get(name)
         per = "\n".join(f"{ds}: {fmt(d)}" for ds, d in p.per_dataset.items())

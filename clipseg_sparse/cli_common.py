@@ -62,7 +62,7 @@ AttnOpt = Annotated[
 
 ProxyWeightsOpt = Annotated[
     str,
-    typer.Option("--proxy-weights", help="Weights of the external backbones of proxy presets (proxyclip, `ls backbones`): hub, a checkpoint file, none, or auto (none when --pretrained none, else hub)."),
+    typer.Option("--proxy-weights", help="Weights of the external backbones of proxy presets (proxyclip, trident, `ls backbones`): hub, a checkpoint file, none, or auto (none when --pretrained none, else hub); per backbone NAME=W,NAME=W (e.g. dino_vitb16=dino.pth,sam_vitb=sam_vit_b_01ec64.pth)."),
 ]
 
 TemplatesOpt = Annotated[

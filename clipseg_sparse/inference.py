@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, resolve_spec
 from .images import load_image
 from .model import POS_INTERP_RULES, DenseCLIP
-from .proxy_source import PROXIES, ext_backbones, proxy_config
+from .proxy_source import PROXIES, proxy_config, spec_backbones
 from .stages import Stage, resolve_stages
 from .text import Vocabulary, embed_names, resolve_templates, templates_id
 
@@ -46,6 +46,9 @@ class InferenceSettings:
     pos_interp: str = "size"  # positional embeddings: "size" (exact grid) or "scale" ((n + 0.1) / native)
     remainder: str = "pad"  # window pixels past the last whole patch: pad, centre or drop (see window_geometry)
     renormalize: bool = False  # saved probabilities divided by their sum after the synonym max (NACLIP)
+    # resized sides rounded up to a multiple of this and to >= window (Trident: 16); 0: off, or the patch size
+    # when a global stage splices the windows
+    size_multiple: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (("resize", RESIZE_METHODS), ("pos_interp", POS_INTERP_RULES), ("remainder", REMAINDER_RULES)):
@@ -55,7 +58,7 @@ class InferenceSettings:
             raise ValueError(f"stages must be a list of stage names (got the string {self.stages!r})")
         object.__setattr__(self, "stages", tuple(self.stages))
         resolve_stages(self.stage_texts())  # unknown names and bad arguments fail here
-        for name in ("resolution", "window", "max_long_side"):
+        for name in ("resolution", "window", "max_long_side", "size_multiple"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
         if self.window and not 0 < self.stride <= self.window:
@@ -103,6 +106,14 @@ def window_boxes(height: int, width: int, window: int, stride: int) -> list[tupl
             y2, x2 = min(r * stride + window, height), min(c * stride + window, width)
             boxes.append((max(y2 - window, 0), y2, max(x2 - window, 0), x2))
     return boxes
+
+
+def round_up_pixels(pixels: torch.Tensor, multiple: int, minimum: int = 0) -> torch.Tensor:
+    """Trident's `preprocess_image`: B x 3 x H x W resized bilinearly (align_corners False) so that both
+    sides are multiples of `multiple` (rounded up) and at least `minimum` (the window); unchanged if so."""
+    H, W = pixels.shape[-2:]
+    size = tuple(max(-(-side // multiple) * multiple, minimum) for side in (H, W))
+    return pixels if size == (H, W) else F.interpolate(pixels, size=size, mode="bilinear", align_corners=False)
 
 
 def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int], method: str = "torch") -> torch.Tensor:
@@ -319,9 +330,58 @@ def dense_cosine(
     _, left, _, up_w = window_geometry(cols[0][1] - cols[0][0], clip.patch_size, remainder, not window)
     ly = _window_interpolation(rows, H, h, up_h, top, out_h)
     lx = _window_interpolation(cols, W, w, up_w, left, out_w)
+    return _factored(grid, ly, lx)
+
+
+def _factored(grid: torch.Tensor, ly: torch.Tensor, lx: torch.Tensor) -> CosineMap:
+    """The CosineMap Ly @ grid @ Lx^T of an R x K x N grid (ly: out_h x R, lx: out_w x K)."""
+    out_h = ly.shape[0]
     index, weight = (F.pad(t, (0, 0, 0, -out_h % ROW_BLOCK)) for t in _taps(ly))  # whole blocks of rows
-    to = dict(device=clip.device, dtype=grid.dtype)
-    return CosineMap(grid.contiguous(), index.to(clip.device), weight.to(**to), lx.to(**to), out_h)
+    to = dict(device=grid.device, dtype=grid.dtype)
+    return CosineMap(grid.contiguous(), index.to(grid.device), weight.to(**to), lx.to(**to), out_h)
+
+
+def spliced_tokens(
+    clip: DenseCLIP,
+    pixels: torch.Tensor,
+    spec: AttentionSpec,
+    window: int = 224,
+    stride: int = 112,
+    batch_size: int = 16,
+    token_stages: Sequence[Stage] = (),
+    pos_interp: str = "size",
+) -> torch.Tensor:
+    """Trident's splice: every window's last-block tokens before ln_post (`DenseCLIP.dense_tokens`,
+    h x w cells per window) placed at the window's corner on the image's grid of cells, overlaps
+    averaged: 1 x Gh x Gw x C. Windows must tile that grid: the window side a whole number of cells and
+    every corner on a cell boundary (for CLIP's grid: image sides, window and stride multiples of the
+    patch size; `InferenceSettings.size_multiple`)."""
+    from .proxy import splice_windows
+
+    _, _, H, W = pixels.shape
+    encode = lambda crops, spec: clip.dense_tokens(crops, spec, token_stages, pos_interp)  # noqa: E731
+    boxes, feats = [], []
+    for chunk, f in iter_window_features(clip, pixels, spec, window, stride, batch_size, encode=encode):
+        boxes += chunk
+        feats.append(f)
+    feats = torch.cat(feats)
+    (y1, y2, x1, x2), (h, w) = boxes[0], feats.shape[1:3]
+    cell_h, cell_w = (y2 - y1) // h, (x2 - x1) // w
+    if (y2 - y1) % h or (x2 - x1) % w or H % cell_h or W % cell_w or any(b[0] % cell_h or b[2] % cell_w for b in boxes):
+        raise ValueError(
+            f"splicing windows needs the image ({H}x{W}), window and stride on the {cell_h}x{cell_w}-pixel cell grid "
+            f"(set size_multiple={clip.patch_size}, a window and stride multiple of {clip.patch_size})"
+        )
+    corners = [(b[0] // cell_h, b[2] // cell_w) for b in boxes]
+    return splice_windows(feats, corners, (H // cell_h, W // cell_w))[None]
+
+
+def grid_cosine(feats: torch.Tensor, text: torch.Tensor, out_size: tuple[int, int]) -> CosineMap:
+    """Cosine of one h x w x D feature grid covering the whole image with N_names x D text, resized
+    bilinearly (align_corners False) to `out_size`, as a CosineMap (Trident's logits on the SAM grid)."""
+    h, w, _ = feats.shape
+    grid = torch.einsum("hwd,nd->hwn", feats, text.to(feats.device))
+    return _factored(grid, _resize_matrix(h, out_size[0]), _resize_matrix(w, out_size[1]))
 
 
 def _taps(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -506,6 +566,20 @@ class SegmentationResult:
         return {self.class_names[i]: counts[i] / total for i in order if counts[i] > 0}
 
 
+def global_stage(spec: AttentionSpec, stages: Sequence[Stage]) -> Stage | None:
+    """The global stage to run (see stages.py): one given in the settings replaces the spec's of the same
+    name (a protocol's per-dataset constants); ValueError if two different ones would run."""
+    given = [s for s in stages if s.kind == "global"]
+    named = {s.name.partition(":")[0] for s in given}
+    found = given + [s for s in resolve_stages(spec.hooks) if s.kind == "global" and s.name.partition(":")[0] not in named]
+    if len(found) > 1:
+        raise ValueError(f"one global stage at a time (got {', '.join(s.name for s in found)})")
+    match = [s.name for s in resolve_stages(spec.hooks) if s.kind == "match"]
+    if found and match:
+        raise ValueError(f"match stage {match[0]} works on each window's cosine map; it cannot run with the global stage {found[0].name}")
+    return found[0] if found else None
+
+
 class Segmenter:
     """Open-vocabulary segmentation of single images with a fixed model, spec, vocabulary and settings.
 
@@ -534,11 +608,15 @@ class Segmenter:
         self.vocabulary = vocabulary
         self.spec = resolve_spec(spec)
         clip.check_spec(self.spec)
-        if ext_backbones(self.spec):  # ext: terms see this CLIP's crops (its normalisation, precision)
-            PROXIES.configure(clip)
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
         self.stages = resolve_stages(self.settings.stage_texts())
+        self.global_stage = global_stage(self.spec, self.stages)
+        s, patch = self.settings, clip.patch_size
+        if self.global_stage and s.window and (s.window % patch or s.stride % patch):
+            raise ValueError(f"stage {self.global_stage.name} splices the windows: window and stride must be multiples of the patch size {patch} (got {s.window} / {s.stride})")
+        if self.backbones():  # ext: terms see this CLIP's crops (its normalisation, precision)
+            PROXIES.configure(clip)
         self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir, progress=progress)
         for stage in self._stages("text"):
             self.text = stage(self.text)
@@ -557,8 +635,13 @@ class Segmenter:
             "classes": [list(syn) for syn in self.vocabulary.names],
             **dataclasses.asdict(self.settings),
             "stages": [s.name for s in self.stages],  # canonical names, PAMR included when on
-            **proxy_config(self.spec),  # backbones of ext: terms, their tags and weights
+            **proxy_config(self.backbones()),  # backbones of ext: terms and stages, their tags and weights
         }
+
+    def backbones(self) -> list[str]:
+        """External backbones this segmenter runs: the spec's (`spec_backbones`), then its global stage's."""
+        extra = self.global_stage.backbones if self.global_stage else ()
+        return list(dict.fromkeys(spec_backbones(self.spec) + list(extra)))
 
     def _stages(self, kind: str) -> list[Stage]:
         return [s for s in self.stages if s.kind == kind]
@@ -571,10 +654,18 @@ class Segmenter:
         height, width = image.shape[:2]
         size = resized_shape(height, width, s.resolution, s.max_long_side)
         pixels = to_pixels(image, self.clip, size, s.resize)
-        factored = dense_cosine(
-            self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width),
-            self._stages("token"), s.pos_interp, s.remainder, s.logit_scale,
-        )  # fmt: skip
+        multiple = s.size_multiple or (self.clip.patch_size if self.global_stage else 0)  # splicing needs whole patches
+        if multiple:
+            pixels = round_up_pixels(pixels, multiple, s.window)
+        if self.global_stage is not None:  # splice the windows, then one stage over the whole image
+            tokens = spliced_tokens(self.clip, pixels, self.spec, s.window, s.stride, s.batch_size, self._stages("token"), s.pos_interp)
+            tokens = self.global_stage(tokens, image, self.spec.normalizer)
+            factored = grid_cosine(self.clip.project(tokens[0]), self.text, (height, width))
+        else:
+            factored = dense_cosine(
+                self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width),
+                self._stages("token"), s.pos_interp, s.remainder, s.logit_scale,
+            )  # fmt: skip
         post = self._stages("post")
         if not post:
             return factored

@@ -456,13 +456,31 @@ class DenseCLIP:
         context: Mapping[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
+        x, out_grid = self._last_tokens(pixels, spec, token_hooks, pos_interp, context)
+        x = self.project(x[:, (0 if with_cls else 1) :])
+        feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
+        return (feats, x[:, 0]) if with_cls else feats
+
+    @torch.inference_mode()
+    def dense_tokens(
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = (), pos_interp: str = "size"
+    ) -> torch.Tensor:
+        """B x h x w x C patch tokens after the last block, before ln_post (the width of the transformer):
+        what Trident splices across windows before its global stage; `project` finishes them."""
+        x, out_grid = self._last_tokens(pixels, spec, token_hooks, pos_interp)
+        return x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
+
+    def project(self, tokens: torch.Tensor) -> torch.Tensor:
+        """ln_post, proj and L2 normalisation (fp32) of ... x C tokens: ... x D features."""
+        return F.normalize((self.visual.ln_post(tokens) @ self.visual.proj).float(), dim=-1)
+
+    def _last_tokens(self, pixels, spec, token_hooks, pos_interp, context: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
+        """All tokens B x N x C after the edited blocks, and the grid their patch tokens (the last N' = h*w)
+        lie on: CLIP's, or an external backbone's (ProxyCLIP)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
         x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks, context=context)
-        x = F.normalize((self.visual.ln_post(x[:, (0 if with_cls else 1) :]) @ self.visual.proj).float(), dim=-1)
-        out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
-        feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
-        return (feats, x[:, 0]) if with_cls else feats
+        return x, attention_grid(spec, tuple(pixels.shape[-2:]), grid)
 
     @torch.inference_mode()
     def attention_maps(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None) -> torch.Tensor:

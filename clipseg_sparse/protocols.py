@@ -233,3 +233,29 @@ PROTOCOLS.register(
     ),
     help="ResCLIP (CVPR 2025) on NACLIP: per-dataset lambda, tau and temp_thd in the spec, final PAMR off",
 )
+
+# Trident's configs (research/peers-sota.md 2.7): short side per dataset, 336-px windows with stride 224
+# (VOC20 112), sides rounded up to multiples of 16 (`preprocess_image`), logit scale 40, `prob_thd`, and the
+# SAM stage's cos_fac / refine_neg_cos (Cityscapes: SAM on the image's halves). Its `coarse_thresh` only
+# serves the SAM prompt refinement, which is not implemented (datasets.md).
+PROTOCOLS.register(
+    "trident",
+    Protocol(
+        name="trident",
+        attention="trident",
+        class_names="sclip",
+        source="YuHengsss/Trident@a93b346 configs/, trident.py (research/peers-sota.md 2.7)",
+        defaults=dict(resolution=448, window=336, stride=224, logit_scale=40.0, size_multiple=16, stages=("sam:1.2",)),
+        per_dataset={
+            "voc21": dict(bg_threshold=0.2),
+            "voc20": dict(resolution=336, stride=112, stages=("sam:0",)),
+            "context60": dict(resolution=576, bg_threshold=0.15),
+            "context59": dict(resolution=576),
+            "coco-object": dict(bg_threshold=0.25),
+            "cityscapes": dict(resolution=688, stages=("sam:3:neg0.6:halves",)),
+            "ade20k": dict(resolution=576, stages=("sam:1.2:neg0.6",)),
+        },
+    ),
+    help="Trident (ICCV 2025): short side 448 (VOC20 336, Context 576, ADE20K 576, Cityscapes 688), 336/224 windows "
+    "(VOC20 112), sides multiples of 16, SAM stage constants per dataset",
+)

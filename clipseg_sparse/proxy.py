@@ -22,6 +22,8 @@ YuHengsss/Trident@a93b346 there); their code was not re-read for this module.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -61,17 +63,25 @@ def corrclip_attention(
     return normalize(restrict(tau * s, region_support(s, regions)), normalizer)
 
 
-def sam_filtered_attention(attn: torch.Tensor, v: torch.Tensor, cos_fac: float = 1.2, refine_neg_cos: bool = True) -> torch.Tensor:
-    """Trident's SAM stage map, B x N x N from SAM's last-block attention and values (B x heads x N x N,
-    B x heads x N x d): keep attn where cos(v_i, v_j) > thr(i) = min(0.9, cos_fac * mean over heads and
-    j of cos), average heads, divide rows by their sum. refine_neg_cos False: negative thresholds
-    become 0.6 (its Cityscapes/ADE configs)."""
+def sam_filtered_attention(
+    attn: torch.Tensor | Iterable[torch.Tensor], v: torch.Tensor, cos_fac: float = 1.2, refine_neg_cos: bool = True
+) -> torch.Tensor:
+    """Trident's SAM stage map, B x N x N from SAM's last-block attention and values: keep attn where
+    cos(v_i, v_j) > thr(i) = min(0.9, cos_fac * mean over heads and j of cos), average heads, divide rows
+    by their sum. refine_neg_cos False: negative thresholds become 0.6 (its Cityscapes/ADE configs).
+    attn: B x heads x N x N, or the heads' B x N x N maps one at a time (an iterable, so only one head's
+    map need exist: 12 x 4096^2 floats is 0.8 GB at SAM's 64 x 64 grid); v: B x heads x N x d. The row
+    mean of the cosine is v_i . mean_j(v_j) (unit vectors), so no N x N map is kept for it."""
     vn = F.normalize(v.float(), dim=-1)
-    cos = vn @ vn.transpose(-2, -1)
-    thr = (cos_fac * cos.mean(dim=(1, 3))).clamp(max=0.9)[:, None, :, None]
+    row_mean = (vn @ vn.mean(dim=2, keepdim=True).transpose(-2, -1))[..., 0]  # B x heads x N
+    thr = (cos_fac * row_mean.mean(dim=1)).clamp(max=0.9)[:, :, None]  # B x N x 1
     if not refine_neg_cos:
         thr = torch.where(thr < 0, torch.full_like(thr, 0.6), thr)
-    kept = (attn.float() * (cos > thr)).mean(dim=1)
+    heads = attn.unbind(1) if isinstance(attn, torch.Tensor) else attn
+    kept = None
+    for h, a in enumerate(heads):
+        term = a.float() * (vn[:, h] @ vn[:, h].transpose(-2, -1) > thr)
+        kept = term if kept is None else kept.add_(term)
     return kept / kept.sum(-1, keepdim=True)
 
 

@@ -32,8 +32,9 @@ EXT_FEATURES = {"": "tokens", "qk": "qkv"}
 
 @dataclass
 class ProxyBackbones:
-    """Loaded backbones for `ext:` taps. weights: "auto" (random when the CLIP weights are none, else
-    "hub"), "hub", "none" or a checkpoint file (used for every backbone the spec names)."""
+    """Loaded backbones for `ext:` taps and stages. weights: "auto" (random when the CLIP weights are
+    none, else "hub"), "hub", "none" or a checkpoint file (used for every backbone the spec names), or
+    per backbone `NAME=W,NAME=W` (Trident: a DINO and a SAM checkpoint; backbones not named: "auto")."""
 
     weights: str = "auto"
     clip_weights: str = "openai"
@@ -45,24 +46,32 @@ class ProxyBackbones:
     def configure(self, clip=None, weights: str | None = None) -> None:
         """Follow a DenseCLIP's normalisation, precision and weights (for "auto"); set the weights.
         Backbones loaded with other weights or precision are dropped."""
-        before = (self.resolved_weights(), self.precision)
+        before = (self.weights, self.clip_weights, self.precision)
         if clip is not None:
             self.clip_mean, self.clip_std = tuple(clip.mean), tuple(clip.std)
             self.clip_weights, self.precision = clip.pretrained, clip.precision
         if weights is not None:
             self.weights = weights
-        if (self.resolved_weights(), self.precision) != before:
+        if (self.weights, self.clip_weights, self.precision) != before:
             self._loaded.clear()
 
-    def resolved_weights(self) -> str:
-        if self.weights == "auto":
+    def resolved_weights(self, name: str | None = None) -> str:
+        """The weights `name` loads with ("hub", "none" or a file)."""
+        weights = self.weights
+        if "=" in weights:
+            per = dict(item.split("=", 1) for item in weights.split(",") if item)
+            unknown = sorted(set(per) - set(BACKBONES.names()))
+            if unknown:
+                raise ValueError(f"--proxy-weights: unknown backbone {unknown[0]!r} (see `ls backbones`)")
+            weights = per.get(name, "auto")
+        if weights == "auto":
             return "none" if self.clip_weights == "none" else "hub"
-        return self.weights
+        return weights
 
     def get(self, name: str, device: torch.device) -> Backbone:
         key = (name, str(device))
         if key not in self._loaded:
-            self._loaded[key] = load_backbone(name, self.resolved_weights(), device=device, precision=self.precision)
+            self._loaded[key] = load_backbone(name, self.resolved_weights(name), device=device, precision=self.precision)
         return self._loaded[key]
 
     def config(self, names: list[str]) -> dict:
@@ -70,7 +79,7 @@ class ProxyBackbones:
         out = {}
         for name in names:
             loaded = [b for (n, _), b in self._loaded.items() if n == name]
-            weights = loaded[0].weights if loaded else self.resolved_weights()
+            weights = loaded[0].weights if loaded else self.resolved_weights(name)
             tag = BACKBONES.get(name).timm_name
             out[name] = {"timm": tag, "weights": tag if weights == "hub" else weights, "precision": self.precision}
         return out
@@ -88,7 +97,7 @@ def use_proxy_weights(weights: str | None = None, clip=None) -> None:
 def prepare_proxies(spec, clip, weights: str | None = None) -> list[str]:
     """Follow `clip`, choose the weights, and load now every backbone the spec's `ext:` terms read (so
     missing weights fail before any image is processed). Returns their names."""
-    names = ext_backbones(spec)
+    names = spec_backbones(spec)
     if names:
         PROXIES.configure(clip, weights)
         for name in names:
@@ -113,9 +122,18 @@ def ext_backbones(spec) -> list[str]:
     return names
 
 
-def proxy_config(spec) -> dict:
-    """`{"proxy_backbones": {...}}` for a spec with `ext:` terms (result files), else {}."""
+def spec_backbones(spec) -> list[str]:
+    """Names of the external backbones a spec runs: its `ext:` terms', then its stages' (`hook:sam`)."""
+    from .stages import resolve_stages
+
     names = ext_backbones(spec)
+    for stage in resolve_stages(spec.hooks):
+        names += [n for n in stage.backbones if n not in names]
+    return names
+
+
+def proxy_config(names: list[str]) -> dict:
+    """`{"proxy_backbones": {...}}` for these backbone names (result files), else {}."""
     return {"proxy_backbones": PROXIES.config(names)} if names else {}
 
 

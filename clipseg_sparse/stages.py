@@ -17,6 +17,13 @@ the call each kind's function receives:
   (before the logit scale, the softmax and the max over synonyms); guide = 3 x H x W, the CLIP-normalised
   network input resized bilinearly back to the original size. Post stages see the whole image at once
   (they are not row-tiled), so they cost about (N_names + 20) x H x W floats of memory.
+- global: `fn(tokens, image, normalizer) -> tokens` once per image, with splicing: tokens = 1 x h x w x C
+  last-block patch tokens before ln_post, every window's placed on the resized image's patch grid
+  (overlaps averaged); image = the original H x W x 3 uint8 RGB image; normalizer = the spec's. Returns
+  1 x h' x w' x C tokens on a grid covering the whole image (ln_post, proj and the cosine follow; that
+  map is resized bilinearly to the original size). A spec names the one its method needs (`hook:sam`,
+  Trident); one given in the settings (a protocol's per-dataset constants) replaces the spec's of the
+  same name. `backbones`: the external backbones it runs (loaded before any image, recorded in results).
 
 PAMR (Araslanov & Roth, CVPR 2020, `visinf/1-stage-wseg`) is the first post stage, with the arithmetic of
 `sinahmr/NACLIP@0cac3a6:pamr.py` (= `wangf3014/SCLIP:pamr.py`), quirks included (see `pamr`).
@@ -32,7 +39,7 @@ import torch.nn.functional as F
 
 from .registry import Registry
 
-KINDS = ("token", "text", "match", "post")
+KINDS = ("token", "text", "match", "post", "global")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class Stage:
     name: str
     fn: Callable[..., torch.Tensor]
     taps: bool = False  # token stages only: also edits the hidden states the spec reads (see above)
+    backbones: tuple[str, ...] = ()  # external backbones the stage runs (`ls backbones`)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

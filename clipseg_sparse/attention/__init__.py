@@ -37,8 +37,9 @@ Compact text form, used on the command line, in sweep grids, result files and ta
                               divided by their sum + 1e-6), e.g. x@9[cos,thresh:0.4] (SC-CLIP)
                 aggout:TERM   the same on the block output
                 in:[W*]sum@A-B | in:[W*]mean@A-B   also run the block on that input and add its output
-                hook:NAME     a token or match stage the method needs (`clipseg_sparse.stages`): lof
-                              (SC-CLIP's outlier repair), surgery (CLIP Surgery's feature surgery)
+                hook:NAME     a token, match or global stage the method needs (`clipseg_sparse.stages`):
+                              lof (SC-CLIP's outlier repair), surgery (CLIP Surgery's feature surgery),
+                              sam (Trident's SAM stage over the spliced windows)
                 NAME:ARG      an option registered with `register_option` (extension point)
 
 `str(spec)` writes the canonical form, and `AttentionSpec.parse(str(spec)) == spec`. Every option is

@@ -166,3 +166,4 @@ register_preset(
 register_entmax_variant("resclip")
 
 from .. import proxy_source  # noqa: E402,F401  (registers the ext: tap and the proxyclip presets)
+from .. import trident  # noqa: E402,F401  (registers the sam global stage and the trident presets)

@@ -287,7 +287,7 @@ class AttentionSpec:
         the original path's ln_1 state (GEM, CLIP Surgery). average: divide the sum of groups by their
         number. aggregate_in/out: identity-value aggregation x <- R(support(S)) x before / after the block
         (R: row sums + 1e-6, SC-CLIP). inputs: extra inputs of the block (SC-CLIP's multi-level sum).
-        hooks: token and match stages the method needs (`clipseg_sparse.stages`: lof, surgery). extras:
+        hooks: token, match and global stages the method needs (`clipseg_sparse.stages`: lof, surgery, sam). extras:
         registered options.
     """
 
@@ -483,7 +483,7 @@ def _check_hook(text: str) -> str:
         stage = parse_stage(text)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_token_stages()}") from None
-    if stage.kind not in ("token", "match"):
+    if stage.kind not in ("token", "match", "global"):
         raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_token_stages()} (post stages run with --pamr or InferenceSettings.stages)")
     return stage.name
 
@@ -491,4 +491,4 @@ def _check_hook(text: str) -> str:
 def _token_stages() -> str:
     from ..stages import STAGES
 
-    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith(("token", "match")))
+    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith(("token", "match", "global")))
