@@ -504,15 +504,39 @@ class ClassMaps:
         keep = self._kept(area_threshold)
         labels = torch.empty((height, width), dtype=torch.int64)
         for y0, y1 in self.bands:
-            labels[y0:y1] = masked_labels(self.rows(y0, y1), bg_threshold, keep).cpu()
+            labels[y0:y1] = self._band_labels(y0, y1, bg_threshold, keep).cpu()
         return labels.numpy()
+
+    def _band_labels(self, y0: int, y1: int, bg_threshold: float, keep: torch.Tensor | None) -> torch.Tensor:
+        """(y1 - y0) x W labels of `masked_labels` on the probabilities, read off the logits instead.
+
+        The softmax over names and the max over each class's names preserve order, and names are listed
+        class by class, so the class of the first arg-max name is the first arg-max class; the top
+        probability the background rule needs is exp(l_top - l_max) / sum exp(l - l_max), the same
+        arithmetic as that entry of `class_probabilities`. No probability map is made: a third of the
+        passes over names x pixels. Only a tie between probabilities that are equal in float32 while
+        their logits differ could pick another label.
+        """
+        logits = self.logits.rows(y0, y1)  # N x h x W, overwritten below
+        names = torch.as_tensor(self.name_to_class, device=logits.device)
+        if bg_threshold > 0:
+            top_all = logits.amax(0)
+            total = torch.sub(logits, top_all).exp_().sum(0)
+        if keep is not None:  # the classes the area threshold drops cannot win
+            logits.masked_fill_(keep.to(logits.device)[names].view(-1, 1, 1) == 0, float("-inf"))
+        if bg_threshold <= 0:
+            return names[logits.argmax(0)]
+        top, best = logits.max(0)
+        labels = names[best]
+        labels[top.sub_(top_all).exp_().div_(total) < bg_threshold] = 0
+        return labels
 
     def _kept(self, area_threshold: float) -> torch.Tensor | None:
         """`kept_classes` from the whole image's argmax areas (None without an area threshold)."""
         classes = self.shape[0]
         if area_threshold <= 0 or classes < 2:
             return None
-        areas = sum(torch.bincount(self.rows(*b).argmax(0).flatten(), minlength=classes) for b in self.bands)
+        areas = sum(torch.bincount(self._band_labels(*b, 0.0, None).flatten(), minlength=classes) for b in self.bands)
         return kept_classes(areas, area_threshold)
 
     @torch.inference_mode()

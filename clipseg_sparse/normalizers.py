@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 NORMALIZER_KINDS = ("softmax", "entmax", "sparsemax", "randmask")
+BLOCK_ELEMENTS = 1 << 19  # rows per block x row length: 2 MiB of fp32 per buffer, a core's L2 here
 RANDMASK_SEED = 0
 
 
@@ -91,11 +92,11 @@ def entmax(scores: torch.Tensor, alpha: float, dim: int = -1, k: int = 64) -> to
     """Exact alpha-entmax along `dim` for 1 < alpha <= 2.
 
     Every entry of the support lies within 1/(alpha-1) of its row's maximum, so that cheap test gives a
-    superset of the support without sorting. Rows with at most `k` such candidates are gathered into a
-    small dense R x K block and solved there; the output is written only at those entries. Rows with more
-    candidates (alpha near 1, flat rows) are solved on the whole row. The result never depends on `k`,
-    only the speed. When autograd needs a gradient we defer to `entmax.entmax_bisect`, whose backward
-    is implemented.
+    superset of the support without sorting. The shift of a row with at most `k` such candidates is
+    solved on a small dense R x K block of them; rows with more candidates (alpha near 1, flat rows) are
+    solved whole; then the probabilities follow from the shifts in one pass. Rows go through in blocks
+    that fit in cache (`_entmax_rows`). The result never depends on `k` or the blocks, only the speed.
+    When autograd needs a gradient we defer to `entmax.entmax_bisect`, whose backward is implemented.
     """
     if not 1.0 < alpha <= 2.0:
         raise ValueError(f"entmax alpha must be in (1, 2], got {alpha}")
@@ -115,7 +116,29 @@ def entmax_shift(x: torch.Tensor, alpha: float, k: int = 64) -> torch.Tensor:
 
 
 def _entmax_rows(x: torch.Tensor, alpha: float, k: int, shift_only: bool = False) -> torch.Tensor:
-    """entmax (or its shift) of each row of `x`, R x N fp32; see `entmax` for the strategy."""
+    """entmax (or its shift) of each row of `x`, R x N fp32, solved in blocks of rows.
+
+    Each block's few row-sized buffers fit in a core's cache, so the Newton passes of `_solve_shift` read
+    and write cache instead of memory: on 12 x 785 x 785 scores (ViT-B/16, 448 px) a pass over a block is
+    3-4x faster than the same pass over the whole tensor, and each block stops iterating as soon as its
+    own rows have converged.
+    """
+    rows = max(1, BLOCK_ELEMENTS // max(x.shape[1], 1))
+    if x.shape[0] <= rows:
+        return _entmax_block(x, alpha, k, shift_only)
+    out = torch.empty((x.shape[0], 1) if shift_only else x.shape, dtype=x.dtype, device=x.device)
+    for start in range(0, x.shape[0], rows):
+        out[start : start + rows] = _entmax_block(x[start : start + rows], alpha, k, shift_only)
+    return out
+
+
+def _entmax_block(x: torch.Tensor, alpha: float, k: int, shift_only: bool = False) -> torch.Tensor:
+    """entmax (or its shift) of each row of one block `x`, R x N fp32; see `entmax` for the strategy.
+
+    A block that is mostly wide rows is solved whole: in cache a pass over every row costs less than
+    splitting the block into wide and narrow rows and scattering the results back. Otherwise narrow rows
+    are solved on their gathered candidates and the few wide rows apart.
+    """
     R, n = x.shape
     am1 = alpha - 1.0
     top = x.amax(-1, keepdim=True)
@@ -123,31 +146,33 @@ def _entmax_rows(x: torch.Tensor, alpha: float, k: int, shift_only: bool = False
     cand = x > top - 1.0 / am1
     counts = cand.sum(-1, dtype=torch.int32)  # much faster than a bool sum
     wide = counts > k
-    shift = torch.empty(R, 1, dtype=x.dtype, device=x.device)
-    out = None if shift_only else torch.zeros_like(x)
-    if bool(wide.any()):
+    n_wide = int(wide.sum())
+    if 4 * n_wide > R:
+        c = _solve_shift(x, alpha)
+        return c if shift_only else _probs(x, c, alpha)
+    if n_wide:
         cand[wide] = False
         counts = counts.masked_fill(wide, 0)
+    rows, cols = cand.nonzero(as_tuple=True)
+    start = counts.cumsum(0) - counts
+    pos = torch.arange(rows.numel(), device=x.device) - start[rows]
+    # at least one column: rows without a finite score have no candidate (they are set to NaN below)
+    z = torch.full((R, max(int(counts.max()), 1)), float("-inf"), dtype=x.dtype, device=x.device)
+    z[rows, pos] = x[rows, cols]
+    c = _solve_shift(z, alpha)
+    if n_wide:
         rows_w = wide.nonzero().squeeze(-1)
-        full = x if rows_w.numel() == R else x[rows_w]
-        c = _solve_shift(full, alpha)
-        shift[rows_w] = c
-        if out is not None:
-            out[rows_w] = _probs(full, c, alpha)
-    if bool((~wide).any()):
-        rows, cols = cand.nonzero(as_tuple=True)
-        start = counts.cumsum(0) - counts
-        pos = torch.arange(rows.numel(), device=x.device) - start[rows]
-        # at least one column: rows without a finite score have no candidate (they end up NaN below)
-        z = torch.full((R, max(int(counts.max()), 1)), float("-inf"), dtype=x.dtype, device=x.device)
-        z[rows, pos] = x[rows, cols]
-        c = _solve_shift(z, alpha)
-        narrow = ~wide
-        shift[narrow] = c[narrow]
-        if out is not None:
-            out[rows, cols] = _probs(z, c, alpha)[rows, pos]
-            out[~torch.isfinite(top).squeeze(-1)] = float("nan")  # no finite score: undefined, as in softmax
-    return shift if shift_only else out
+        full = x[rows_w]
+        c_wide = _solve_shift(full, alpha)
+        c[rows_w] = c_wide
+    if shift_only:
+        return c
+    out = torch.zeros_like(x)
+    out[rows, cols] = _probs(z, c, alpha)[rows, pos]
+    if n_wide:
+        out[rows_w] = _probs(full, c_wide, alpha)
+    out[~torch.isfinite(top).squeeze(-1)] = float("nan")  # no finite score: undefined, as in softmax
+    return out
 
 
 def _solve_shift(z: torch.Tensor, alpha: float, max_iter: int = 50, tol: float = 1e-5) -> torch.Tensor:
@@ -178,15 +203,15 @@ def _solve_shift(z: torch.Tensor, alpha: float, max_iter: int = 50, tol: float =
         c = c + step
         if bool((step.abs() <= tol * (1.0 + c.abs())).all()):
             break
-    if alpha in (1.5, 2.0):
-        support = (1.0 + am1 * (z - c)) > 0
-        size = support.sum(-1, keepdim=True).clamp(min=1).to(z.dtype)
-        if alpha == 2.0:  # p = 1: sum_S (1 + z_i - c) = 1, so c = 1 + (sum_S z - 1) / |S|
-            c = 1.0 + (torch.where(support, z, 0.0).sum(-1, keepdim=True) - 1.0) / size
-        else:  # p = 2: sum_S (1 + (z_i - c)/2)^2 = 1 is a quadratic in c
-            w = torch.where(support, 1.0 + 0.5 * z, 0.0)
-            s1, s2 = w.sum(-1, keepdim=True), (w * w).sum(-1, keepdim=True)
-            c = 2.0 * (s1 - torch.clamp(s1 * s1 - size * (s2 - 1.0), min=0.0).sqrt()) / size
+    if alpha in (1.5, 2.0):  # support fixed: closed forms on it, from u alone (0 off the support, no -inf)
+        torch.add(za, 1.0 - am1 * c, out=u).clamp_(min=0.0)
+        size = (u > 0).sum(-1, keepdim=True, dtype=torch.int32).clamp(min=1).to(z.dtype)
+        s1 = u.sum(-1, keepdim=True)
+        if alpha == 2.0:  # sum_S (u_i - (c' - c)) = 1
+            c = c + (s1 - 1.0) / size
+        else:  # sum_S (u_i - d)^2 = 1 with d = (c' - c) / 2: the smaller root of a quadratic in d
+            s2 = torch.linalg.vecdot(u, u).unsqueeze(-1)
+            c = c + 2.0 * (s1 - torch.clamp(s1 * s1 - size * (s2 - 1.0), min=0.0).sqrt()) / size
     return c + torch.where(finite, zmax, 0.0)
 
 
@@ -200,8 +225,9 @@ def _power(u: torch.Tensor, e: float, out: torch.Tensor | None = None) -> torch.
     out = torch.empty_like(u) if out is None else out
     if e == 0.0:
         return out.copy_(u > 0)
-    if e == 2.0:
-        return torch.mul(u, u, out=out)
+    if e in (2.0, 4.0):  # by multiplication: torch.pow has fast paths for 2 and 3 but not 4 (alpha 1.25)
+        torch.mul(u, u, out=out)
+        return out.mul_(out) if e == 4.0 else out
     return torch.pow(u, e, out=out)
 
 

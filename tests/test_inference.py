@@ -5,6 +5,8 @@ import torch.nn.functional as F
 
 from clipseg_sparse import AttentionSpec, InferenceSettings, Segmenter, Vocabulary
 from clipseg_sparse.inference import (
+    ClassMaps,
+    DenseMap,
     class_probabilities,
     probabilities_to_labels,
     resized_shape,
@@ -120,6 +122,25 @@ def test_background_rules():
     assert probabilities_to_labels(probs, bg_threshold=0.6).flatten().tolist() == [0, 1, 0, 2]
     # class 1 covers 1 of 3 non-background pixels: an area threshold of 0.4 drops it
     assert probabilities_to_labels(probs, area_threshold=0.4).flatten().tolist() == [2, 0, 0, 2]
+
+
+@pytest.mark.parametrize("bg_threshold, area_threshold", [(0.0, 0.0), (0.3, 0.0), (0.0, 0.2), (0.25, 0.15)])
+def test_labels_read_off_the_logits_equal_the_labels_of_the_probabilities(bg_threshold, area_threshold):
+    # ClassMaps.labels never builds the probabilities; the labels must be those of the probability path
+    torch.manual_seed(0)
+    name_to_class = [0, 0, 1, 2, 2, 2, 3, 4]  # synonyms for classes 0 and 2
+    cosine = torch.randn(len(name_to_class), 37, 53) * 0.1
+    cosine[6] -= 0.2  # class 3 wins rarely: the area threshold drops it
+    maps = ClassMaps(DenseMap(cosine.clone()), name_to_class, 5, 40.0, budget=4000)
+    assert len(maps.bands) > 1
+    probs = class_probabilities(cosine * 40.0, name_to_class, 5)
+    expected = probabilities_to_labels(probs, bg_threshold, area_threshold).numpy()
+    labels = maps.labels(bg_threshold, area_threshold)
+    np.testing.assert_array_equal(labels, expected)
+    if bg_threshold:
+        assert (labels == 0).mean() > (probs.argmax(0).numpy() == 0).mean()  # the threshold acted
+    if area_threshold:
+        assert 3 in probs.argmax(0) and 3 not in labels
 
 
 def test_predict_whole_image_equals_direct_computation(tiny_clip):

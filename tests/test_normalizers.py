@@ -175,3 +175,25 @@ def test_input_with_no_finite_row_at_all_is_nan_like_softmax():
         x = torch.full((2, 5), fill)
         for name in ["softmax", "entmax:1.5", "entmax:1.2", "sparsemax"]:
             assert torch.isnan(normalize(x, name)).all(), (fill, name)
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_entmax_solved_in_blocks_of_rows_is_exact(alpha, monkeypatch):
+    # blocks of 8 rows: one all flat rows (solved whole), one all peaked (candidates gathered), one with
+    # a single flat row among peaked ones (both solvers in one block), a -inf row inside a block
+    import clipseg_sparse.normalizers as normalizers
+
+    x = _attention_like(3)[12:].repeat(3, 1)  # 36 peaked rows
+    g = torch.Generator().manual_seed(4)
+    x[:8] = torch.randn(8, x.shape[1], generator=g) * 0.05
+    x[17] = torch.randn(x.shape[1], generator=g) * 0.05
+    x[29] = float("-inf")
+    whole = entmax(x, alpha, k=8)
+    monkeypatch.setattr(normalizers, "BLOCK_ELEMENTS", 8 * x.shape[1])
+    out = entmax(x, alpha, k=8)
+    finite = torch.arange(36) != 29
+    ref = entmax_pkg.entmax_bisect(x[finite].double(), alpha=alpha, n_iter=200).float()
+    assert (out[finite] - ref).abs().max() <= 1e-5
+    assert torch.isnan(out[29]).all()
+    assert torch.allclose(out[finite], whole[finite], atol=1e-6)
+    assert entmax_shift(x[finite], alpha).shape == (35, 1)
