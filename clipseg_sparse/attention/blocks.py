@@ -15,12 +15,13 @@ Nothing is patched in place; the model's weights are only read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..dna.module import DenoisingAttention, positive_attention
+from . import feedback
 from .combine import _attend, aggregate, attended_values, attention_weights
 from ..proxy import resize_regions
 from .scope import mask_class_tokens, mct_step, needs_regions, prepare_regions, semantic_tokens, semantic_weight
@@ -42,7 +43,7 @@ class EncoderState:
     main: dict[int, torch.Tensor] = field(default_factory=dict)
     maps: dict[int, torch.Tensor] = field(default_factory=dict)
     pixels: torch.Tensor | None = None
-    extra: dict = field(default_factory=dict)  # BlockContext.extra of every edited block (regions, cached taps)
+    extra: dict = field(default_factory=dict)  # BlockContext.extra of the edited blocks (feedback map, regions, cached taps)
 
 
 def _tap_needs(spec: AttentionSpec) -> tuple[set[int], set[int], set[int]]:
@@ -69,7 +70,9 @@ def _context(state: EncoderState, reads: torch.Tensor, block: torch.nn.Module, o
     H = attn.num_heads
     u = block.ln_1(reads)
     q, k, v = F.linear(u, attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
-    return BlockContext(q=q, k=k, v=v, u=u, grid=state.grid, offset=offset, hidden=hidden, maps=state.maps, pixels=state.pixels, extra=state.extra)
+    return BlockContext(
+        q=q, k=k, v=v, u=u, grid=state.grid, offset=offset, hidden=hidden, maps=state.maps, pixels=state.pixels, extra=state.extra
+    )
 
 
 def edited_block_forward(
@@ -137,6 +140,7 @@ def encode_tokens(
     pixels: torch.Tensor | None = None,
     token_hooks: Sequence[Callable] = (),
     sink: list | None = None,
+    context: Mapping[str, Any] | None = None,
     regions: torch.Tensor | None = None,
     branches: list | None = None,
 ) -> torch.Tensor:
@@ -144,10 +148,11 @@ def encode_tokens(
 
     x: B x (1 + h*w) x C after ln_pre. token_hooks: token stages (`stages.py`) to run after the spec's
     own (`hook:`), before the edited blocks. sink: see `edited_block_forward` (filled by the last
-    edited block's main path). regions: B x H x W region ids of the input's pixels (-1 unsegmented),
-    for specs that read regions (`scope.py`). branches: with `mct:BETA`, a list that receives the
-    (weight, B x M x C tokens) of the extra inputs and the semantic branch instead of adding them to
-    the main output (see `encode_normed`)."""
+    edited block's main path). context: what a `feedback` term's first pass reads (`text`, `logit_scale`;
+    see feedback.py): the edited blocks run once without it, their labels make the map the final run reads.
+    regions: B x H x W region ids of the input's pixels (-1 unsegmented), for specs that read regions
+    (`scope.py`). branches: with `mct:BETA`, a list that receives the (weight, B x M x C tokens) of the
+    extra inputs and the semantic branch instead of adding them to the main output (`encode_normed`)."""
     blocks = visual.transformer.resblocks
     if spec.layers > len(blocks):
         raise ValueError(f"spec edits {spec.layers} blocks but the model has {len(blocks)}")
@@ -190,8 +195,23 @@ def encode_tokens(
     for hook in [st for st in map(parse_stage, spec.hooks) if st.kind == "token"] + list(token_hooks):
         state.x = hook(state.x, grid, state.main) if getattr(hook, "taps", False) else hook(state.x, grid)
     edited = blocks[n_plain:]
+    if feedback.feedback_terms(spec):  # ResCLIP: a first pass, then the map the final pass reads
+        first = _replace(edited, state, feedback.first_pass_spec(spec), None)
+        state.extra["feedback"] = feedback.feedback_scores(visual, first, grid, pixels, spec, context)
     if spec.parallel:
         return _parallel(edited, state, spec, sink)
+    if beta is None:
+        return _replace(edited, state, spec, sink)
+    x = _replace(edited, state, spec, sink, branches)
+    mct = mct_step(edited[-1], mct, state.x, allowed)
+    branches.append((beta, semantic_tokens(mct, index, grid, state.extra["regions_grid"])))
+    return x
+
+
+def _replace(edited, state: EncoderState, spec: AttentionSpec, sink: list | None, branches: list | None = None) -> torch.Tensor:
+    """Replace mode: each edited block's output feeds the next; extra inputs add their outputs (or, with
+    `branches`, are appended to it as (weight, tokens))."""
+    grid = state.grid
     x = state.x
     for j, blk in enumerate(edited):
         x = edited_block_forward(blk, x, spec, grid, state, sink=sink if j == len(edited) - 1 else None)
@@ -200,13 +220,10 @@ def encode_tokens(
         layers = [state.hidden[i] for i in range(inp.first, inp.last + 1)]
         r = sum(layers[1:], layers[0].clone()) if inp.kind == "sum" else torch.stack(layers).mean(0)
         y = edited_block_forward(edited[-1], r, spec, grid, state, main=False)[:, off:]
-        if beta is not None:
+        if branches is not None:
             branches.append((inp.weight, y))
             continue
         x = torch.cat([x[:, :off], x[:, off:] + (y if inp.weight == 1.0 else inp.weight * y)], dim=1)
-    if beta is not None:
-        mct = mct_step(edited[-1], mct, state.x, allowed)
-        branches.append((beta, semantic_tokens(mct, index, grid, state.extra["regions_grid"])))
     return x
 
 
@@ -219,12 +236,13 @@ def encode_normed(
     pixels: torch.Tensor | None = None,
     token_hooks: Sequence[Callable] = (),
     regions: torch.Tensor | None = None,
+    context: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
-    """`ln_post` (the tower's final LayerNorm) of `encode_tokens`' output, B x (1 + M) x C. With `mct:BETA` (CorrCLIP) the main
-    output, each extra input's and the semantic branch's pass ln_post separately and are then summed
-    with their weights (patch tokens; the CLS token is the main path's)."""
+    """`ln_post` (the tower's final LayerNorm) of `encode_tokens`' output, B x (1 + M) x C. With `mct:BETA`
+    (CorrCLIP) the main output, each extra input's and the semantic branch's pass ln_post separately and
+    are then summed with their weights (patch tokens; the CLS token is the main path's)."""
     branches: list = []
-    x = ln_post(encode_tokens(visual, x, spec, grid, pixels, token_hooks, regions=regions, branches=branches))
+    x = ln_post(encode_tokens(visual, x, spec, grid, pixels, token_hooks, context=context, regions=regions, branches=branches))
     for weight, y in branches:
         y = ln_post(y)
         x = torch.cat([x[:, :1], x[:, 1:] + (y if weight == 1.0 else weight * y)], dim=1)
