@@ -56,7 +56,8 @@ def evaluate(
 ) -> dict:
     """Evaluate `clip` with `spec` on a benchmark and return the result record (see README, schema 1).
 
-    spec / class_names None take the protocol's pairing (its attention preset, its class-name set).
+    spec / class_names None take the protocol's pairing (its attention preset, its class-name set); the
+    protocol's own preset takes the dataset's published constants (`Protocol.spec_for`).
     overrides: InferenceSettings fields (resolution, window, stride, logit_scale, bg_threshold,
     area_threshold, batch_size, pamr, resize, pos_interp, remainder, ...) that win over the protocol. limit: the first N images only.
     out: result JSON (written atomically) with its checkpoint log beside it; resume=False restarts the
@@ -80,7 +81,8 @@ def evaluate(
     if not bench.background and (settings.bg_threshold or settings.area_threshold):
         raise ValueError(f"{bench.name} has no background class: bg_threshold and area_threshold must be 0")
     rank, world = rank_and_world()
-    segmenter = Segmenter(clip, vocabulary, spec or proto.attention, settings, templates, cache_dir, progress=progress and rank == 0)
+    spec = proto.spec_for(bench.name, spec)  # a preset's per-dataset constants (ResCLIP's)
+    segmenter = Segmenter(clip, vocabulary, spec, settings, templates, cache_dir, progress=progress and rank == 0)
     config = run_config(segmenter, bench, root, protocol, which, names_version, limit, bench.fingerprint(every_sample))
 
     finished, log = open_run(out, config, overwrite=overwrite, resume=resume, rank=rank, world=world)

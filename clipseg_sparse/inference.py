@@ -171,6 +171,7 @@ def iter_window_features(
     remainder: str = "pad",
     encode: Callable[[torch.Tensor, AttentionSpec], torch.Tensor] | None = None,
     with_cls: bool = False,
+    context: dict | None = None,
 ) -> Iterator[tuple]:
     """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
 
@@ -179,7 +180,8 @@ def iter_window_features(
     `remainder` (see `window_geometry`); with the default, pad, they are zero-padded at the bottom and
     right, so patch (i, j) of a window covers pixels
     y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
-    encode(crops, spec) replaces `clip.encode_dense` (e.g. attention maps for the analysis).
+    encode(crops, spec) replaces `clip.encode_dense` (e.g. attention maps for the analysis). context:
+    passed to `clip.encode_dense` (the text a `feedback` term's first pass reads).
     """
     _, _, H, W = pixels.shape
     boxes = window_boxes(H, W, window, stride)
@@ -188,12 +190,14 @@ def iter_window_features(
     _, left, right, _ = window_geometry(ww, clip.patch_size, remainder, not window)
     for i in range(0, len(boxes), batch_size):
         chunk = boxes[i : i + batch_size]
-        crops = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
-        crops = F.pad(crops, (left, right, top, bottom))
+        windows = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
+        crops = F.pad(windows, (left, right, top, bottom))
         if encode is not None:
             yield chunk, encode(crops, spec)
         else:
-            out = clip.encode_dense(crops, spec, token_stages, with_cls, pos_interp=pos_interp)
+            # ResCLIP's first pass upsamples to the whole window, also where `drop` cuts it to whole patches
+            ctx = dict(context, windows=windows) if context and min(right, bottom) < 0 else context
+            out = clip.encode_dense(crops, spec, token_stages, with_cls, pos_interp=pos_interp, context=ctx)
             yield (chunk, *out) if with_cls else (chunk, out)
 
 
@@ -293,6 +297,7 @@ def dense_cosine(
     token_stages: Sequence[Stage] = (),
     pos_interp: str = "size",
     remainder: str = "pad",
+    logit_scale: float = 40.0,
 ) -> CosineMap:
     """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size
     (or at `out_size`, as if that map were then resized bilinearly), as a CosineMap (rows on demand).
@@ -304,14 +309,16 @@ def dense_cosine(
     Ly @ G @ Lx^T, with G the grid of all windows' patch maps (rows*h x cols*w per name) and Ly, Lx
     small interpolation matrices: no per-window work or window-sized temporaries beyond the model call,
     and Ly is sparse (a few taps per row), which is what CosineMap uses to compute any band of rows.
-    Match stages the spec names (`hook:surgery`) rewrite each window's cosine map before that.
+    Match stages the spec names (`hook:surgery`) rewrite each window's cosine map before that. A spec
+    with a `feedback` term (ResCLIP) gets the text and `logit_scale` for its first pass.
     """
     _, _, H, W = pixels.shape
     text = text.to(clip.device)
     match = [st for st in resolve_stages(spec.hooks) if st.kind == "match"]  # e.g. CLIP Surgery's
     boxes, cos = [], []
+    context = {"text": text, "logit_scale": logit_scale}
     windows = iter_window_features(
-        clip, pixels, spec, window, stride, batch_size, token_stages, pos_interp, remainder, with_cls=bool(match)
+        clip, pixels, spec, window, stride, batch_size, token_stages, pos_interp, remainder, with_cls=bool(match), context=context
     )
     for chunk, feats, *cls in windows:
         boxes += chunk
@@ -704,7 +711,7 @@ class Segmenter:
         else:
             factored = dense_cosine(
                 self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width),
-                self._stages("token"), s.pos_interp, s.remainder,
+                self._stages("token"), s.pos_interp, s.remainder, s.logit_scale,
             )  # fmt: skip
         post = self._stages("post")
         if not post:

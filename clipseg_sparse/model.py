@@ -16,7 +16,7 @@ import os
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -430,6 +430,7 @@ class DenseCLIP:
         token_hooks: Sequence[Callable] = (),
         with_cls: bool = False,
         pos_interp: str = "size",
+        context: Mapping[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Dense features B x h x w x D, after ln_post and proj, L2-normalised, CLS dropped.
 
@@ -440,9 +441,10 @@ class DenseCLIP:
         with_cls: also return the CLS embeddings B x D (L2-normalised; in parallel mode the original
         path's, i.e. CLIP's image embedding), for match stages such as CLIP Surgery's feature surgery.
         pos_interp: the positional-embedding rule, "size" or the published repositories' "scale" (see
-        `positional_embedding`).
+        `positional_embedding`). context: what a spec's `feedback` term (ResCLIP) reads: `text`, the
+        T x D L2-normalised name embeddings, and `logit_scale` (see `attention.feedback`).
         """
-        return self.dense_forward(pixels, spec, token_hooks, with_cls, pos_interp)
+        return self.dense_forward(pixels, spec, token_hooks, with_cls, pos_interp, context)
 
     def dense_forward(
         self,
@@ -451,9 +453,10 @@ class DenseCLIP:
         token_hooks: Sequence[Callable] = (),
         with_cls: bool = False,
         pos_interp: str = "size",
+        context: Mapping[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
-        x, out_grid = self._last_tokens(pixels, spec, token_hooks, pos_interp)
+        x, out_grid = self._last_tokens(pixels, spec, token_hooks, pos_interp, context)
         x = self.project(x[:, (0 if with_cls else 1) :])
         feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
         return (feats, x[:, 0]) if with_cls else feats
@@ -471,12 +474,12 @@ class DenseCLIP:
         """ln_post, proj and L2 normalisation (fp32) of ... x C tokens: ... x D features."""
         return F.normalize((self.visual.ln_post(tokens) @ self.visual.proj).float(), dim=-1)
 
-    def _last_tokens(self, pixels, spec, token_hooks, pos_interp) -> tuple[torch.Tensor, tuple[int, int]]:
+    def _last_tokens(self, pixels, spec, token_hooks, pos_interp, context: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
         """All tokens B x N x C after the edited blocks, and the grid their patch tokens (the last N' = h*w)
         lie on: CLIP's, or an external backbone's (ProxyCLIP)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
-        x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks)
+        x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks, context=context)
         return x, attention_grid(spec, tuple(pixels.shape[-2:]), grid)
 
     @torch.inference_mode()

@@ -22,6 +22,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .attention import AttentionSpec
+from .attention.presets import resclip_text
 from .inference import InferenceSettings
 from .registry import Registry
 
@@ -36,6 +38,8 @@ class Protocol:
     source: str  # repository@commit the values are read from
     defaults: Mapping[str, Any] = field(default_factory=dict)  # for every dataset
     per_dataset: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # dataset -> the text of `attention` with that dataset's published constants (ResCLIP's lambda, tau, temp_thd)
+    attention_per_dataset: Mapping[str, str] = field(default_factory=dict)
 
     def settings(self, dataset: str, overrides: Mapping[str, Any] | None = None) -> InferenceSettings:
         """InferenceSettings for `dataset`; `overrides` entries that are None are ignored, unknown ones
@@ -46,6 +50,19 @@ class Protocol:
             .replace(**self.per_dataset.get(dataset, {}))
             .replace(**dict(overrides or {}))
         )
+
+    def spec_for(self, dataset: str, spec: AttentionSpec | str | None = None) -> AttentionSpec:
+        """The spec to run on `dataset` (None: the protocol's preset). A spec that is the protocol's preset
+        up to its normalizer (`resclip`, `resclip-entmax`, `resclip/entmax:1.3`) gets the dataset's
+        published constants, its normalizer kept; any other spec runs as given."""
+        from .attention import PRESETS, resolve_spec
+
+        spec = resolve_spec(spec if spec is not None else self.attention)
+        variant = self.attention_per_dataset.get(dataset)
+        base = PRESETS.get(self.attention).spec
+        if variant is None or spec.replace(normalizer=base.normalizer) != base:
+            return spec
+        return AttentionSpec.parse(variant).replace(normalizer=spec.normalizer)
 
 
 PROTOCOLS: Registry[Protocol] = Registry("protocol")
@@ -95,6 +112,13 @@ PROTOCOLS.register(
     help="ClearCLIP (ECCV 2024)",
 )
 
+_NACLIP_V2_DATASETS = {  # NACLIP v2's per-dataset values, which ResCLIP's configs share
+    "cityscapes": dict(resolution=560),
+    "voc21": dict(window=0, bg_threshold=0.1),
+    "voc20": dict(window=0),
+    "context60": dict(bg_threshold=0.1),
+    "coco-object": dict(bg_threshold=0.1),
+}
 # NACLIP's configs after its "Update for v2" commit (research/peers.md section 4; issue 11): VOC21 and
 # VOC20 on the whole image (slide_crop=0), COCO-Stuff at the common 336, PAMR on (pamr_steps=10, its
 # segmentor default and test_all.sh's "on" for the main results).
@@ -106,13 +130,7 @@ PROTOCOLS.register(
         class_names="sclip",
         source="sinahmr/NACLIP@0cac3a6 (Update for v2) configs/cfg_*.py, naclip.py, pamr.py",
         defaults={**_SCLIP_LINE, "pamr": True, "renormalize": True},
-        per_dataset={
-            "cityscapes": dict(resolution=560),
-            "voc21": dict(window=0, bg_threshold=0.1),
-            "voc20": dict(window=0),
-            "context60": dict(bg_threshold=0.1),
-            "coco-object": dict(bg_threshold=0.1),
-        },
+        per_dataset=_NACLIP_V2_DATASETS,
     ),
     help="NACLIP (WACV 2025), current configs (v2): PAMR on",
 )
@@ -185,6 +203,35 @@ PROTOCOLS.register(
         },
     ),
     help="ProxyCLIP (ECCV 2024): short side 336 (ADE20K, Cityscapes 448), 336/112 windows (Cityscapes 224), logit scale 40",
+)
+
+# ResCLIP's configs (yvhangyang/ResCLIP@6b082d9 configs/cfg_*.py, ResCLIPSegmentation's defaults): NACLIP's
+# line (336, 224/112 windows, logit scale 40; Cityscapes 560; VOC21 and VOC20 whole image), final PAMR off
+# (pamr_steps=0; its first pass runs its own PAMR), probabilities renormalised after the synonym max, and
+# per dataset temp_thd, attn_rcs_weights (tau, lambda), attn_sfr_weights (tau, lambda); every config sets
+# delete_same_entity=True. The same configs serve ViT-L/14 (base_config.py's clip_path comment).
+RESCLIP_CONSTANTS = {
+    "voc21": (0.50, (2.0, 0.3), (2.2, 0.7)),
+    "voc20": (0.10, (2.0, 0.6), (2.1, 0.6)),
+    "context60": (0.30, (2.0, 0.3), (1.8, 0.7)),
+    "context59": (0.25, (2.0, 0.4), (1.8, 0.7)),
+    "coco-object": (0.11, (2.0, 0.4), (1.8, 0.7)),
+    "coco-stuff": (0.11, (2.0, 0.4), (1.8, 0.7)),
+    "cityscapes": (0.10, (2.0, 0.2), (2.1, 0.6)),
+    "ade20k": (0.25, (2.0, 0.3), (2.1, 0.7)),
+}
+PROTOCOLS.register(
+    "resclip",
+    Protocol(
+        name="resclip",
+        attention="resclip",
+        class_names="sclip",
+        source="yvhangyang/ResCLIP@6b082d9 configs/cfg_*.py, resclip_segmentor.py, clip/model.py",
+        defaults={**_SCLIP_LINE, "renormalize": True},
+        per_dataset=_NACLIP_V2_DATASETS,
+        attention_per_dataset={d: resclip_text(*c) for d, c in RESCLIP_CONSTANTS.items()},
+    ),
+    help="ResCLIP (CVPR 2025) on NACLIP: per-dataset lambda, tau and temp_thd in the spec, final PAMR off",
 )
 
 # Trident's configs (research/peers-sota.md 2.7): short side per dataset, 336-px windows with stride 224

@@ -13,12 +13,13 @@ Nothing is patched in place; the model's weights are only read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..dna.module import DenoisingAttention, positive_attention
+from . import feedback
 from .combine import _attend, aggregate, attended_values, attention_weights
 from .spec import AttentionSpec
 from .taps import TAPS, BlockContext, clip_attention, tap_kind
@@ -38,6 +39,7 @@ class EncoderState:
     main: dict[int, torch.Tensor] = field(default_factory=dict)
     maps: dict[int, torch.Tensor] = field(default_factory=dict)
     pixels: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)  # BlockContext.extra of the edited blocks (the feedback map)
 
 
 def _tap_needs(spec: AttentionSpec) -> tuple[set[int], set[int], set[int]]:
@@ -64,7 +66,9 @@ def _context(state: EncoderState, reads: torch.Tensor, block: torch.nn.Module, o
     H = attn.num_heads
     u = block.ln_1(reads)
     q, k, v = F.linear(u, attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
-    return BlockContext(q=q, k=k, v=v, u=u, grid=state.grid, offset=offset, hidden=hidden, maps=state.maps, pixels=state.pixels)
+    return BlockContext(
+        q=q, k=k, v=v, u=u, grid=state.grid, offset=offset, hidden=hidden, maps=state.maps, pixels=state.pixels, extra=state.extra
+    )
 
 
 def edited_block_forward(
@@ -132,12 +136,14 @@ def encode_tokens(
     pixels: torch.Tensor | None = None,
     token_hooks: Sequence[Callable] = (),
     sink: list | None = None,
+    context: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Tokens B x (1 + h*w) x C after the last block, the last `spec.layers` blocks edited.
 
     x: B x (1 + h*w) x C after ln_pre. token_hooks: token stages (`stages.py`) to run after the spec's
     own (`hook:`), before the edited blocks. sink: see `edited_block_forward` (filled by the last
-    edited block's main path)."""
+    edited block's main path). context: what a `feedback` term's first pass reads (`text`, `logit_scale`;
+    see feedback.py): the edited blocks run once without it, their labels make the map the final run reads."""
     blocks = visual.transformer.resblocks
     if spec.layers > len(blocks):
         raise ValueError(f"spec edits {spec.layers} blocks but the model has {len(blocks)}")
@@ -166,8 +172,17 @@ def encode_tokens(
     for hook in [st for st in map(parse_stage, spec.hooks) if st.kind == "token"] + list(token_hooks):
         state.x = hook(state.x, grid, state.main) if getattr(hook, "taps", False) else hook(state.x, grid)
     edited = blocks[n_plain:]
+    if feedback.feedback_terms(spec):  # ResCLIP: a first pass, then the map the final pass reads
+        first = _replace(edited, state, feedback.first_pass_spec(spec), None)
+        state.extra["feedback"] = feedback.feedback_scores(visual, first, grid, pixels, spec, context)
     if spec.parallel:
         return _parallel(edited, state, spec, sink)
+    return _replace(edited, state, spec, sink)
+
+
+def _replace(edited, state: EncoderState, spec: AttentionSpec, sink: list | None) -> torch.Tensor:
+    """Replace mode: each edited block's output feeds the next; extra inputs add their outputs."""
+    grid = state.grid
     x = state.x
     for j, blk in enumerate(edited):
         x = edited_block_forward(blk, x, spec, grid, state, sink=sink if j == len(edited) - 1 else None)

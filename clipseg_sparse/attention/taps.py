@@ -2,7 +2,8 @@
 
 A tap is registered by kind (`TAPS`, name -> `Tap`) and written `KIND`, `KIND@ARG` or `KIND:ARG` in a
 term. A tap gives either features (a, b), compared by the term's metric into N x N scores, or an
-already normalised N x N map (mixed after normalisation). This is the extension point for scores from
+already normalised N x N map (mixed after normalisation), or N x N scores mixed before the normalizer as
+they are (`feedback`, ResCLIP's first-pass map, in feedback.py). This is the extension point for scores from
 outside CLIP: register a kind (e.g. `ext`) whose `features` reads `BlockContext.pixels` or
 `BlockContext.extra`.
 
@@ -58,11 +59,13 @@ class BlockContext:
 @dataclass(frozen=True)
 class Tap:
     """features(ctx, arg) -> (a, b), each B x H' x N x d (H' = 1 or heads); or maps(ctx, arg) -> B x H' x N x N
-    already normalised. check(arg) raises ValueError for a bad argument. hidden(arg) / blocks(arg): the
+    already normalised; or scores(ctx, arg) -> B x H' x N x N scores mixed before the normalizer as they are
+    (no metric; ResCLIP's `feedback`). check(arg) raises ValueError for a bad argument. hidden(arg) / blocks(arg): the
     hidden states / CLIP attention maps (1-based block indices) the tap reads, kept while CLIP runs."""
 
     features: Features | None = None
     maps: Maps | None = None
+    scores: Maps | None = None
     check: Callable[[str], None] = lambda arg: None
     hidden: Callable[[str], set[int]] = lambda arg: set()
     blocks: Callable[[str], set[int]] = lambda arg: set()

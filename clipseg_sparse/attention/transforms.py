@@ -43,7 +43,10 @@ def term_scores(term: Term, ctx: BlockContext, normalizer: Normalizer, default_s
     default_scale: the spec's temperature (None = d^-1/2) for the dot metric.
     """
     kind, arg = tap_kind(term.tap)
-    a, b = TAPS.get(kind).features(ctx, arg)
+    tap = TAPS.get(kind)
+    if tap.scores is not None:  # scores given as they are (ResCLIP's feedback map)
+        return apply_support(transform(tap.scores(ctx, arg), term), term)
+    a, b = tap.features(ctx, arg)
     if term.temp == "auto":
         t = adaptive_temperature(ctx)
     elif term.temp is not None:
