@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from .spec import AttentionSpec, Group, _num
+from .spec import AttentionSpec, Group, Term, _num
 from .taps import TAPS, BlockContext, Tap, tap_kind
 
 #: the first pass's PAMR, hard-coded in the published `create_logit_temp`
@@ -54,7 +54,8 @@ TAPS.register(
 )
 
 
-def feedback_terms(spec: AttentionSpec) -> list:
+def feedback_terms(spec: AttentionSpec) -> list[Term]:
+    """The spec's `feedback:THD` terms (ResCLIP has one)."""
     return [t for g in spec.groups for t in g.terms if tap_kind(t.tap)[0] == "feedback"]
 
 
@@ -123,18 +124,17 @@ def line_stays_on_label(labels: torch.Tensor, budget: int = 1 << 22) -> tuple[to
     return valid, steps
 
 
-def sfr_map(labels: torch.Tensor, sigma: float, same_entity: bool = True) -> torch.Tensor:
-    """(1 + N) x (1 + N) feedback map of an h x w label grid (`generate_attention_sfr`), CLS row and
-    column 0: A[i, j] = 1 if labels agree; with `same_entity` (all published configs) times
-    exp(-cheb(i, j) / K) where the path check fails; each row blurred by a 1-D Gaussian (sigma, size
+def sfr_map(labels: torch.Tensor, sigma: float) -> torch.Tensor:
+    """(1 + N) x (1 + N) feedback map of an h x w label grid (`generate_attention_sfr` with
+    delete_same_entity=True, as every published config sets it), CLS row and column 0: A[i, j] = 1 if
+    labels agree, times exp(-cheb(i, j) / K) where the path check fails; each row blurred by a 1-D Gaussian (sigma, size
     min(N, 6 sigma + 1) made odd, zero padding) along the raster index, ReLU, divided by sum + 1e-8."""
     h, w = labels.shape
     N = h * w
     flat = labels.flatten()
     attn = (flat[:, None] == flat[None]).float()
-    if same_entity:
-        valid, steps = line_stays_on_label(labels)
-        attn = torch.where(valid, attn, attn * torch.exp(-steps / int(steps.max())))
+    valid, steps = line_stays_on_label(labels)
+    attn = torch.where(valid, attn, attn * torch.exp(-steps / int(steps.max())))
     size = min(N, int(6 * sigma + 1))
     size += 1 - size % 2
     x = torch.arange(size, device=labels.device) - size // 2
