@@ -121,19 +121,22 @@ def _entmax_rows(x: torch.Tensor, alpha: float, k: int, shift_only: bool = False
     Each block's few row-sized buffers fit in a core's cache, so the Newton passes of `_solve_shift` read
     and write cache instead of memory: on 12 x 785 x 785 scores (ViT-B/16, 448 px) a pass over a block is
     3-4x faster than the same pass over the whole tensor, and each block stops iterating as soon as its
-    own rows have converged.
+    own rows have converged. The output and three block-sized work buffers are allocated once per call:
+    allocating and freeing megabytes per block made the C allocator hand memory back to the system and
+    fault it in again, which slowed the model's own matrix products after it by a fifth.
     """
-    rows = max(1, BLOCK_ELEMENTS // max(x.shape[1], 1))
-    if x.shape[0] <= rows:
-        return _entmax_block(x, alpha, k, shift_only)
-    out = torch.empty((x.shape[0], 1) if shift_only else x.shape, dtype=x.dtype, device=x.device)
-    for start in range(0, x.shape[0], rows):
-        out[start : start + rows] = _entmax_block(x[start : start + rows], alpha, k, shift_only)
+    R, n = x.shape
+    rows = max(1, min(R, BLOCK_ELEMENTS // max(n, 1)))
+    out = torch.empty((R, 1) if shift_only else (R, n), dtype=x.dtype, device=x.device)
+    work = torch.empty(3, rows * n, dtype=x.dtype, device=x.device)
+    for start in range(0, R, rows):
+        _entmax_block(x[start : start + rows], alpha, k, out[start : start + rows], work, shift_only)
     return out
 
 
-def _entmax_block(x: torch.Tensor, alpha: float, k: int, shift_only: bool = False) -> torch.Tensor:
-    """entmax (or its shift) of each row of one block `x`, R x N fp32; see `entmax` for the strategy.
+def _entmax_block(x: torch.Tensor, alpha: float, k: int, out: torch.Tensor, work: torch.Tensor, shift_only: bool) -> None:
+    """entmax (or its shift) of each row of one block `x` (R x N fp32) written into `out` (R x N, or R x 1);
+    `work`: 3 x (at least R * N) scratch for `_solve_shift`. See `entmax` for the strategy.
 
     A block that is mostly wide rows is solved whole: in cache a pass over every row costs less than
     splitting the block into wide and narrow rows and scattering the results back. Otherwise narrow rows
@@ -148,8 +151,9 @@ def _entmax_block(x: torch.Tensor, alpha: float, k: int, shift_only: bool = Fals
     wide = counts > k
     n_wide = int(wide.sum())
     if 4 * n_wide > R:
-        c = _solve_shift(x, alpha)
-        return c if shift_only else _probs(x, c, alpha)
+        c = _solve_shift(x, alpha, work)
+        out.copy_(c) if shift_only else _probs(x, c, alpha, out=out)
+        return
     if n_wide:
         cand[wide] = False
         counts = counts.masked_fill(wide, 0)
@@ -159,23 +163,23 @@ def _entmax_block(x: torch.Tensor, alpha: float, k: int, shift_only: bool = Fals
     # at least one column: rows without a finite score have no candidate (they are set to NaN below)
     z = torch.full((R, max(int(counts.max()), 1)), float("-inf"), dtype=x.dtype, device=x.device)
     z[rows, pos] = x[rows, cols]
-    c = _solve_shift(z, alpha)
+    c = _solve_shift(z, alpha, work)
     if n_wide:
         rows_w = wide.nonzero().squeeze(-1)
         full = x[rows_w]
-        c_wide = _solve_shift(full, alpha)
+        c_wide = _solve_shift(full, alpha, work)
         c[rows_w] = c_wide
     if shift_only:
-        return c
-    out = torch.zeros_like(x)
+        out.copy_(c)
+        return
+    out.zero_()
     out[rows, cols] = _probs(z, c, alpha)[rows, pos]
     if n_wide:
         out[rows_w] = _probs(full, c_wide, alpha)
     out[~torch.isfinite(top).squeeze(-1)] = float("nan")  # no finite score: undefined, as in softmax
-    return out
 
 
-def _solve_shift(z: torch.Tensor, alpha: float, max_iter: int = 50, tol: float = 1e-4) -> torch.Tensor:
+def _solve_shift(z: torch.Tensor, alpha: float, work: torch.Tensor | None = None, max_iter: int = 50, tol: float = 1e-4) -> torch.Tensor:
     """Row shift c (R x 1) for scores `z` (R x K, entries may be -inf) by Newton's method on the norm.
 
     With u_i = [1 + (a-1)(z_i - c)]_+ and p = 1/(a-1), solve h(c) = ||u||_p - 1 = 0 rather than
@@ -184,17 +188,19 @@ def _solve_shift(z: torch.Tensor, alpha: float, max_iter: int = 50, tol: float =
     steps even for alpha near 1, where Newton on sum u^p would crawl. Convergence is quadratic, so once
     every step is below `tol` (relative to 1 + |c|, in score units) the error left is below fp32
     resolution and we stop (measured against 100-step float64 bisection on ViT-B/16 and ViT-L/14 rows,
-    alpha 1.1-1.75: 2-5e-7 with tol 1e-4, as with 1e-5, which took one more pass). Once the support is fixed, alpha = 2 and 1.5 have closed forms, used to
-    polish the result. Two row-sized buffers are reused across iterations (no per-step allocation).
+    alpha 1.1-1.75: 2-5e-7 with tol 1e-4, as with 1e-5, which took one more pass). Once the support is
+    fixed, alpha = 2 and 1.5 have closed forms, used to polish the result. Three R x K buffers (views of
+    `work`, 3 x at least R * K, when given) serve every iteration: no per-step allocation.
     """
     am1 = alpha - 1.0
     p = 1.0 / am1
+    numel = z.numel()
+    za, u, up = (work[i, :numel].view(z.shape) for i in range(3)) if work is not None else (torch.empty_like(z) for _ in range(3))
     zmax = z.amax(-1, keepdim=True)
     finite = torch.isfinite(zmax)
-    z = z - torch.where(finite, zmax, 0.0)  # shift-invariance: work relative to the max
-    za = z * am1  # u = [za + 1 - (a-1) c]_+ : one add and one clamp per step
+    # shift-invariance: work relative to the max; u = [za + 1 - (a-1) c]_+ : one add and one clamp per step
+    torch.sub(z, torch.where(finite, zmax, 0.0), out=za).mul_(am1)
     c = torch.zeros_like(zmax)
-    u, up = torch.empty_like(z), torch.empty_like(z)
     for _ in range(max_iter):
         torch.add(za, 1.0 - am1 * c, out=u).clamp_(min=0.0)
         upow = _power(u, p - 1.0, out=up)
@@ -232,10 +238,11 @@ def _power(u: torch.Tensor, e: float, out: torch.Tensor | None = None) -> torch.
     return torch.pow(u, e, out=out)
 
 
-def _probs(x: torch.Tensor, shift: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Row-normalised [1 + (a-1)(x - shift)]_+^(1/(a-1)) for x R x K, shift R x 1."""
+def _probs(x: torch.Tensor, shift: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-normalised [1 + (a-1)(x - shift)]_+^(1/(a-1)) for x R x K, shift R x 1 (written into `out`
+    when given)."""
     am1 = alpha - 1.0
-    u = torch.sub(x, shift).mul_(am1).add_(1.0).clamp_(min=0.0)
+    u = torch.sub(x, shift, out=out).mul_(am1).add_(1.0).clamp_(min=0.0)
     p = u if alpha == 2.0 else _power(u, 1.0 / am1, out=u)
     return p.div_(p.sum(-1, keepdim=True))
 
