@@ -219,9 +219,6 @@ BAND_ELEMENTS = 1 << 22
 #: rows per matrix-product call: every call has this shape, so a row's result never depends on the band
 ROW_BLOCK = 8
 
-#: output columns per matrix-product call: each span reads only the grid columns its pixels depend on
-COLUMN_SPAN = 64
-
 
 @dataclass(frozen=True)
 class CosineMap:
@@ -230,11 +227,9 @@ class CosineMap:
     Bilinear resizing is separable and linear, so every output row is a weighted sum of a few rows of
     the window grid (`row_index` / `row_weight`, k taps per row), and each of its pixels a weighted sum
     of the grid's K columns (`cols`, W x K). `rows(y0, y1)` computes one band alone: the row sums
-    elementwise in a fixed order, then W x K @ K x N products in blocks of ROW_BLOCK rows (the same calls
+    elementwise in a fixed order, then W x K @ K x N products in blocks of ROW_BLOCK rows (the same call
     for every block, whatever the band), so a band equals the same rows of the whole map bit for bit and
-    no N x H x W tensor is ever needed. `cols` is sparse too (a pixel reads a few columns of the windows
-    covering it), so the product runs per span of COLUMN_SPAN output columns over only the grid columns
-    the span reads (`col_spans`): about a quarter of the dense product's work for 3 windows across.
+    no N x H x W tensor is ever needed.
     """
 
     grid: torch.Tensor  # R x K x N: every window's patch cosines, laid out as window rows x window columns
@@ -242,7 +237,6 @@ class CosineMap:
     row_weight: torch.Tensor  # H' x k
     cols: torch.Tensor  # W x K
     height: int
-    col_spans: tuple[tuple[int, int, int, int], ...]  # (x0, x1, k0, k1): columns x0..x1 read only k0..k1 of K
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -257,15 +251,13 @@ class CosineMap:
         contiguous memory, about twice as fast as over the leading dimension of a C x H x W tensor."""
         first, last = y0 - y0 % ROW_BLOCK, -(-y1 // ROW_BLOCK) * ROW_BLOCK
         out = torch.empty(last - first, self.cols.shape[0], self.grid.shape[2], device=self.grid.device, dtype=self.grid.dtype)
-        spans = [(x0, x1, k0, k1, self.cols[x0:x1, k0:k1].expand(ROW_BLOCK, x1 - x0, k1 - k0)) for x0, x1, k0, k1 in self.col_spans]
+        cols = self.cols.expand(ROW_BLOCK, *self.cols.shape)
         for start in range(first, last, ROW_BLOCK):
             index, weight = self.row_index[start : start + ROW_BLOCK], self.row_weight[start : start + ROW_BLOCK, :, None, None]
             block = self.grid[index[:, 0]] * weight[:, 0]
             for j in range(1, index.shape[1]):
                 block += self.grid[index[:, j]] * weight[:, j]
-            rows = out[start - first : start - first + ROW_BLOCK]
-            for x0, x1, k0, k1, cols in spans:
-                torch.bmm(cols, block[:, k0:k1], out=rows[:, x0:x1])
+            torch.bmm(cols, block, out=out[start - first : start - first + ROW_BLOCK])
         return out[y0 - first : y1 - first].permute(2, 0, 1)
 
 
@@ -357,22 +349,7 @@ def _factored(grid: torch.Tensor, ly: torch.Tensor, lx: torch.Tensor) -> CosineM
     out_h = ly.shape[0]
     index, weight = (F.pad(t, (0, 0, 0, -out_h % ROW_BLOCK)) for t in _taps(ly))  # whole blocks of rows
     to = dict(device=grid.device, dtype=grid.dtype)
-    return CosineMap(grid.contiguous(), index.to(grid.device), weight.to(**to), lx.to(**to), out_h, _column_spans(lx))
-
-
-def _column_spans(lx: torch.Tensor, span: int = COLUMN_SPAN) -> tuple[tuple[int, int, int, int], ...]:
-    """(x0, x1, k0, k1) for each run of `span` rows of the W x K matrix lx: the columns k0..k1 hold all
-    of the run's non-zeros (a run with none reads one column, whose weights are all zero)."""
-    nonzero = lx != 0
-    k = torch.arange(lx.shape[1])
-    lo = torch.where(nonzero, k, lx.shape[1]).amin(1)
-    hi = torch.where(nonzero, k, -1).amax(1)
-    spans = []
-    for x0 in range(0, lx.shape[0], span):
-        x1 = min(x0 + span, lx.shape[0])
-        k0, k1 = int(lo[x0:x1].min()), int(hi[x0:x1].max()) + 1
-        spans.append((x0, x1, k0, k1) if k1 > k0 else (x0, x1, 0, 1))
-    return tuple(spans)
+    return CosineMap(grid.contiguous(), index.to(grid.device), weight.to(**to), lx.to(**to), out_h)
 
 
 def spliced_tokens(

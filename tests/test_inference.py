@@ -226,22 +226,3 @@ def test_settings_replace_names_unknown_settings():
     with pytest.raises(ValueError, match="unknown inference setting.*windw.*choose from resolution"):
         InferenceSettings().replace(windw=3)
     assert InferenceSettings().replace(window=0, stride=None) == InferenceSettings(window=0)
-
-
-def test_column_spans_hold_every_non_zero_of_their_rows():
-    from clipseg_sparse.inference import _column_spans
-
-    lx = torch.zeros(150, 40)
-    for x in range(150):  # a banded interpolation matrix: each output column reads 2-3 nearby grid columns
-        k = x * 40 // 150
-        lx[x, k : k + 3] = 1.0 / 3
-    lx[64:70] = 0.0  # a run with no weights at all
-    lx[128:] = 0.0
-    spans = _column_spans(lx, span=64)
-    assert [(x0, x1) for x0, x1, _, _ in spans] == [(0, 64), (64, 128), (128, 150)]
-    for x0, x1, k0, k1 in spans:
-        inside = torch.zeros_like(lx[x0:x1], dtype=torch.bool)
-        inside[:, k0:k1] = True
-        assert not (lx[x0:x1] != 0)[~inside].any()
-        assert k1 - k0 < 40 if lx[x0:x1].any() else (k0, k1) == (0, 1)
-    assert spans[0][2:] == (0, 19)  # column 63 reads grid columns 16..18 (63 * 40 // 150 = 16)
