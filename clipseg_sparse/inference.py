@@ -10,7 +10,6 @@ softmax(logit_scale * cosine) over all names, then the max over each class's syn
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -530,14 +529,14 @@ class ClassMaps:
         """
         logits = self.logits.rows(y0, y1)  # N x h x W, overwritten below
         names = torch.as_tensor(self.name_to_class, device=logits.device)
-        if bg_threshold > 0:
-            top_all = logits.amax(0)
-            total = torch.sub(logits, top_all).exp_().sum(0)
-        if keep is not None:  # the classes the area threshold drops cannot win
-            logits.masked_fill_(keep.to(logits.device)[names].view(-1, 1, 1) == 0, float("-inf"))
+        dropped = None if keep is None else keep.to(logits.device)[names].view(-1, 1, 1) == 0
         if bg_threshold <= 0:
+            if dropped is not None:  # the classes the area threshold drops cannot win
+                logits.masked_fill_(dropped, float("-inf"))
             return names[logits.argmax(0)]
-        top, best = logits.max(0)
+        top_all = logits.amax(0)
+        top, best = (logits if dropped is None else logits.masked_fill(dropped, float("-inf"))).max(0)
+        total = logits.sub_(top_all).exp_().sum(0)  # over every name, dropped ones included
         labels = names[best]
         labels[top.sub_(top_all).exp_().div_(total) < bg_threshold] = 0
         return labels
