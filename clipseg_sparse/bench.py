@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .accel import adasplash_installed, attention_backend
+from .allocator import keep_freed_memory
 from .images import load_image
 from .inference import InferenceSettings, Segmenter, resized_shape, to_pixels, window_boxes
 from .model import DenseCLIP, load_clip
@@ -64,6 +65,7 @@ def best_ms(runs: dict[str, Callable[[], object]], repeat: int = 3, device: torc
     Rounds interleave the runs (a, b, c, a, b, c, ...) so that load from other processes on a shared
     machine hits every variant alike and the ratios stay fair.
     """
+    keep_freed_memory()  # time what the CLI runs: without it, page-fault churn moved runs by 40 %
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     best = {name: math.inf for name in runs}
     for round_ in range(repeat + 1):

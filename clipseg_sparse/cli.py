@@ -59,6 +59,9 @@ def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
 ) -> None:
     """Training-free open-vocabulary semantic segmentation with a frozen CLIP and sparse attention."""
+    from .allocator import keep_freed_memory
+
+    keep_freed_memory()  # no page-fault churn between repeated same-sized tensors (see allocator.py)
 
 
 PAMR_HELP = "PAMR refinement of the cosine maps at the original image size (10 iterations, dilations 8,16; NACLIP's post stage; runs on the whole image, not row-tiled, so it needs about (names + 20) x H x W floats)."
