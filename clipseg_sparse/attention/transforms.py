@@ -29,8 +29,8 @@ def gaussian_prior(grid: tuple[int, int], sigma: float, device=None, dtype=torch
 
 
 def pair_scores(a: torch.Tensor, b: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
-    """(a @ b^T) * scale, the one place the N x N product is formed."""
-    return (a @ b.transpose(-2, -1)) * scale
+    """(a @ b^T) * scale, the one place the N x N product is formed (scaled in place: one N x N tensor)."""
+    return torch.matmul(a, b.transpose(-2, -1)).mul_(scale)
 
 
 def adaptive_temperature(ctx: BlockContext) -> torch.Tensor:
