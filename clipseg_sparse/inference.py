@@ -224,16 +224,14 @@ class CosineMap:
     """N_names x H x W cosine between patch features and text at the output size, kept factored.
 
     Bilinear resizing is separable and linear, so every output row is a weighted sum of a few rows of
-    the window grid (`row_index` / `row_weight`, k taps per row), and each of its pixels a weighted sum
-    of the grid's K columns (`cols`, W x K). `rows(y0, y1)` computes one band alone: the row sums
-    elementwise in a fixed order, then W x K @ K x N products in blocks of ROW_BLOCK rows (the same call
-    for every block, whatever the band), so a band equals the same rows of the whole map bit for bit and
-    no N x H x W tensor is ever needed.
+    the window grid (a row of `rows_from`, H' x R), and each of its pixels a weighted sum of the grid's
+    K columns (`cols`, W x K). `pieces` computes any ROW_BLOCK rows alone with the same two matrix
+    products for every block, whatever the band, so a band (`rows`) equals the same rows of the whole map
+    bit for bit and no N x H x W tensor is ever needed.
     """
 
     grid: torch.Tensor  # R x K x N: every window's patch cosines, laid out as window rows x window columns
-    row_index: torch.Tensor  # H' x k (int64), H' = H rounded up to a multiple of ROW_BLOCK (zero weights)
-    row_weight: torch.Tensor  # H' x k
+    rows_from: torch.Tensor  # H' x R, H' = H rounded up to a multiple of ROW_BLOCK (zero rows)
     cols: torch.Tensor  # W x K
     height: int
 
@@ -250,14 +248,21 @@ class CosineMap:
         contiguous memory, about twice as fast as over the leading dimension of a C x H x W tensor."""
         first, last = y0 - y0 % ROW_BLOCK, -(-y1 // ROW_BLOCK) * ROW_BLOCK
         out = torch.empty(last - first, self.cols.shape[0], self.grid.shape[2], device=self.grid.device, dtype=self.grid.dtype)
-        cols = self.cols.expand(ROW_BLOCK, *self.cols.shape)
-        for start in range(first, last, ROW_BLOCK):
-            index, weight = self.row_index[start : start + ROW_BLOCK], self.row_weight[start : start + ROW_BLOCK, :, None, None]
-            block = self.grid[index[:, 0]] * weight[:, 0]
-            for j in range(1, index.shape[1]):
-                block += self.grid[index[:, j]] * weight[:, j]
-            torch.bmm(cols, block, out=out[start - first : start - first + ROW_BLOCK])
+        for start, block in self.pieces(first, last):
+            out[start - first : start - first + ROW_BLOCK] = block.permute(1, 2, 0)
         return out[y0 - first : y1 - first].permute(2, 0, 1)
+
+    def pieces(self, y0: int, y1: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, N x ROW_BLOCK x W) for the blocks of rows covering y0..y1 (whole blocks, so the first
+        may start before y0 and the last end after y1, past the map's height): fresh tensors, names
+        contiguous. Each is two matrix products, the same calls for every block: ROW_BLOCK x R @ R x (K N)
+        for the rows, then W x K @ K x (ROW_BLOCK N) for the columns of all its rows at once."""
+        R, K, N = self.grid.shape
+        grid = self.grid.view(R, K * N)
+        for start in range(y0 - y0 % ROW_BLOCK, y1, ROW_BLOCK):
+            block = torch.mm(self.rows_from[start : start + ROW_BLOCK], grid).view(ROW_BLOCK, K, N)
+            block = torch.mm(self.cols, block.transpose(0, 1).reshape(K, ROW_BLOCK * N))  # W x (ROW_BLOCK N)
+            yield start, block.view(-1, ROW_BLOCK, N).permute(2, 1, 0)
 
 
 @dataclass(frozen=True)
@@ -276,6 +281,10 @@ class DenseMap:
     def rows(self, y0: int, y1: int) -> torch.Tensor:
         """N x (y1 - y0) x W, a fresh copy (callers may overwrite it)."""
         return self.values[:, y0:y1].clone()
+
+    def pieces(self, y0: int, y1: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """CosineMap.pieces' interface: the band itself, one piece."""
+        yield y0, self.rows(y0, y1)
 
 
 def row_bands(height: int, row_elements: int, budget: int = BAND_ELEMENTS) -> list[tuple[int, int]]:
@@ -309,7 +318,7 @@ def dense_cosine(
     and column intervals, so upsample -> place -> average -> resize is one product per name,
     Ly @ G @ Lx^T, with G the grid of all windows' patch maps (rows*h x cols*w per name) and Ly, Lx
     small interpolation matrices: no per-window work or window-sized temporaries beyond the model call,
-    and Ly is sparse (a few taps per row), which is what CosineMap uses to compute any band of rows.
+    and any band of rows is a band of Ly's rows, which is what CosineMap uses.
     Match stages the spec names (`hook:surgery`) rewrite each window's cosine map before that. A spec
     with a `feedback` term (ResCLIP) gets the text and `logit_scale` for its first pass.
     regions: H x W region ids of `pixels`, for specs that read regions (see `iter_window_features`).
@@ -346,9 +355,9 @@ def dense_cosine(
 def _factored(grid: torch.Tensor, ly: torch.Tensor, lx: torch.Tensor) -> CosineMap:
     """The CosineMap Ly @ grid @ Lx^T of an R x K x N grid (ly: out_h x R, lx: out_w x K)."""
     out_h = ly.shape[0]
-    index, weight = (F.pad(t, (0, 0, 0, -out_h % ROW_BLOCK)) for t in _taps(ly))  # whole blocks of rows
     to = dict(device=grid.device, dtype=grid.dtype)
-    return CosineMap(grid.contiguous(), index.to(grid.device), weight.to(**to), lx.to(**to), out_h)
+    rows_from = F.pad(ly, (0, 0, 0, -out_h % ROW_BLOCK))  # whole blocks of rows
+    return CosineMap(grid.contiguous(), rows_from.to(**to), lx.to(**to), out_h)
 
 
 def spliced_tokens(
@@ -392,15 +401,6 @@ def grid_cosine(feats: torch.Tensor, text: torch.Tensor, out_size: tuple[int, in
     h, w, _ = feats.shape
     grid = torch.einsum("hwd,nd->hwn", feats, text.to(feats.device))
     return _factored(grid, _resize_matrix(h, out_size[0]), _resize_matrix(w, out_size[1]))
-
-
-def _taps(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(column index, weight) of the non-zero entries of each row of a sparse out x in matrix, in column
-    order, each out x k (k = the most non-zeros in a row; shorter rows padded with zero weights)."""
-    nonzero = matrix != 0
-    k = max(int(nonzero.sum(1).max()), 1)
-    index = torch.argsort((~nonzero).to(torch.int8), dim=1, stable=True)[:, :k]
-    return index, matrix.gather(1, index)
 
 
 def _resize_matrix(src: int, dst: int) -> torch.Tensor:
@@ -514,11 +514,14 @@ class ClassMaps:
         keep = self._kept(area_threshold)
         labels = torch.empty((height, width), dtype=torch.int64)
         for y0, y1 in self.bands:
-            labels[y0:y1] = self._band_labels(y0, y1, bg_threshold, keep).cpu()
+            for start, logits in self.logits.pieces(y0, y1):
+                piece = self._piece_labels(logits, bg_threshold, keep)[: height - start]
+                labels[start : start + piece.shape[0]] = piece.cpu()
         return labels.numpy()
 
-    def _band_labels(self, y0: int, y1: int, bg_threshold: float, keep: torch.Tensor | None) -> torch.Tensor:
-        """(y1 - y0) x W labels of `masked_labels` on the probabilities, read off the logits instead.
+    def _piece_labels(self, logits: torch.Tensor, bg_threshold: float, keep: torch.Tensor | None) -> torch.Tensor:
+        """h x W labels of `masked_labels` on the probabilities of N x h x W `logits` (overwritten), read off
+        the logits instead.
 
         The softmax over names and the max over each class's names preserve order, and names are listed
         class by class, so the class of the first arg-max name is the first arg-max class; the top
@@ -527,7 +530,6 @@ class ClassMaps:
         passes over names x pixels. Only a tie between probabilities that are equal in float32 while
         their logits differ could pick another label.
         """
-        logits = self.logits.rows(y0, y1)  # N x h x W, overwritten below
         names = torch.as_tensor(self.name_to_class, device=logits.device)
         dropped = None if keep is None else keep.to(logits.device)[names].view(-1, 1, 1) == 0
         if bg_threshold <= 0:
@@ -546,7 +548,12 @@ class ClassMaps:
         classes = self.shape[0]
         if area_threshold <= 0 or classes < 2:
             return None
-        areas = sum(torch.bincount(self._band_labels(*b, 0.0, None).flatten(), minlength=classes) for b in self.bands)
+        height = self.shape[1]
+        areas = sum(
+            torch.bincount(self._piece_labels(logits, 0.0, None)[: height - start].flatten(), minlength=classes)
+            for y0, y1 in self.bands
+            for start, logits in self.logits.pieces(y0, y1)
+        )
         return kept_classes(areas, area_threshold)
 
     @torch.inference_mode()

@@ -7,6 +7,7 @@ from clipseg_sparse import AttentionSpec, InferenceSettings, Segmenter, Vocabula
 from clipseg_sparse.inference import (
     ClassMaps,
     DenseMap,
+    _factored,
     class_probabilities,
     probabilities_to_labels,
     resized_shape,
@@ -137,6 +138,13 @@ def test_labels_read_off_the_logits_equal_the_labels_of_the_probabilities(bg_thr
     expected = probabilities_to_labels(probs, bg_threshold, area_threshold).numpy()
     labels = maps.labels(bg_threshold, area_threshold)
     np.testing.assert_array_equal(labels, expected)
+    # the factored map of the window grids: its labels come block by block from its pieces
+    ly, lx = torch.rand(37, 6), torch.rand(53, 9)
+    factored = _factored(torch.randn(6, 9, len(name_to_class)) * 0.1, ly / ly.sum(1, keepdim=True), lx / lx.sum(1, keepdim=True))
+    whole = factored.rows(0, 37)
+    probs_f = class_probabilities(whole * 40.0, name_to_class, 5)
+    labels_f = ClassMaps(factored, name_to_class, 5, 40.0, budget=4000).labels(bg_threshold, area_threshold)
+    np.testing.assert_array_equal(labels_f, probabilities_to_labels(probs_f, bg_threshold, area_threshold).numpy())
     if bg_threshold:
         assert (labels == 0).mean() > (probs.argmax(0).numpy() == 0).mean()  # the threshold acted
     if area_threshold:
