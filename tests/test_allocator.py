@@ -33,8 +33,9 @@ def _churn(mode: str) -> tuple[float, int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 def test_freed_memory_is_kept_and_reused_without_page_faults():
-    kept_on, faults_on = _churn("on")
-    kept_off, faults_off = _churn("off")
-    assert kept_on > 64 and kept_off < 32  # 96 MiB kept; glibc's default gives it back
-    assert faults_off > 10000 and faults_on < faults_off / 4  # and faults it in again (measured 24291 vs 2048)
+    kept, faults = _churn("on")
+    # 96 MiB kept after the frees, and the second round reuses them: at most a third of its 24576 pages
+    # faulted in (measured 768-2560; with glibc's defaults most runs give back all but 5-11 MiB and fault
+    # about 24300 pages in again, though glibc's moving threshold sometimes keeps them)
+    assert kept > 64 and faults < 8192
     assert keep_freed_memory() is True  # idempotent in this process
