@@ -107,6 +107,7 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
     elif what is Listable.grids:
         table = _grids_table()
     elif what is Listable.stages:
+        from .attention import presets  # noqa: F401  (the preset modules register their stages: sam, samrefine)
         from .stages import STAGES
 
         table = Table("stage", "kind and meaning")
@@ -348,7 +349,7 @@ def eval_cmd(
     region_src = load_regions(regions, [s.id for s in samples], device, region_reader(spec, stages))
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
-    load_proxies(spec, clip, proxy_weights)
+    load_proxies(spec, clip, proxy_weights, stages)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     try:
         record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,

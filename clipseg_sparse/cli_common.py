@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, NoReturn, Optional, Sequence
 
 import typer
 
@@ -168,15 +168,22 @@ def load_model(model: str, pretrained: str, device: Device, precision: Precision
 
 
 
-def load_proxies(spec, clip, weights: str) -> None:
-    """Load the external backbones a spec's ext: terms read, with one-line errors (before any work)."""
+def load_proxies(spec, clip, weights: str, stages: Sequence[str] = ()) -> None:
+    """Load the external backbones a spec's ext: terms read, and SAM's predictor when a refine stage
+    (samrefine) is among `stages`, with one-line errors (before any work)."""
     from .backbones import MissingExtraError
     from .model import WeightsUnavailableError
-    from .proxy_source import prepare_proxies
+    from .proxy_source import PROXIES, prepare_proxies
+    from .stages import resolve_stages
 
     try:
         with err_console.status("loading proxy backbones"):
             prepare_proxies(spec, clip, weights)
+            if any(st.kind == "refine" for st in resolve_stages(stages)):
+                from .sam_refine import sam_predictor
+
+                PROXIES.configure(clip, weights)
+                sam_predictor(clip.device)
     except (WeightsUnavailableError, MissingExtraError, ValueError) as e:
         fail(str(e))
 

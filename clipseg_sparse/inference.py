@@ -690,9 +690,10 @@ class Segmenter:
         }
 
     def backbones(self) -> list[str]:
-        """External backbones this segmenter runs: the spec's (`spec_backbones`), then its global stage's."""
-        extra = self.global_stage.backbones if self.global_stage else ()
-        return list(dict.fromkeys(spec_backbones(self.spec) + list(extra)))
+        """External backbones this segmenter runs: the spec's (`spec_backbones`), its global stage's, then
+        its other stages' (samrefine: SAM's weights)."""
+        extra = [*(self.global_stage.backbones if self.global_stage else ()), *(b for s in self.stages for b in s.backbones)]
+        return list(dict.fromkeys(spec_backbones(self.spec) + extra))
 
     def _stages(self, kind: str) -> list[Stage]:
         return [s for s in self.stages if s.kind == kind]
@@ -751,6 +752,8 @@ class Segmenter:
         regions = self.region_map(rgb, name)
         maps = self.class_maps(rgb, regions)
         labels = maps.labels(self.settings.bg_threshold, self.settings.area_threshold)
+        for stage in self._stages("refine"):  # e.g. Trident's SAM prompt refinement, on the probabilities
+            labels = stage(torch.from_numpy(labels), maps, rgb).numpy()
         for stage in self._stages("labels"):  # e.g. CorrCLIP's map correction, on the original regions
             labels = stage(torch.from_numpy(labels), torch.from_numpy(np.asarray(regions, dtype=np.int64))).numpy()
         return maps, labels

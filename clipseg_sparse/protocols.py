@@ -237,7 +237,7 @@ PROTOCOLS.register(
 # Trident's configs (research/peers-sota.md 2.7): short side per dataset, 336-px windows with stride 224
 # (VOC20 112), sides rounded up to multiples of 16 (`preprocess_image`), logit scale 40, `prob_thd`, and the
 # SAM stage's cos_fac / refine_neg_cos (Cityscapes: SAM on the image's halves). Its `coarse_thresh` only
-# serves the SAM prompt refinement, which is not implemented (datasets.md).
+# serves the optional SAM prompt refinement (`--sam_refine`): protocol `trident-samrefine` below.
 PROTOCOLS.register(
     "trident",
     Protocol(
@@ -258,6 +258,24 @@ PROTOCOLS.register(
     ),
     help="Trident (ICCV 2025): short side 448 (VOC20 336, Context 576, ADE20K 576, Cityscapes 688), 336/224 windows "
     "(VOC20 112), sides multiples of 16, SAM stage constants per dataset",
+)
+
+# `--sam_refine` (off in the published config, passed by the published README's evaluation command): the
+# refine stage samrefine with the config's `coarse_thresh` per dataset and `sam_iou_thresh` 0.8
+TRIDENT_COARSE = {"voc21": 0.2, "voc20": 0.2, "context60": 0.15, "context59": 0.15, "coco-object": 0.25, "coco-stuff": 0.05, "cityscapes": 0.10, "ade20k": 0.05}
+_TRIDENT = PROTOCOLS.get("trident")
+PROTOCOLS.register(
+    "trident-samrefine",
+    dataclasses.replace(
+        _TRIDENT,
+        name="trident-samrefine",
+        per_dataset={
+            d: {**_TRIDENT.per_dataset.get(d, {}), "stages": (*_TRIDENT.per_dataset.get(d, {}).get("stages", _TRIDENT.defaults["stages"]), f"samrefine:{c:g}:0.8")}
+            for d, c in TRIDENT_COARSE.items()
+        },
+    ),
+    help="trident plus the SAM prompt refinement (--sam_refine, stage samrefine:COARSE:0.8, coarse_thresh per dataset); "
+    "needs segment_anything and --proxy-weights sam_vitb=sam_vit_b_01ec64.pth",
 )
 
 # CorrCLIP's v1 configs are ProxyCLIP's (short side 336, Cityscapes 448, 336/112 windows, Cityscapes 224/112,

@@ -28,6 +28,10 @@ the call each kind's function receives:
   the background rules), regions = the image's H x W region ids (-1 unsegmented) from the region source
   (`Segmenter(regions=...)`); e.g. `regionvote`, CorrCLIP's map correction. The saved probabilities are
   the ones before this stage (as CorrCLIP's seg_logit).
+- refine: `fn(labels, maps, image) -> labels`, labels = H x W int64 class labels at the original size
+  (after the background rules, before labels stages), maps = the image's `inference.ClassMaps` (C x H x W
+  probabilities, read a band of rows at a time), image = the original H x W x 3 uint8 RGB image; e.g.
+  `samrefine`, Trident's SAM prompt refinement. The saved probabilities are the ones before this stage.
 
 PAMR (Araslanov & Roth, CVPR 2020, `visinf/1-stage-wseg`) is the first post stage, with the arithmetic of
 `sinahmr/NACLIP@0cac3a6:pamr.py` (= `wangf3014/SCLIP:pamr.py`), quirks included (see `pamr`).
@@ -44,7 +48,7 @@ import torch.nn.functional as F
 from .proxy import region_vote
 from .registry import Registry
 
-KINDS = ("token", "text", "match", "post", "global", "labels")
+KINDS = ("token", "text", "match", "post", "global", "labels", "refine")
 
 
 @dataclass(frozen=True)

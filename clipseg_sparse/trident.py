@@ -15,7 +15,10 @@ index, so their arithmetic rests on those notes). Steps and where they live:
    attention and values on the valid grid, filtered by value cosine (`proxy.sam_filtered_attention`);
 5. spliced tokens resized bilinearly to the SAM grid, F <- A F, then ln_post, proj; logits on the SAM
    grid resized to the original size (steps 4-5: the global stage `sam` here, and `grid_cosine`).
-Step 6, the optional SAM prompt refinement (`--sam_refine`), is not implemented.
+6. the optional SAM prompt refinement (`--sam_refine`; off in the published config, on in the
+   published README's evaluation command): the refine stage `samrefine[:COARSE[:IOU]]`
+   (`sam_refine.py`, segment_anything's prompt encoder and mask decoder; `--protocol trident-samrefine`
+   adds it with the per-dataset coarse_thresh).
 """
 
 from __future__ import annotations
@@ -147,6 +150,33 @@ STAGES.register(
     "COS_FAC x mean), default 1.2; neg0.6: negative thresholds -> 0.6; halves: left/right halves), smooths the spliced tokens",
 )
 
+# -- the refine stage `samrefine[:COARSE[:IOU]]` (step 6) ---------------------------------------------------
+def _samrefine_stage(args: str) -> Stage:
+    from .sam_refine import sam_refine
+
+    usage = "expected samrefine[:COARSE[:IOU]], e.g. samrefine:0.2:0.8 (thresholds in [0, 1])"
+    parts = args.split(":") if args else []
+    try:
+        coarse, iou = (float(parts[0]) if parts else 0.2), (float(parts[1]) if len(parts) > 1 else 0.8)
+    except ValueError:
+        raise ValueError(f"bad stage 'samrefine:{args}': {usage}") from None
+    if len(parts) > 2 or not (0 <= coarse <= 1 and 0 <= iou <= 1):
+        raise ValueError(f"bad stage 'samrefine:{args}': {usage}")
+
+    def run(labels: torch.Tensor, maps, image: np.ndarray) -> torch.Tensor:
+        return sam_refine(labels, maps, image, coarse, iou)
+
+    return Stage("refine", f"samrefine:{coarse:g}:{iou:g}", run, backbones=(SAM_BACKBONE,))  # its weights: --proxy-weights
+
+
+STAGES.register(
+    "samrefine",
+    _samrefine_stage,
+    help="refine: Trident's SAM prompt refinement (--sam_refine): components of the coarse map (top prob >= COARSE, "
+    "default 0.2) prompt SAM ViT-B (box, point, probabilities); masks with predicted IoU > IOU (0.8) rescore their "
+    "class by sigmoid(logit) x prob (needs segment_anything and --proxy-weights sam_vitb=sam_vit_b_01ec64.pth)",
+)
+
 _TRIDENT_NOTES = (
     "copied: ProxyCLIP's attention per 336-px window with DINO ViT-B/16 on CLIP's 21 x 21 grid (shift 1.2 x mean, "
     "scale 3, -inf below 0, one map for all heads), CLS dropped before the last block, W_o(A V) before ln_post "
@@ -161,7 +191,7 @@ _TRIDENT_NOTES = (
     "them, so a window's attention depends on the others), the image comes from memory instead of being re-read "
     "from disk with OpenCV (same pixels for PNG; JPEG decoders may differ), halves of unequal valid width are "
     "concatenated (the code doubles the left half's), fp32 unless --precision fp16; "
-    "not done: the optional SAM prompt refinement (--sam_refine, step 6)"
+    "the optional SAM prompt refinement (--sam_refine, step 6) is the stage samrefine (--protocol trident-samrefine)"
 )
 _TRIDENT = "ext:dino_vitb16[cos,shift:1.2,scale:3,pos]/{}/cls:0/noffn/hook:sam"
 register_preset(
