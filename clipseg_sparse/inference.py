@@ -239,6 +239,10 @@ class CosineMap:
     def shape(self) -> tuple[int, int, int]:
         return self.grid.shape[2], self.height, self.cols.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.grid.device
+
     def scaled(self, factor: float) -> "CosineMap":
         """The same map times `factor` (scaling the small grid, not every pixel)."""
         return dataclasses.replace(self, grid=self.grid * factor)
@@ -274,6 +278,10 @@ class DenseMap:
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.values.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
 
     def scaled(self, factor: float) -> "DenseMap":
         return DenseMap(self.values * factor)
@@ -511,17 +519,26 @@ class ClassMaps:
         """H x W int64 labels by `probabilities_to_labels`'s rules, band by band (two passes over the bands
         when an area threshold needs the whole image's class areas first)."""
         _, height, width = self.shape
-        keep = self._kept(area_threshold)
         labels = torch.empty((height, width), dtype=torch.int64)
-        for y0, y1 in self.bands:
-            for start, logits in self.logits.pieces(y0, y1):
-                piece = self._piece_labels(logits, bg_threshold, keep)[: height - start]
-                labels[start : start + piece.shape[0]] = piece.cpu()
+        for start, piece in self._label_pieces(bg_threshold, self._kept(area_threshold)):
+            labels[start : start + piece.shape[0]] = piece.cpu()
         return labels.numpy()
 
-    def _piece_labels(self, logits: torch.Tensor, bg_threshold: float, keep: torch.Tensor | None) -> torch.Tensor:
+    def _label_pieces(self, bg_threshold: float, keep: torch.Tensor | None) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, h x W labels) of the logits' pieces (`CosineMap.pieces`), band by band, cut at the
+        image's height, by `_piece_labels`."""
+        height = self.shape[1]
+        names = torch.as_tensor(self.name_to_class, device=self.logits.device)
+        dropped = None if keep is None else keep.to(names.device)[names].view(-1, 1, 1) == 0
+        for y0, y1 in self.bands:
+            for start, logits in self.logits.pieces(y0, y1):
+                yield start, self._piece_labels(logits, names, bg_threshold, dropped)[: height - start]
+
+    @staticmethod
+    def _piece_labels(logits: torch.Tensor, names: torch.Tensor, bg_threshold: float, dropped: torch.Tensor | None) -> torch.Tensor:
         """h x W labels of `masked_labels` on the probabilities of N x h x W `logits` (overwritten), read off
-        the logits instead.
+        the logits instead. names: the class of each name; dropped: N x 1 x 1, True for the names of the
+        classes the area threshold drops (None: none).
 
         The softmax over names and the max over each class's names preserve order, and names are listed
         class by class, so the class of the first arg-max name is the first arg-max class; the top
@@ -530,8 +547,6 @@ class ClassMaps:
         passes over names x pixels. Only a tie between probabilities that are equal in float32 while
         their logits differ could pick another label.
         """
-        names = torch.as_tensor(self.name_to_class, device=logits.device)
-        dropped = None if keep is None else keep.to(logits.device)[names].view(-1, 1, 1) == 0
         if bg_threshold <= 0:
             if dropped is not None:  # the classes the area threshold drops cannot win
                 logits.masked_fill_(dropped, float("-inf"))
@@ -548,12 +563,7 @@ class ClassMaps:
         classes = self.shape[0]
         if area_threshold <= 0 or classes < 2:
             return None
-        height = self.shape[1]
-        areas = sum(
-            torch.bincount(self._piece_labels(logits, 0.0, None)[: height - start].flatten(), minlength=classes)
-            for y0, y1 in self.bands
-            for start, logits in self.logits.pieces(y0, y1)
-        )
+        areas = sum(torch.bincount(piece.flatten(), minlength=classes) for _, piece in self._label_pieces(0.0, None))
         return kept_classes(areas, area_threshold)
 
     @torch.inference_mode()
