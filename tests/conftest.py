@@ -30,3 +30,19 @@ def vit_b16():
 
     torch.manual_seed(0)
     return load_clip("ViT-B-16", pretrained=None, device="cpu")
+
+
+def tiny_sam(img_size: int, window_size: int):
+    """A 2-block, width-32 timm SAM image encoder (the second block global, relative positions drawn at
+    random so they matter), random weights from the current RNG state, in eval mode."""
+    import timm.models.vision_transformer_sam as vs
+
+    model = vs.VisionTransformerSAM(
+        img_size=img_size, patch_size=16, embed_dim=32, depth=2, num_heads=2, window_size=window_size, global_attn_indexes=(1,),
+        use_rel_pos=True, neck_chans=16, num_classes=0,
+    ).eval()
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.attn.rel_pos_h.normal_()
+            blk.attn.rel_pos_w.normal_()
+    return model

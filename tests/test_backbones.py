@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_sam
 
 from clipseg_sparse.backbones import (
     BACKBONES,
@@ -137,17 +138,8 @@ def test_dinov2_registers_follow_timm_dynamic_resize():
 
 
 def test_sam_features_match_timm_and_attention_reproduces_the_block():
-    import timm.models.vision_transformer_sam as vs
-
     torch.manual_seed(0)
-    model = vs.VisionTransformerSAM(
-        img_size=64, patch_size=16, embed_dim=32, depth=2, num_heads=2, window_size=2, global_attn_indexes=(1,),
-        use_rel_pos=True, neck_chans=16, num_classes=0,
-    ).eval()
-    with torch.no_grad():
-        for blk in model.blocks:
-            blk.attn.rel_pos_h.normal_()
-            blk.attn.rel_pos_w.normal_()
+    model = tiny_sam(64, window_size=2)
     info = BackboneInfo("tinysam", "samvit", "tiny", 16, (0.5,) * 3, (0.25,) * 3, ("tokens", "qkv", "attn"), "fixed", "test", 64)
     bb = Backbone(info, model)
     x = torch.randn(1, 3, 64, 64)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
-from conftest import TINY_CONFIG
+from conftest import TINY_CONFIG, tiny_sam
 from clipseg_sparse.backbones import BACKBONES, Backbone
 from clipseg_sparse.inference import InferenceSettings, Segmenter, spliced_tokens
 from clipseg_sparse.proxy_source import PROXIES, use_backbone, use_proxy_weights
@@ -34,18 +34,10 @@ SETTINGS = InferenceSettings(resolution=0, window=48, stride=16, size_multiple=1
 @pytest.fixture(scope="module")
 def trident(tiny_clip):
     import timm.models.vision_transformer as vt
-    import timm.models.vision_transformer_sam as vs
 
     torch.manual_seed(0)
     dino = vt.VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True).eval()
-    sam = vs.VisionTransformerSAM(
-        img_size=SAM_SIDE, patch_size=16, embed_dim=32, depth=2, num_heads=2, window_size=4, global_attn_indexes=(1,),
-        use_rel_pos=True, neck_chans=16, num_classes=0,
-    ).eval()
-    with torch.no_grad():
-        for blk in sam.blocks:
-            blk.attn.rel_pos_h.normal_()
-            blk.attn.rel_pos_w.normal_()
+    sam = tiny_sam(SAM_SIDE, window_size=4)
     dino_bb = Backbone(BACKBONES.get("dino_vitb16"), dino)
     sam_bb = Backbone(dataclasses.replace(BACKBONES.get("sam_vitb"), input_size=SAM_SIDE), sam)
     use_proxy_weights("auto", clip=tiny_clip)
