@@ -7,7 +7,7 @@ import argparse
 
 from rich.console import Console
 
-from clipseg_sparse.bench import add_run_arguments, bench_forward, random_clip, rich_tables
+from clipseg_sparse.bench.run import add_run_arguments, bench_forward, random_clip, rich_tables
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 add_run_arguments(parser)

@@ -6,8 +6,8 @@ Run one configuration per process (the peak RSS of a process only grows).
 import argparse
 import json
 
-from clipseg_sparse.bench import segment_peak_rss
-from clipseg_sparse.inference import InferenceSettings
+from clipseg_sparse.bench.run import segment_peak_rss
+from clipseg_sparse.segment.segmenter import InferenceSettings
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--model", default="ViT-L-14")

@@ -8,7 +8,7 @@ import argparse
 import torch
 from rich.console import Console
 
-from clipseg_sparse.bench import add_run_arguments, bench_normalizers, rich_tables, score_cases
+from clipseg_sparse.bench.run import add_run_arguments, bench_normalizers, rich_tables, score_cases
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--models", nargs="+", default=["ViT-B-16", "ViT-L-14"])

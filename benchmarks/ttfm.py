@@ -8,8 +8,8 @@ import argparse
 
 from rich.console import Console
 
-from clipseg_sparse.bench import add_run_arguments, random_clip, rich_tables
-from clipseg_sparse.bench_ttfm import bench_ttfm
+from clipseg_sparse.bench.run import add_run_arguments, random_clip, rich_tables
+from clipseg_sparse.bench.ttfm import bench_ttfm
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 add_run_arguments(parser)

@@ -1,8 +1,20 @@
-"""clipseg-sparse: training-free open-vocabulary segmentation with a frozen CLIP and sparse attention.
+"""clipseg-sparse: training-free open-vocabulary semantic segmentation with a frozen CLIP and sparse attention.
 
-    from clipseg_sparse import load_clip, AttentionSpec
+    from clipseg_sparse import load_clip, Segmenter
     clip = load_clip("ViT-B-16", pretrained="openai")
-    feats = clip.encode_dense(pixels, "qq/entmax:1.5")   # B x h x w x D
+    feats = clip.encode_dense(pixels, "qq/entmax:1.5")        # B x h x w x D
+    result = Segmenter(clip, "cat,dog,grass", spec="sclip").predict("photo.jpg")
+
+The folders follow the data flow; each imports only the folders listed before it (`.importlinter` keeps it so):
+
+- `runtime/`    how the code runs: devices, weights files, atomic writes, processes, progress, memory
+- `attention/`  the engine: how the last blocks mix tokens (spec language, sources, normalizers incl. entmax)
+- `models/`     the networks we load: `load_clip`, `DenseCLIP`, the fast text tower, proxy backbones
+- `segment/`    image -> label map: settings, preprocessing, windows, label maps, `Segmenter`, vocabularies
+- `datasets/`   benchmark readers;  `files/`: inputs and outputs on disk;  `evaluation/`: scores and protocols
+- `methods/`    published methods, one room each (`methods/sclip.py`, ...; `methods/README.md` says how to add one)
+- `sweeps/`, `bench/`, `dna/`, `analysis/`, `cli/`: grids and tables, timing, the trainable method, where sparsity
+  helps, and the command line on top
 
 Names are imported lazily so that `import clipseg_sparse` (and `clipseg-sparse --help`) stays fast.
 """
@@ -10,6 +22,10 @@ Names are imported lazily so that `import clipseg_sparse` (and `clipseg-sparse -
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 
 __version__ = "0.1.0"
 
@@ -17,48 +33,93 @@ _EXPORTS = {
     "AttentionSpec": "attention",
     "PRESETS": "attention",
     "list_presets": "attention",
-    "Normalizer": "normalizers",
-    "normalize": "normalizers",
-    "entmax": "normalizers",
-    "load_clip": "model",
-    "DenseCLIP": "model",
-    "WeightsUnavailableError": "model",
-    "Vocabulary": "text",
-    "embed_names": "text",
-    "Segmenter": "inference",
-    "InferenceSettings": "inference",
-    "SegmentationResult": "inference",
-    "load_image": "images",
     "resolve_spec": "attention",
-    "attention_backend": "accel",
-    "ConfigMismatchError": "results",
+    "Normalizer": "attention.normalizers",
+    "normalize": "attention.normalizers",
+    "entmax": "attention.normalizers",
+    "load_clip": "models.clip",
+    "DenseCLIP": "models.clip",
+    "WeightsUnavailableError": "runtime.weights",
+    "UserError": "errors",
+    "Vocabulary": "segment.vocabulary",
+    "embed_names": "segment.vocabulary",
+    "Segmenter": "segment.segmenter",
+    "InferenceSettings": "segment.segmenter",
+    "SegmentationResult": "segment.segmenter",
+    "load_image": "segment.images",
+    "attention_backend": "runtime.accel",
+    "ConfigMismatchError": "files.results",
     # segment: find images, plan which still need work, run
-    "discover_images": "discovery",
-    "OutputOptions": "outputs",
-    "plan_run": "batch",
-    "run_plan": "batch",
-    # eval / fgovd / sweep / report / bench. Not `evaluate`: it is also the name of the submodule, which
-    # replaces a package attribute of that name once imported (`from clipseg_sparse.evaluate import evaluate`).
+    "discover_images": "files.inputs",
+    "OutputOptions": "files.outputs",
+    "plan_run": "files.folder",
+    "run_plan": "files.folder",
+    # eval / fgovd / sweep / report / bench
     "DATASETS": "datasets",
-    "PROTOCOLS": "protocols",
-    "evaluate_fgovd": "fgovd",
-    "Grid": "sweep",
-    "GRIDS": "sweep",
-    "SweepPaths": "sweep",
-    "read_grid_file": "sweep",
-    "run_sweep": "sweep",
-    "collect": "report",
-    "pivot": "report",
-    "to_markdown": "report",
-    "to_csv": "report",
-    "write_plots": "report",
-    "run_all": "bench",
-    # analysis: attention statistics, gain vs diffusivity, gallery, demo (`explain` is its module's name too:
-    # from clipseg_sparse.explain import explain)
-    "analyze": "analysis",
-    "gain_cells": "diffusivity",
-    "write_gallery": "gallery",
-    "build_demo": "demo",
+    "PROTOCOLS": "evaluation.protocols",
+    "evaluate": "evaluation.segmentation",
+    "evaluate_fgovd": "evaluation.fgovd",
+    "Grid": "sweeps.grid",
+    "GRIDS": "sweeps.grid",
+    "read_grid_file": "sweeps.grid",
+    "SweepPaths": "sweeps.grid",
+    "run_sweep": "sweeps.grid",
+    "collect": "sweeps.report",
+    "pivot": "sweeps.report",
+    "to_markdown": "sweeps.report",
+    "to_csv": "sweeps.report",
+    "write_plots": "sweeps.report",
+    "run_all": "bench.run",
+    # analysis: attention statistics, gain vs diffusivity, explain, gallery, demo
+    "analyze": "analysis.statistics",
+    "explain": "analysis.explain",
+    "gain_cells": "analysis.diffusivity",
+    "write_gallery": "analysis.gallery",
+    "build_demo": "analysis.demo",
+}
+
+# Module paths of the previous release -> where the code lives now. Served for one release, with a
+# DeprecationWarning, by the finder below (detectron2's `_D2ProjectsFinder` mechanism). Modules that became
+# packages of the same name (`analysis`, `bench`, `cli`) re-export their old names themselves.
+_MOVED = {
+    "accel": "runtime.accel",
+    "allocator": "runtime.allocator",
+    "distributed": "runtime.distributed",
+    "progress": "runtime.progress",
+    "normalizers": "attention.normalizers",
+    "proxy": "attention.grid",
+    "model": "models.clip",
+    "text_tower": "models.text_tower",
+    "backbones": "models.backbones",
+    "proxy_source": "models.proxies",
+    "inference": "segment.segmenter",
+    "text": "segment.vocabulary",
+    "regions": "segment.regions",
+    "images": "segment.images",
+    "discovery": "files.inputs",
+    "batch": "files.folder",
+    "outputs": "files.outputs",
+    "results": "files.results",
+    "evaluate": "evaluation.segmentation",
+    "protocols": "evaluation.protocols",
+    "metrics": "evaluation.metrics",
+    "fgovd": "evaluation.fgovd",
+    "fgovd.regions": "evaluation.fgovd.pooling",
+    "corrclip": "methods.corrclip",
+    "trident": "methods.trident",
+    "sam_refine": "methods.trident_refine",
+    "sweep": "sweeps.grid",
+    "report": "sweeps.report",
+    "bench_compare": "bench.published",
+    "bench_ttfm": "bench.ttfm",
+    "diffusivity": "analysis.diffusivity",
+    "explain": "analysis.explain",
+    "gallery": "analysis.gallery",
+    "demo": "analysis.demo",
+    "cli_common": "cli.common",
+    "cli_analysis": "cli.analysis",
+    "cli_dna": "cli.dna",
+    "cli_proxy": "cli.ls",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -68,3 +129,34 @@ def __getattr__(name: str) -> object:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def moved_target(old: str) -> str | None:
+    """The module that replaced `clipseg_sparse.<old>` (a dotted path below the package), or None."""
+    head = old
+    while head:
+        if head in _MOVED:
+            return _MOVED[head] + old[len(head):]
+        head = head.rpartition(".")[0]
+    return None
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports of a moved module's old path get the new module itself, with a DeprecationWarning."""
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 (importlib's signature)
+        if fullname.startswith(f"{__name__}.") and moved_target(fullname[len(__name__) + 1 :]):
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):  # noqa: ANN001
+        new = f"{__name__}.{moved_target(spec.name[len(__name__) + 1 :])}"
+        warnings.warn(f"{spec.name} moved to {new}; the old path goes away in the next release", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module) -> None:  # noqa: ANN001  (the module is already loaded)
+        pass
+
+
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModules())  # first: a moved package's old child path must not load a second copy

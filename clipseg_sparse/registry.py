@@ -1,18 +1,34 @@
-"""Named-object registries (timm / lm-evaluation-harness style).
+"""Named-object registries: the one plug-in pattern of the package (timm / mmengine / lm-eval style).
 
-Presets, datasets, protocols and shipped grids are all registered by name so the CLI can list them
-(`clipseg-sparse ls ...`) and a typo gets a "did you mean" instead of a KeyError.
+Presets, stages, protocols, taps, spec options, backbones, datasets and grids are registered by name, so
+the CLI can list them (`clipseg-sparse ls ...`) and a typo gets a "did you mean" instead of a KeyError.
+
+The rules:
+- a registry is defined next to the type of its entries (`PRESETS` with `AttentionSpec`, `STAGES` with `Stage`);
+- an entry registers itself in the module that implements it (`REG.register(...)` or `@REG.decorator(...)`);
+- a registry whose entries live in modules above it names them in `locations`: they are imported once, on
+  the first lookup, together with the modules of the entry-point group `group` (third-party methods:
+  `[project.entry-points."clipseg_sparse.methods"] mymethod = "my_pkg.my_method"`). This is a dependency by
+  name, declared once as data (mmengine's `Registry(..., locations=[...])`), so no module is imported only
+  for the side effect of filling a registry.
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Generic, Iterator, TypeVar
+import importlib
+import threading
+from importlib import metadata
+from typing import Callable, Generic, Iterator, Sequence, TypeVar
+
+from .errors import UserError
 
 T = TypeVar("T")
 
+ENTRY_POINT_GROUP = "clipseg_sparse.methods"
 
-class UnknownNameError(KeyError, ValueError):
+
+class UnknownNameError(UserError, KeyError, ValueError):
     """A name that is not in a registry; the message lists close matches and all choices."""
 
     def __str__(self) -> str:  # KeyError quotes its message; show it plainly.
@@ -20,18 +36,45 @@ class UnknownNameError(KeyError, ValueError):
 
 
 class Registry(Generic[T]):
-    """A name -> object table that refuses collisions and explains misses."""
+    """A name -> object table that refuses collisions, explains misses and records where each entry lives.
 
-    def __init__(self, kind: str) -> None:
+    locations: modules imported on the first lookup (their import registers the built-in entries);
+    group: an entry-point group whose modules are imported with them (plug-ins of other packages).
+    """
+
+    def __init__(self, kind: str, *, locations: Sequence[str] = (), group: str | None = None) -> None:
         self.kind = kind
+        self.locations = tuple(locations)
+        self.group = group
         self._items: dict[str, T] = {}
         self._help: dict[str, str] = {}
+        self._where: dict[str, str] = {}
+        self._loaded = not (self.locations or group)
+        self._lock = threading.RLock()
 
-    def register(self, name: str, obj: T, help: str = "") -> T:
+    def _load(self) -> None:
+        """Import `locations` and the entry-point group once. The flag is set first, so a module that looks
+        this registry up while it is being imported (a method reading another's protocol) does not recurse."""
+        if self._loaded:
+            return
+        with self._lock:
+            if self._loaded:
+                return
+            self._loaded = True
+            for module in self.locations:
+                importlib.import_module(module)
+            if self.group:
+                for entry in metadata.entry_points(group=self.group):
+                    importlib.import_module(entry.value.split(":")[0])
+
+    def register(self, name: str, obj: T, help: str = "", module: str | None = None) -> T:
+        """Add `obj` under `name`; `module` is where it is implemented (default: the module of `obj` when it
+        has one, as functions and classes do; shown by `where` and `ls`)."""
         if name in self._items:
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._items[name] = obj
         self._help[name] = help
+        self._where[name] = module or getattr(obj, "__module__", None) or ""
         return obj
 
     def decorator(self, name: str, help: str = "") -> Callable[[T], T]:
@@ -41,13 +84,14 @@ class Registry(Generic[T]):
         return wrap
 
     def get(self, name: str) -> T:
+        self._load()
         try:
             return self._items[name]
         except KeyError:
             raise UnknownNameError(self.unknown_message(name)) from None
 
     def unknown_message(self, name: str) -> str:
-        close = difflib.get_close_matches(name, list(self._items), n=3)
+        close = difflib.get_close_matches(name, self.names(), n=3)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         return f"unknown {self.kind} {name!r}.{hint} Choices: {', '.join(self.names())}"
 
@@ -55,14 +99,21 @@ class Registry(Generic[T]):
         self.get(name)
         return self._help[name]
 
+    def where(self, name: str) -> str:
+        """The module that registered `name` (timm's `_model_to_module`), e.g. `clipseg_sparse.methods.sclip`."""
+        self.get(name)
+        return self._where[name]
+
     def names(self) -> list[str]:
+        self._load()
         return list(self._items)
 
     def __contains__(self, name: object) -> bool:
+        self._load()
         return name in self._items
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
+        return iter(self.names())
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.names())

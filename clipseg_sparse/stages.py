@@ -45,7 +45,6 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .proxy import region_vote
 from .registry import Registry
 
 KINDS = ("token", "text", "match", "post", "global", "labels", "refine")
@@ -272,9 +271,4 @@ def register_plain_stage(name: str, kind: str, fn: Callable[..., torch.Tensor], 
 register_plain_stage(
     "surgery", "match", feature_surgery,
     help="match: CLIP Surgery's feature surgery (class weights from softmax(2 cos(CLS, t)), redundant mean removed)",
-)  # fmt: skip
-# CorrCLIP's map correction (zdk258/CorrCLIP postprocess_result), on the original region map
-register_plain_stage(
-    "regionvote", "labels", region_vote,
-    help="labels: CorrCLIP's map correction, every region of the image's region map takes its most frequent label",
 )  # fmt: skip

@@ -4,9 +4,9 @@ import entmax as entmax_pkg
 import pytest
 import torch
 
-from clipseg_sparse.accel import adasplash_installed, attention_backend, can_use_adasplash, get_attention_backend
+from clipseg_sparse.runtime.accel import adasplash_installed, attention_backend, can_use_adasplash, get_attention_backend
 from clipseg_sparse.attention import AttentionSpec, _attend
-from clipseg_sparse.normalizers import entmax
+from clipseg_sparse.attention.normalizers import entmax
 
 ALPHAS = [1.1, 1.25, 1.5, 1.75, 2.0]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -3,13 +3,13 @@ import sys
 
 import pytest
 
-from clipseg_sparse.allocator import keep_freed_memory
+from clipseg_sparse.runtime.allocator import keep_freed_memory
 
 # allocate, touch and free 96 tensors of 1 MiB, twice; print the resident memory kept after the first
 # round's frees (MiB) and the minor page faults of the second round
 CHURN = """
 import resource, sys, torch
-from clipseg_sparse.allocator import keep_freed_memory
+from clipseg_sparse.runtime.allocator import keep_freed_memory
 if sys.argv[1] == "on":
     assert keep_freed_memory()
 def rss():

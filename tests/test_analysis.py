@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clipseg_sparse.analysis import (
+from clipseg_sparse.analysis.statistics import (
     add_sums,
     analyze,
     attention_statistics,
@@ -20,9 +20,9 @@ from clipseg_sparse.analysis import (
     stuff_classes,
     summarize,
 )
-from clipseg_sparse.cli import app
+from clipseg_sparse.cli.app import app
 from clipseg_sparse.datasets import DATASETS
-from clipseg_sparse.results import progress_path
+from clipseg_sparse.files.results import progress_path
 from conftest import TINY_CONFIG
 
 ADE_ROOT = Path(__file__).parent / "data" / "ade20k"
@@ -133,7 +133,7 @@ def test_sums_add_and_summarize_to_patch_weighted_means():
 
 
 def test_attention_over_another_token_set_is_refused():
-    from clipseg_sparse.analysis import check_tokens
+    from clipseg_sparse.analysis.statistics import check_tokens
 
     assert check_tokens(5, 4, "qq/softmax") is None and check_tokens(4, 4, "qq/softmax/cls:0.3") is None
     with pytest.raises(ValueError, match="attends over 16 tokens, not CLIP's 4 patches"):
@@ -153,8 +153,8 @@ def test_stuff_classes_of_the_datasets():
 def _loop_statistics(clip, sample, spec, resolution: int) -> tuple[int, dict]:
     """Whole-image statistics by plain loops over the attention map of one forward."""
     from clipseg_sparse.attention import attention_maps
-    from clipseg_sparse.images import load_image
-    from clipseg_sparse.inference import resized_shape, to_pixels
+    from clipseg_sparse.segment.images import load_image
+    from clipseg_sparse.segment.segmenter import resized_shape, to_pixels
 
     bench = DATASETS.get("ade20k")
     rgb, labels = load_image(sample.image), bench.load_label(sample.label)
@@ -222,7 +222,7 @@ def test_analyze_ade20k_fixtures_end_to_end(tiny_clip, tmp_path):
 
 
 def test_interrupted_analysis_resumes_to_the_same_result(tiny_clip, tmp_path, monkeypatch):
-    import clipseg_sparse.analysis as analysis
+    import clipseg_sparse.analysis.statistics as analysis
 
     full = analyze(tiny_clip, "ade20k", ADE_ROOT, "sclip", overrides=FAST, progress=False)
     out = tmp_path / "part.json"

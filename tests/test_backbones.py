@@ -2,7 +2,7 @@
 
 The DINO reference below follows facebookresearch/dino vision_transformer.py (prepare_tokens,
 interpolate_pos_encoding, Block, get_intermediate_layers) line by line on the same weights; it shares
-no code with clipseg_sparse.backbones.
+no code with clipseg_sparse.models.backbones.
 """
 
 from __future__ import annotations
@@ -18,15 +18,10 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_sam
 
-from clipseg_sparse.backbones import (
-    BACKBONES,
-    Backbone,
-    BackboneInfo,
-    MissingExtraError,
-    load_backbone,
-    require_extra,
-)
-from clipseg_sparse.model import WeightsUnavailableError
+from clipseg_sparse.models.backbones import BACKBONES, Backbone, BackboneInfo, load_backbone
+
+from clipseg_sparse.runtime.weights import MissingExtraError, require_extra
+from clipseg_sparse.runtime.weights import WeightsUnavailableError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,8 +166,8 @@ def test_missing_checkpoint_is_one_line(tmp_path):
 
 def test_offline_hub_weights_fail_fast_with_one_line(tmp_path):
     code = (
-        "from clipseg_sparse.backbones import load_backbone\n"
-        "from clipseg_sparse.model import WeightsUnavailableError\n"
+        "from clipseg_sparse.models.backbones import load_backbone\n"
+        "from clipseg_sparse.models.clip import WeightsUnavailableError\n"
         "try:\n    load_backbone('dino_vitb16', 'hub', device='cpu')\n"
         "except WeightsUnavailableError as e:\n    print('ERR', e)\n"
     )

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from clipseg_sparse.fgovd import BenchmarkFormatError, evaluate_fgovd, read_benchmark
-from clipseg_sparse.inference import InferenceSettings
+from clipseg_sparse.evaluation.fgovd import BenchmarkFormatError, evaluate_fgovd, read_benchmark
+from clipseg_sparse.segment.segmenter import InferenceSettings
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 from test_cli_ux import assert_one_line_error, cache_dir, image, invoke  # noqa: F401 - fixtures
@@ -150,7 +150,7 @@ def test_offline_with_an_empty_cache_fails_in_seconds(tmp_path):
     except OSError:
         pass
     script = (
-        "import time\nimport huggingface_hub, open_clip\nfrom clipseg_sparse.model import WeightsUnavailableError, load_clip\n"
+        "import time\nimport huggingface_hub, open_clip\nfrom clipseg_sparse.models.clip import WeightsUnavailableError, load_clip\n"
         "start = time.perf_counter()\n"
         "try:\n    load_clip('ViT-B-16', 'openai', device='cpu')\nexcept WeightsUnavailableError as e:\n"
         "    print(f'{time.perf_counter() - start:.2f}', e)\n"

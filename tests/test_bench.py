@@ -3,19 +3,12 @@
 import pytest
 from typer.testing import CliRunner
 
-from clipseg_sparse.bench import (
-    BenchRow,
-    bench_forward,
-    bench_normalizers,
-    bench_segment,
-    last_block_scores,
-    score_cases,
-    target_checks,
-    write_images,
-)
-from clipseg_sparse.cli import app
-from clipseg_sparse.inference import InferenceSettings
-from clipseg_sparse.normalizers import entmax
+from clipseg_sparse.bench.run import bench_forward, bench_normalizers, bench_segment, last_block_scores, score_cases, target_checks
+
+from clipseg_sparse.bench.timing import BenchRow, write_images
+from clipseg_sparse.cli.app import app
+from clipseg_sparse.segment.segmenter import InferenceSettings
+from clipseg_sparse.attention.normalizers import entmax
 from conftest import TINY_CONFIG
 
 
@@ -96,7 +89,7 @@ def test_target_checks_read_the_right_rows():
 
 def test_bench_ttfm_fields(tiny_clip):
     """Time to first mask on the tiny model: 3 classes x 4 templates, the plain path on every 2nd prompt."""
-    from clipseg_sparse.bench_ttfm import ade20k_names, bench_ttfm
+    from clipseg_sparse.bench.ttfm import ade20k_names, bench_ttfm
 
     names = ade20k_names()
     assert len(names) == 150 and names[:3] == ["wall", "building", "sky"]
@@ -124,9 +117,9 @@ def test_cli_bench_quick_prints_tables():
 def test_published_window_loop_gives_our_labels(tiny_clip):
     """The mmseg-style loop (one window per forward, logits accumulated at full size) and our batched,
     separable computation are the same arithmetic: the labels agree (up to float ties)."""
-    from clipseg_sparse.bench import smooth_image
-    from clipseg_sparse.bench_compare import bench_published_windows, published_slide_labels
-    from clipseg_sparse.inference import Segmenter
+    from clipseg_sparse.bench.timing import smooth_image
+    from clipseg_sparse.bench.published import bench_published_windows, published_slide_labels
+    from clipseg_sparse.segment.segmenter import Segmenter
 
     settings = InferenceSettings(resolution=72, window=40, stride=24)  # windows not a multiple of the patch
     seg = Segmenter(tiny_clip, "cat,dog|puppy,sky,grass", spec="sclip", settings=settings, templates="single")

@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.cli import app
-from clipseg_sparse.inference import InferenceSettings, Segmenter
-from clipseg_sparse.outputs import OutputOptions, write_outputs
+from clipseg_sparse.cli.app import app
+from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+from clipseg_sparse.files.outputs import OutputOptions, write_outputs
 from conftest import TINY_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ CAPPED = textwrap.dedent(
     """
     import resource, sys
     import torch
-    from clipseg_sparse.cli import main
+    from clipseg_sparse.cli.app import main
 
     # the cap: the address space the process holds once torch is loaded, plus 2.5 GiB; the 150 class maps
     # of a 4000 x 3000 image are 7.2 GB in float32, so computing them whole cannot fit

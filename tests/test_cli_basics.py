@@ -3,7 +3,7 @@ import sys
 
 from typer.testing import CliRunner
 
-from clipseg_sparse.cli import app
+from clipseg_sparse.cli.app import app
 
 runner = CliRunner()
 
@@ -19,7 +19,7 @@ def test_ls_presets_lists_every_registered_preset():
 
 
 def test_version_and_help_are_fast_and_do_not_import_torch():
-    code = "import sys; from clipseg_sparse.cli import app; print('torch' in sys.modules)"
+    code = "import sys; from clipseg_sparse.cli.app import app; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     result = runner.invoke(app, ["--version"])

@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.cli import app
+from clipseg_sparse.cli.app import app
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 
@@ -42,7 +42,7 @@ def image(tmp_path):
 
 @pytest.mark.parametrize("device", ["cuda", "mps"])
 def test_unavailable_device_is_a_one_line_error(image, tmp_path, monkeypatch, device):
-    import clipseg_sparse.model as model
+    import clipseg_sparse.runtime.device as model
 
     monkeypatch.setattr(model, "_cuda_available", lambda: False)
     monkeypatch.setattr(model, "_mps_available", lambda: False)
@@ -51,7 +51,7 @@ def test_unavailable_device_is_a_one_line_error(image, tmp_path, monkeypatch, de
 
 
 def test_sweep_checks_the_device_before_running_cells(tmp_path, monkeypatch):
-    import clipseg_sparse.model as model
+    import clipseg_sparse.runtime.device as model
 
     monkeypatch.setattr(model, "_cuda_available", lambda: False)
     make_benchmark("voc21", tmp_path / "data", n=1, size=(32, 32))

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipseg_sparse.batch import plan_run, run_plan
-from clipseg_sparse.discovery import discover_images
-from clipseg_sparse.inference import InferenceSettings, Segmenter
-from clipseg_sparse.outputs import ClaimConflictError, OutputOptions
+from clipseg_sparse.files.folder import plan_run, run_plan
+from clipseg_sparse.files.inputs import discover_images
+from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+from clipseg_sparse.files.outputs import ClaimConflictError, OutputOptions
 from conftest import TINY_CONFIG
 
 SETTINGS = InferenceSettings(resolution=64, window=0)

@@ -19,9 +19,9 @@ from test_proxyclip import proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO 
 from typer.testing import CliRunner
 
 from conftest import TINY_CONFIG
-from clipseg_sparse.inference import InferenceSettings, Segmenter
-from clipseg_sparse.proxy import region_vote
-from clipseg_sparse.regions import RegionFolder
+from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+from clipseg_sparse.attention.grid import region_vote
+from clipseg_sparse.segment.regions import RegionFolder
 
 TINY = "ext:dino_vitb8.qk[cos,scale:4,region:{eps}]/{norm}/cls:0/noffn/in:mean@1-2/mct:0.5"
 IMAGENET = (torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1))
@@ -228,7 +228,7 @@ def test_segmenter_votes_on_the_original_regions_and_records_the_source(proxy, t
 
 
 def _segment(tmp_path, *extra):
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     return CliRunner().invoke(app, [
         "segment", str(tmp_path / "img"), "--classes", "cat,dog", "--model", TINY_CONFIG, "--pretrained", "none",
@@ -270,7 +270,7 @@ def test_sam2_regions_without_the_extra_stop_the_cli(proxy, tmp_path):  # noqa: 
 
 
 def test_ls_lists_the_presets_and_protocol():
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     presets = CliRunner().invoke(app, ["ls", "presets"], env={"COLUMNS": "300"}).output
     protocols = CliRunner().invoke(app, ["ls", "protocols"], env={"COLUMNS": "300"}).output
@@ -282,9 +282,9 @@ def test_ls_lists_the_presets_and_protocol():
 def test_eval_corrclip_protocol_reads_regions_by_sample_id(proxy, tmp_path):  # noqa: F811
     from fake_benchmarks import make_benchmark
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
     from clipseg_sparse.datasets import DATASETS
-    from clipseg_sparse.sweep import SweepPaths
+    from clipseg_sparse.sweeps.grid import SweepPaths
 
     make_benchmark("voc21", tmp_path / "voc", n=2, size=(48, 64))
     samples = DATASETS.get("voc21").samples(tmp_path / "voc")

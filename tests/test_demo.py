@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 
 from browser import run_chromium, screenshot
-from clipseg_sparse.demo import DemoError, DemoModel, build_demo, launch
-from clipseg_sparse.inference import InferenceSettings
+from clipseg_sparse.analysis.demo import DemoError, DemoModel, build_demo, launch
+from clipseg_sparse.segment.segmenter import InferenceSettings
 
 SETTINGS = InferenceSettings(resolution=64, window=32, stride=16)
 PRESETS = ["clearclip", "clearclip-entmax"]
@@ -76,7 +76,7 @@ def test_demo_command_without_gradio_says_how_to_install_it(monkeypatch):
 
     from typer.testing import CliRunner
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     monkeypatch.setitem(sys.modules, "gradio", None)  # what `import gradio` meets when the extra is missing
     result = CliRunner().invoke(app, ["demo", "--pretrained", "none"])

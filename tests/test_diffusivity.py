@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.cli import app
-from clipseg_sparse.diffusivity import (
+from clipseg_sparse.cli.app import app
+from clipseg_sparse.analysis.diffusivity import (
     correlations,
     gain_cells,
     least_squares,
@@ -21,7 +21,7 @@ from clipseg_sparse.diffusivity import (
     spearman,
     write_gain_report,
 )
-from clipseg_sparse.report import ReportError, collect
+from clipseg_sparse.sweeps.report import ReportError, collect
 
 BASE = {"model": "ViT-B-16", "pretrained": "openai", "precision": "fp32", "resolution": 336, "window": 224, "stride": 112}
 DIFFUSIVITY = {"voc21": 0.1, "context60": 0.2, "ade20k": 0.4, "coco-stuff": 0.7}

@@ -3,7 +3,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from clipseg_sparse.discovery import InputError, discover_images, safe_output_base
+from clipseg_sparse.files.inputs import InputError, discover_images, safe_output_base
 
 
 def touch(path: Path) -> Path:

@@ -14,8 +14,8 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from clipseg_sparse import load_clip
-from clipseg_sparse.distributed import shard
-from clipseg_sparse.evaluate import evaluate
+from clipseg_sparse.runtime.distributed import shard
+from clipseg_sparse.evaluation.segmentation import evaluate
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 
@@ -95,7 +95,7 @@ def sweep_args(tmp_path):
 def test_shards_of_a_grid_are_disjoint_and_make_the_whole(sweep_args, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     monkeypatch.setenv("CLIPSEG_SPARSE_CACHE", str(tmp_path / "cache"))
     runner = CliRunner()
@@ -114,7 +114,7 @@ def test_shards_of_a_grid_are_disjoint_and_make_the_whole(sweep_args, tmp_path, 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 def test_torchrun_sweep_deals_cells_to_ranks_and_equals_one_process(sweep_args, tmp_path):
-    from clipseg_sparse.sweep import Grid, SweepPaths, run_sweep
+    from clipseg_sparse.sweeps.grid import Grid, SweepPaths, run_sweep
 
     grid = Grid.from_dict(dict(models=[TINY_CONFIG], pretrained="none", datasets=["voc21"], sources=["qk", "qq", "kk"], templates="single"))
     one = run_sweep(grid, SweepPaths(tmp_path / "one", {"*": tmp_path / "data"}), device="cpu", progress=False)
@@ -130,7 +130,7 @@ def test_torchrun_sweep_deals_cells_to_ranks_and_equals_one_process(sweep_args, 
 def test_torchrun_segment_equals_one_process(tmp_path):
     from typer.testing import CliRunner
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     rng = np.random.default_rng(0)
     (tmp_path / "in").mkdir()
@@ -159,8 +159,8 @@ def test_torchrun_segment_equals_one_process(tmp_path):
 def test_torchrun_fgovd_equals_one_process(tmp_path):
     from test_fgovd import FULL, make_images
 
-    from clipseg_sparse.fgovd import evaluate_fgovd
-    from clipseg_sparse.inference import InferenceSettings
+    from clipseg_sparse.evaluation.fgovd import evaluate_fgovd
+    from clipseg_sparse.segment.segmenter import InferenceSettings
 
     make_images(FULL, tmp_path / "coco", count=5)
     with one_thread():

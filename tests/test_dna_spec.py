@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from clipseg_sparse.attention import AttentionSpec
-from clipseg_sparse.cli import app
+from clipseg_sparse.cli.app import app
 from clipseg_sparse.dna import apply_adapter, convert_to_dna, load_adapter, save_adapter
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.cli import app
+from clipseg_sparse.cli.app import app
 from clipseg_sparse.datasets import DATASETS
 from clipseg_sparse.dna.train import TrainConfig, lr_factor, train
 from conftest import TINY_CONFIG
@@ -44,7 +44,7 @@ def _fixed_batch_loss(root: Path, adapter: Path | None) -> float:
     from clipseg_sparse.dna import apply_adapter
     from clipseg_sparse.dna.data import TrainingSet
     from clipseg_sparse.dna.train import Objective
-    from clipseg_sparse.text import embed_names
+    from clipseg_sparse.segment.vocabulary import embed_names
 
     clip = load_clip(TINY_CONFIG, pretrained=None, device="cpu")
     bench = DATASETS.get("ade20k")

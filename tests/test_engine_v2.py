@@ -349,7 +349,7 @@ def test_gem_matches_published_forward(vit_b16):
 def test_ls_presets_shows_the_new_presets_with_their_papers():
     from typer.testing import CliRunner
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     result = CliRunner().invoke(app, ["ls", "presets"], env={"COLUMNS": "400"})
     assert result.exit_code == 0
@@ -372,7 +372,7 @@ SCCLIP_PUBLISHED = {
 
 @pytest.mark.parametrize("dataset", list(SCCLIP_PUBLISHED))
 def test_scclip_protocol_matches_published_configs(dataset):
-    from clipseg_sparse.protocols import PROTOCOLS
+    from clipseg_sparse.evaluation.protocols import PROTOCOLS
 
     settings = PROTOCOLS.get("scclip").settings(dataset)
     for name, value in SCCLIP_PUBLISHED[dataset].items():
@@ -386,7 +386,7 @@ def test_scclip_protocol_matches_published_configs(dataset):
 def test_reproduce_grids_cross_the_new_presets_with_softmax_and_entmax(grid, models, presets):
     """Each grid: its preset x {softmax, entmax:1.5} x the 8 benchmarks, with the right layer indices per model."""
     from clipseg_sparse.datasets import DATASETS
-    from clipseg_sparse.sweep import GRIDS, read_grid_file
+    from clipseg_sparse.sweeps.grid import GRIDS, read_grid_file
 
     g = read_grid_file(GRIDS.get(grid)).grid
     assert list(g.models) == models and set(g.datasets) == set(DATASETS.names()) and g.protocol == grid.split("-")[0]
@@ -432,7 +432,7 @@ def _feature_surgery_reference(image_features, text_features):
 
 
 def test_clipsurgery_matches_published_forward_and_feature_surgery(vit_b16):
-    from clipseg_sparse.inference import dense_cosine
+    from clipseg_sparse.segment.segmenter import dense_cosine
 
     torch.manual_seed(9)
     pixels = _structured_pixels(1, (160, 160))

@@ -6,13 +6,13 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.cli import app
+from clipseg_sparse.cli.app import app
 from clipseg_sparse.datasets import DATASETS
-from clipseg_sparse.evaluate import evaluate, prediction_path
-from clipseg_sparse.results import progress_path
-from clipseg_sparse.inference import Segmenter
-from clipseg_sparse.metrics import intersect_and_union, segmentation_metrics
-from clipseg_sparse.results import ConfigMismatchError
+from clipseg_sparse.evaluation.segmentation import evaluate, prediction_path
+from clipseg_sparse.files.results import progress_path
+from clipseg_sparse.segment.segmenter import Segmenter
+from clipseg_sparse.evaluation.metrics import intersect_and_union, segmentation_metrics
+from clipseg_sparse.files.results import ConfigMismatchError
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from clipseg_sparse import AttentionSpec, InferenceSettings, Segmenter
-from clipseg_sparse.inference import dense_cosine, resized_shape, to_pixels, window_boxes, window_geometry
-from clipseg_sparse.protocols import PROTOCOLS
+from clipseg_sparse.segment.segmenter import dense_cosine, resized_shape, to_pixels, window_boxes, window_geometry
+from clipseg_sparse.evaluation.protocols import PROTOCOLS
 
 
 def _cubic(x: float, a: float = -0.75) -> float:

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.cli import app
-from clipseg_sparse.explain import attention_image, explain, query_patch, render_explain, write_explain
-from clipseg_sparse.inference import InferenceSettings, to_pixels
+from clipseg_sparse.cli.app import app
+from clipseg_sparse.analysis.explain import attention_image, explain, query_patch, render_explain, write_explain
+from clipseg_sparse.segment.segmenter import InferenceSettings, to_pixels
 from conftest import TINY_CONFIG
 
 SETTINGS = InferenceSettings(resolution=64, window=32, stride=16)

@@ -14,9 +14,9 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from clipseg_sparse.attention import AttentionSpec
-from clipseg_sparse.cli import app
-from clipseg_sparse.results import progress_path
-from clipseg_sparse.fgovd import (
+from clipseg_sparse.cli.app import app
+from clipseg_sparse.files.results import progress_path
+from clipseg_sparse.evaluation.fgovd import (
     BenchmarkFormatError,
     MissingImageError,
     evaluate_fgovd,
@@ -25,11 +25,11 @@ from clipseg_sparse.fgovd import (
     rank_metrics,
     read_benchmark,
 )
-from clipseg_sparse.fgovd import evaluate as evaluate_mod
-from clipseg_sparse.fgovd.regions import WindowFeatures, box_map, crop_box, encode_crops, mask_map
-from clipseg_sparse.inference import InferenceSettings, to_pixels
+from clipseg_sparse.evaluation.fgovd import evaluate as evaluate_mod
+from clipseg_sparse.evaluation.fgovd.pooling import WindowFeatures, box_map, crop_box, encode_crops, mask_map
+from clipseg_sparse.segment.segmenter import InferenceSettings, to_pixels
 from clipseg_sparse.registry import UnknownNameError
-from clipseg_sparse.results import ConfigMismatchError
+from clipseg_sparse.files.results import ConfigMismatchError
 from conftest import TINY_CONFIG
 
 DATA = Path(__file__).parent / "data" / "fgovd"
@@ -229,7 +229,7 @@ def test_overlapping_windows_share_pixels_evenly(tiny_clip):
 
 
 def test_mask_of_a_rectangle_polygon_matches_the_box(tiny_clip):
-    from clipseg_sparse.fgovd.data import RegionAnnotation
+    from clipseg_sparse.evaluation.fgovd.data import RegionAnnotation
 
     _, wf = _features(tiny_clip, (64, 96), InferenceSettings(window=0))
     x, y, w, h = 20, 8, 40, 30

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from clipseg_sparse.fgovd import fgovd_metrics
-from clipseg_sparse.fgovd.data import negative_counts
-from clipseg_sparse.fgovd.metrics import supported_negatives
-from clipseg_sparse.sweep import Grid, check_fgovd_negatives
+from clipseg_sparse.evaluation.fgovd import fgovd_metrics
+from clipseg_sparse.evaluation.fgovd.data import negative_counts
+from clipseg_sparse.evaluation.fgovd.metrics import supported_negatives
+from clipseg_sparse.sweeps.grid import Grid, check_fgovd_negatives
 from conftest import TINY_CONFIG
 from test_cli_ux import assert_one_line_error, invoke
 
@@ -55,7 +55,7 @@ def test_a_report_metric_no_file_can_give_fails_before_running(tmp_path):
 
 
 def test_the_shipped_fgovd_grid_reports_each_split_at_its_own_n():
-    from clipseg_sparse.sweep import GRIDS, read_grid_file
+    from clipseg_sparse.sweeps.grid import GRIDS, read_grid_file
 
     spec = read_grid_file(GRIDS.get("fgovd"), benchmarks_dir=FULL.parent)
     assert spec.report["metric"] == "top1"

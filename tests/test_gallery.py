@@ -9,13 +9,13 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from browser import run_chromium, screenshot
-from clipseg_sparse.cli import app
+from clipseg_sparse.cli.app import app
 from clipseg_sparse.datasets import DATASETS
-from clipseg_sparse.evaluate import evaluate
-from clipseg_sparse.gallery import write_gallery
-from clipseg_sparse.inference import InferenceSettings, Segmenter
-from clipseg_sparse.outputs import OutputOptions, write_outputs
-from clipseg_sparse.images import load_image
+from clipseg_sparse.evaluation.segmentation import evaluate
+from clipseg_sparse.analysis.gallery import write_gallery
+from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+from clipseg_sparse.files.outputs import OutputOptions, write_outputs
+from clipseg_sparse.segment.images import load_image
 
 ADE_ROOT = Path(__file__).parent / "data" / "ade20k"
 FAST = dict(resolution=64, window=32, stride=16)

@@ -1,7 +1,7 @@
 import numpy as np
 from PIL import Image
 
-from clipseg_sparse.images import load_image
+from clipseg_sparse.segment.images import load_image
 
 
 def test_arrays_of_every_depth_become_rgb_uint8():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipseg_sparse.discovery import discover_images
+from clipseg_sparse.files.inputs import discover_images
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 from test_cli_ux import invoke

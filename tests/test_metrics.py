@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from clipseg_sparse.metrics import areas_to_record, intersect_and_union, record_to_areas, segmentation_metrics
+from clipseg_sparse.evaluation.metrics import areas_to_record, intersect_and_union, record_to_areas, segmentation_metrics
 
 PRED_1 = np.array([[0, 0, 1], [1, 2, 2]])
 LABEL_1 = np.array([[0, 1, 1], [255, 2, 0]])

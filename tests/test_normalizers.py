@@ -2,7 +2,7 @@ import entmax as entmax_pkg
 import pytest
 import torch
 
-from clipseg_sparse.normalizers import Normalizer, entmax, entmax_shift, normalize, random_mask_softmax
+from clipseg_sparse.attention.normalizers import Normalizer, entmax, entmax_shift, normalize, random_mask_softmax
 
 ALPHAS = [1.1, 1.25, 1.5, 1.75, 2.0]
 
@@ -181,7 +181,7 @@ def test_input_with_no_finite_row_at_all_is_nan_like_softmax():
 def test_entmax_solved_in_blocks_of_rows_is_exact(alpha, monkeypatch):
     # blocks of 8 rows: one all flat rows (solved whole), one all peaked (candidates gathered), one with
     # a single flat row among peaked ones (both solvers in one block), a -inf row inside a block
-    import clipseg_sparse.normalizers as normalizers
+    import clipseg_sparse.attention.normalizers as normalizers
 
     x = _attention_like(3)[12:].repeat(3, 1)  # 36 peaked rows
     g = torch.Generator().manual_seed(4)

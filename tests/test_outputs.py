@@ -5,8 +5,8 @@ import pytest
 from PIL import Image
 
 from clipseg_sparse.datasets.labels import PALETTE, label_image
-from clipseg_sparse.inference import SegmentationResult
-from clipseg_sparse.outputs import OutputOptions, Status, coco_rle, overlay_image, write_outputs
+from clipseg_sparse.segment.segmenter import SegmentationResult
+from clipseg_sparse.files.outputs import OutputOptions, Status, coco_rle, overlay_image, write_outputs
 from clipseg_sparse.registry import UnknownNameError
 
 SETTINGS = {"model": "m", "attention": "qq/softmax", "batch_size": 16, "classes": [["cat"], ["dog"], ["sky"]]}
@@ -111,7 +111,7 @@ def test_foreign_file_is_a_conflict(tmp_path):
 
 
 def test_interrupted_write_leaves_no_torn_file_and_resumes(tmp_path, monkeypatch):
-    import clipseg_sparse.outputs as outputs
+    import clipseg_sparse.files.outputs as outputs
 
     rgb, result = make_result()
     base = tmp_path / "img"

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from clipseg_sparse.proxy import (
+from clipseg_sparse.attention.grid import (
     corrclip_attention,
     merge_regions,
     region_support,

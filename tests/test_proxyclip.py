@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from conftest import TINY_CONFIG
 from clipseg_sparse.attention import AttentionSpec
-from clipseg_sparse.backbones import BACKBONES, Backbone
-from clipseg_sparse.inference import InferenceSettings, Segmenter, dense_cosine
-from clipseg_sparse.proxy_source import PROXIES, proxy_grid, use_backbone, use_proxy_weights
+from clipseg_sparse.models.backbones import BACKBONES, Backbone
+from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter, dense_cosine
+from clipseg_sparse.models.proxies import PROXIES, proxy_grid, use_backbone, use_proxy_weights
 
 TINY_TEXT = "ext:dino_vitb8[cos,shift:1.2,scale:3,pos]/{}/cls:0/noffn"
 
@@ -176,7 +176,7 @@ def test_bad_ext_specs_are_one_line_errors(proxy):
 
 
 def test_segmenter_records_the_backbone_and_segment_cli_accepts_the_preset(proxy, tmp_path):
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     clip, _ = proxy
     seg = Segmenter(clip, "cat,dog", spec="proxyclip-entmax", settings=InferenceSettings(resolution=0, window=64, stride=32), templates="single")
@@ -200,7 +200,7 @@ def test_segmenter_records_the_backbone_and_segment_cli_accepts_the_preset(proxy
 def test_eval_runs_the_proxyclip_protocol(proxy, tmp_path):
     from fake_benchmarks import make_benchmark
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     make_benchmark("voc21", tmp_path / "voc", n=2, size=(40, 56))
     out = tmp_path / "voc.json"
@@ -216,7 +216,7 @@ def test_eval_runs_the_proxyclip_protocol(proxy, tmp_path):
 
 
 def test_missing_proxy_weights_stop_the_cli_with_one_line(proxy, tmp_path):
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / "a.png")
     res = CliRunner().invoke(app, [

@@ -8,7 +8,7 @@ import numpy as np
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.cli import app
+from clipseg_sparse.cli.app import app
 from conftest import TINY_CONFIG
 
 README = Path(__file__).parent.parent / "README.md"

@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.backbones import MissingExtraError
-from clipseg_sparse.cli import app
-from clipseg_sparse.regions import RegionFolder, Sam2Regions, masks_to_regions, read_region_map
+from clipseg_sparse.runtime.weights import MissingExtraError
+from clipseg_sparse.cli.app import app
+from clipseg_sparse.segment.regions import RegionFolder, Sam2Regions, masks_to_regions, read_region_map
 
 
 def test_region_files_in_three_formats(tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipseg_sparse.report import (
+from clipseg_sparse.sweeps.report import (
     ReportError,
     alpha_series,
     collect,
@@ -245,7 +245,7 @@ def test_plots_need_data_to_show(results, tmp_path):
 def test_report_cli(results, tmp_path):
     from typer.testing import CliRunner
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     runner = CliRunner()
     out = tmp_path / "rep"

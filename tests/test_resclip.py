@@ -171,7 +171,7 @@ def test_resclip_equals_the_published_forward(vit_b16):
 def test_resclip_on_a_whole_image_that_is_not_whole_patches(vit_b16):
     """remainder drop (VOC21 / VOC20 whole images): the network sees 80 x 96, the first pass upsamples to
     and runs PAMR on the whole 80 x 104 image, as the published create_logit_temp does."""
-    from clipseg_sparse.inference import dense_cosine
+    from clipseg_sparse.segment.segmenter import dense_cosine
 
     torch.manual_seed(3)
     pixels = _structured((80, 104), seed=6)
@@ -187,7 +187,7 @@ def test_resclip_on_a_whole_image_that_is_not_whole_patches(vit_b16):
 
 
 def _resclip_protocol():
-    from clipseg_sparse.protocols import PROTOCOLS
+    from clipseg_sparse.evaluation.protocols import PROTOCOLS
 
     return PROTOCOLS.get("resclip")
 
@@ -245,7 +245,7 @@ RESCLIP_PUBLISHED = {
 @pytest.mark.parametrize("dataset", list(RESCLIP_PUBLISHED))
 @pytest.mark.parametrize("preset", ["resclip", "resclip-entmax"])
 def test_resclip_protocol_has_each_configs_constants(dataset, preset):
-    from clipseg_sparse.protocols import PROTOCOLS
+    from clipseg_sparse.evaluation.protocols import PROTOCOLS
 
     thd, (tau_r, lam_r), (tau_s, lam_s), settings = RESCLIP_PUBLISHED[dataset]
     proto = PROTOCOLS.get("resclip")
@@ -266,7 +266,7 @@ def test_resclip_protocol_has_each_configs_constants(dataset, preset):
 
 def test_reproduce_grid_crosses_resclip_with_softmax_and_entmax():
     from clipseg_sparse.datasets import DATASETS
-    from clipseg_sparse.sweep import GRIDS, read_grid_file
+    from clipseg_sparse.sweeps.grid import GRIDS, read_grid_file
 
     g = read_grid_file(GRIDS.get("resclip")).grid
     assert list(g.models) == ["ViT-B-16", "ViT-L-14"] and set(g.datasets) == set(DATASETS.names()) and g.protocol == "resclip"
@@ -277,7 +277,7 @@ def test_reproduce_grid_crosses_resclip_with_softmax_and_entmax():
 def test_ls_shows_resclip():
     from typer.testing import CliRunner
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     for what, name, paper in [("presets", "resclip", "ResCLIP (Yang et al."), ("presets", "resclip-entmax", "alpha-entmax"),
                               ("protocols", "resclip", "ResCLIP (CVPR 2025)")]:  # fmt: skip
@@ -290,7 +290,7 @@ def test_eval_runs_each_datasets_constants(vit_b16, tmp_path):
     """evaluate under the resclip protocol runs the dataset's constants and writes them to the result."""
     from fake_benchmarks import make_benchmark
 
-    from clipseg_sparse.evaluate import evaluate
+    from clipseg_sparse.evaluation.segmentation import evaluate
 
     make_benchmark("voc20", tmp_path, n=1, size=(36, 52))
     record = evaluate(vit_b16, "voc20", tmp_path, "resclip-entmax", protocol="resclip", progress=False, templates="none",

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from clipseg_sparse.results import ConfigMismatchError, ItemLog, logged_or_computed, config_hash, package_versions, write_json_atomic
+from clipseg_sparse.files.results import ConfigMismatchError, ItemLog, logged_or_computed, config_hash, package_versions
+from clipseg_sparse.runtime.atomic import write_json_atomic
 
 
 def test_item_log_resumes_and_ignores_torn_line(tmp_path):

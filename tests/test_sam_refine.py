@@ -13,10 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import TINY_CONFIG
-from clipseg_sparse import sam_refine as sr
-from clipseg_sparse.backbones import MissingExtraError
-from clipseg_sparse.inference import InferenceSettings, Segmenter
-from clipseg_sparse.model import WeightsUnavailableError
+from clipseg_sparse.methods import trident_refine as sr
+from clipseg_sparse.runtime.weights import MissingExtraError
+from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+from clipseg_sparse.runtime.weights import WeightsUnavailableError
 from clipseg_sparse.stages import parse_stage
 
 
@@ -150,7 +150,7 @@ def test_stage_end_to_end_through_segmenter(tiny_clip, monkeypatch):
 
 
 def test_stage_text_errors_and_listing():
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     assert parse_stage("samrefine").name == "samrefine:0.2:0.8" and parse_stage("samrefine:0.05").name == "samrefine:0.05:0.8"
     for bad in ("samrefine:x", "samrefine:0.2:2", "samrefine:1:1:1"):
@@ -175,7 +175,7 @@ def test_cli_loads_sam_before_any_image(tiny_clip, monkeypatch):
     """eval's load_proxies loads SAM's predictor when a refine stage is on: bad weights fail before any work."""
     import typer
 
-    from clipseg_sparse import cli_common
+    from clipseg_sparse.cli import common as cli_common
     from clipseg_sparse.attention import resolve_spec
 
     printed = []
@@ -189,7 +189,7 @@ def test_cli_loads_sam_before_any_image(tiny_clip, monkeypatch):
 
 
 def test_trident_samrefine_protocol_adds_the_stage_per_dataset():
-    from clipseg_sparse.protocols import PROTOCOLS
+    from clipseg_sparse.evaluation.protocols import PROTOCOLS
 
     plain, refined = PROTOCOLS.get("trident"), PROTOCOLS.get("trident-samrefine")
     coarse = {"voc21": "0.2", "voc20": "0.2", "context60": "0.15", "context59": "0.15", "coco-object": "0.25", "coco-stuff": "0.05", "cityscapes": "0.1", "ade20k": "0.05"}

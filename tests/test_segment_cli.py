@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.cli import app
+from clipseg_sparse.cli.app import app
 from clipseg_sparse.datasets.labels import PALETTE
 from conftest import TINY_CONFIG
 
@@ -161,7 +161,7 @@ def test_rerun_skips_finished_images_and_overwrite_replaces(tmp_path, checkpoint
 
 
 def test_interrupted_run_resumes(tmp_path, checkpoint, monkeypatch):
-    import clipseg_sparse.outputs as outputs
+    import clipseg_sparse.files.outputs as outputs
 
     images, out = tmp_path / "in", tmp_path / "out"
     images.mkdir()
@@ -258,7 +258,7 @@ def test_outputs_of_other_settings_are_never_replaced(tmp_path, checkpoint):
 
 
 def test_text_cache_is_used_across_runs(tmp_path, checkpoint, cache_dir, monkeypatch):
-    from clipseg_sparse.model import DenseCLIP
+    from clipseg_sparse.models.clip import DenseCLIP
 
     image = tmp_path / "x.png"
     Image.fromarray(rand(32, 32)).save(image)

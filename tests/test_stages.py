@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from clipseg_sparse import InferenceSettings, Segmenter
-from clipseg_sparse.inference import class_probabilities, dense_cosine, resized_shape, to_pixels
+from clipseg_sparse.segment.segmenter import class_probabilities, dense_cosine, resized_shape, to_pixels
 from clipseg_sparse.registry import UnknownNameError
 from clipseg_sparse.stages import STAGES, Stage, pamr, parse_stage
 
@@ -131,7 +131,7 @@ def test_cli_pamr_follows_the_protocol_and_the_flag(tmp_path):
 
     from typer.testing import CliRunner
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
     from conftest import TINY_CONFIG
     from fake_benchmarks import make_benchmark
 
@@ -155,7 +155,7 @@ def test_cli_sweep_pamr_joins_every_cell(tmp_path):
 
     from typer.testing import CliRunner
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
     from conftest import TINY_CONFIG
     from fake_benchmarks import make_benchmark
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clipseg_sparse.sweep import Grid, SweepPaths, run_sweep
+from clipseg_sparse.sweeps.grid import Grid, SweepPaths, run_sweep
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 from test_cli_ux import assert_one_line_error, invoke
@@ -36,7 +36,7 @@ def test_eval_refuses_a_finished_result_after_its_files_changed(tmp_path):
 
 
 def test_eval_progress_log_of_other_data_is_not_resumed(tmp_path):
-    from clipseg_sparse.results import progress_path
+    from clipseg_sparse.files.results import progress_path
 
     make_benchmark("voc21", tmp_path / "data", n=3, size=(32, 32))
     out = tmp_path / "voc.json"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from clipseg_sparse.sweep import GRIDS, Grid, SweepPaths, parse_roots, read_grid_file
+from clipseg_sparse.sweeps.grid import GRIDS, Grid, SweepPaths, parse_roots, read_grid_file
 
 
 def test_presets_with_source_and_normalizer_overrides():
@@ -121,7 +121,7 @@ def test_fgovd_cells_need_known_split_names_and_regions(tmp_path):
 def test_cli_lists_grids_and_checks_fgovd_files_first(tmp_path):
     from typer.testing import CliRunner
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     runner = CliRunner()
     for args in (["ls", "grids"], ["reproduce", "--list"]):

@@ -8,9 +8,9 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.cli import app
-from clipseg_sparse.report import collect, default_metric, pivot, to_markdown, write_plots
-from clipseg_sparse.sweep import Grid, SweepPaths, run_sweep
+from clipseg_sparse.cli.app import app
+from clipseg_sparse.sweeps.report import collect, default_metric, pivot, to_markdown, write_plots
+from clipseg_sparse.sweeps.grid import Grid, SweepPaths, run_sweep
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 
@@ -63,12 +63,12 @@ class Counter:
 
 def counting(monkeypatch, interrupt_at=None):
     """Count model loads and segmented images (optionally interrupting at one image)."""
-    import clipseg_sparse.model
-    from clipseg_sparse.inference import Segmenter
+    import clipseg_sparse.models.clip
+    from clipseg_sparse.segment.segmenter import Segmenter
 
-    loads = Counter(clipseg_sparse.model.load_clip)
+    loads = Counter(clipseg_sparse.models.clip.load_clip)
     images = Counter(Segmenter.predict_labels, interrupt_at)
-    monkeypatch.setattr(clipseg_sparse.model, "load_clip", loads)
+    monkeypatch.setattr(clipseg_sparse.models.clip, "load_clip", loads)
     monkeypatch.setattr(Segmenter, "predict_labels", lambda self, rgb, name=None: images(self, rgb, name))
     return loads, images
 

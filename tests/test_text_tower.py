@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipseg_sparse.text import embed_names
-from clipseg_sparse.text_tower import cut_plan, encode_cut, encode_tokens, pool_index
+from clipseg_sparse.segment.vocabulary import embed_names
+from clipseg_sparse.models.text_tower import cut_plan, encode_cut, encode_tokens, pool_index
 
 # templates of different lengths, one prompt close to the 77-token context and one past it (truncated
 # by the tokenizer, so its end-of-text token sits at position 76)

@@ -22,10 +22,10 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from conftest import TINY_CONFIG, tiny_sam
-from clipseg_sparse.backbones import BACKBONES, Backbone
-from clipseg_sparse.inference import InferenceSettings, Segmenter, spliced_tokens
-from clipseg_sparse.proxy_source import PROXIES, use_backbone, use_proxy_weights
-from clipseg_sparse.trident import sam_attention
+from clipseg_sparse.models.backbones import BACKBONES, Backbone
+from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter, spliced_tokens
+from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
+from clipseg_sparse.methods.trident import sam_attention
 
 SAM_SIDE = 128
 SETTINGS = InferenceSettings(resolution=0, window=48, stride=16, size_multiple=16)  # 50 x 70 -> 64 x 80: 2 x 3 windows
@@ -205,8 +205,8 @@ def test_entmax_to_one_equals_trident_in_the_dino_stage_and_softmax_in_the_sam_s
 
 
 def test_presets_protocol_and_listing(trident):
-    from clipseg_sparse.cli import app
-    from clipseg_sparse.protocols import PROTOCOLS
+    from clipseg_sparse.cli.app import app
+    from clipseg_sparse.evaluation.protocols import PROTOCOLS
 
     runner = CliRunner()
     presets = runner.invoke(app, ["ls", "presets"], env={"COLUMNS": "300"}).output
@@ -239,7 +239,7 @@ def test_bad_stage_and_global_stage_conflicts_are_errors(trident):
 
 
 def test_segment_cli_records_both_backbones_and_missing_weights_are_one_line(trident, tmp_path):
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     Image.fromarray(image(4)).save(tmp_path / "a.png")
     base = ["segment", str(tmp_path / "a.png"), "--classes", "cat,dog", "--model", TINY_CONFIG, "--pretrained", "none",
@@ -269,7 +269,7 @@ def test_segment_cli_records_both_backbones_and_missing_weights_are_one_line(tri
 def test_eval_runs_the_trident_protocol(trident, tmp_path):
     from fake_benchmarks import make_benchmark
 
-    from clipseg_sparse.cli import app
+    from clipseg_sparse.cli.app import app
 
     make_benchmark("voc21", tmp_path / "voc", n=2, size=(40, 56))
     out = tmp_path / "voc.json"

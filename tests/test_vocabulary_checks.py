@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from clipseg_sparse.outputs import overlay_image
-from clipseg_sparse.text import Vocabulary, resolve_templates
+from clipseg_sparse.files.outputs import overlay_image
+from clipseg_sparse.segment.vocabulary import Vocabulary, resolve_templates
 from conftest import TINY_CONFIG
 from test_cli_ux import assert_one_line_error, invoke
 

@@ -82,5 +82,3 @@ __all__ = [
     "edited_block_forward", "encode_tokens", "gaussian_prior", "list_presets", "register_entmax_variant",
     "register_option", "register_preset", "resolve_spec",
 ]
-
-from ..dna import spec_option as _dna_option  # noqa: E402,F401  registers the option dna:PATH

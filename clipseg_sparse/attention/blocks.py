@@ -20,13 +20,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..dna.module import DenoisingAttention, positive_attention
 from . import feedback
 from .combine import _attend, aggregate, attended_values, attention_weights
-from ..proxy import resize_regions
+from .grid import resize_regions
 from .scope import mask_class_tokens, mct_step, needs_regions, prepare_regions, semantic_tokens, semantic_weight
 from .spec import AttentionSpec
-from .taps import TAPS, BlockContext, clip_attention, tap_kind
+from .taps import TAPS, BlockContext, clip_attention, positive_attention, tap_kind
 
 
 @dataclass
@@ -115,10 +114,11 @@ def edited_block_forward(
         out = ctx.v
     else:
         out = _attend(ctx.q, ctx.k, ctx.v, spec, grid, ctx)
-    if isinstance(block.attn, DenoisingAttention):
+    branch = getattr(block.attn, "negative_branch", None)  # a WrappedAttention (DnA, dna:PATH)
+    if branch is not None:
         if out.shape[2] != ctx.u.shape[1]:
             raise ValueError("dna:PATH adds its branch on CLIP's token grid; it cannot be combined with attention on an external grid")
-        out = out + block.attn.negative_branch(ctx.u, ctx.k, ctx.v)
+        out = out + branch(ctx.u, ctx.k, ctx.v)
     out = attn.out_proj(out.transpose(1, 2).reshape(B, out.shape[2], C))  # N, or an external grid's size
     if spec.cls_residual is not None:
         base = spec.cls_residual * x[:, :1]

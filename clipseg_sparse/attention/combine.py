@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..accel import adasplash_entmax_attention, can_use_adasplash
-from ..normalizers import Normalizer, normalize
+from ..runtime.accel import adasplash_entmax_attention, can_use_adasplash
+from .normalizers import Normalizer, normalize
 from .spec import AttentionSpec, Group, Term
-from ..proxy import values_to_grid
+from .grid import values_to_grid
 from .taps import TAPS, BlockContext, attention_grid, tap_kind
 from .transforms import apply_support, gaussian_prior, pair_scores, term_scores
 

@@ -165,6 +165,6 @@ register_preset(
 )
 register_entmax_variant("resclip")
 
-from .. import proxy_source  # noqa: E402,F401  (registers the ext: tap and the proxyclip presets)
-from .. import corrclip  # noqa: E402,F401  (registers the corrclip presets)
-from .. import trident  # noqa: E402,F401  (registers the sam global stage and the trident presets)
+from ..models import proxies as proxy_source  # noqa: E402,F401  (registers the ext: tap and the proxyclip presets)
+from ..methods import corrclip  # noqa: E402,F401  (registers the corrclip presets)
+from ..methods import trident  # noqa: E402,F401  (registers the sam global stage and the trident presets)

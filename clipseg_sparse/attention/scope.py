@@ -21,10 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dna.module import positive_attention
-from ..proxy import merge_regions, resize_regions
+from .grid import merge_regions, resize_regions
 from .spec import AttentionSpec, Term, _num, fmt_num, register_option
-from .taps import TAPS, BlockContext, attention_grid, tap_kind
+from .taps import TAPS, BlockContext, attention_grid, positive_attention, tap_kind
 
 
 def region_terms(spec: AttentionSpec) -> list[Term]:

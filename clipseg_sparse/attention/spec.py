@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
-from ..normalizers import NORMALIZER_KINDS, Normalizer
+from .normalizers import NORMALIZER_KINDS, Normalizer
 from ..registry import Registry
 
 SOURCES = ("qk", "qq", "kk", "vv", "id")  # the v1 sources; `id` is the value path alone (MaskCLIP)
@@ -259,7 +259,9 @@ class ExtraOption:
     rest_of_spec: bool = False
 
 
-OPTIONS: Registry[ExtraOption] = Registry("attention spec option")
+OPTIONS: Registry[ExtraOption] = Registry(
+    "attention spec option", locations=("clipseg_sparse.attention.scope", "clipseg_sparse.dna.spec_option")
+)
 
 
 def register_option(name: str, check: Callable[[str], str], help: str, rest_of_spec: bool = False) -> None:

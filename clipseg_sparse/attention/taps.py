@@ -15,13 +15,28 @@ softmax(q k^T / sqrt(d)) maps, per head).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
-from ..dna.module import positive_attention
 from ..registry import Registry
+
+
+@runtime_checkable
+class WrappedAttention(Protocol):
+    """What the engine needs of an attention module that wraps a block's own one (DnA's
+    `DenoisingAttention`): the wrapped `nn.MultiheadAttention` and the branch it adds to an edited
+    block's attention output. The engine asks for these attributes; it imports no wrapper."""
+
+    positive: torch.nn.MultiheadAttention
+
+    def negative_branch(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+def positive_attention(attn: torch.nn.Module) -> torch.nn.Module:
+    """The nn.MultiheadAttention holding a block's own q/k/v/out weights, whether or not a wrapper holds it."""
+    return getattr(attn, "positive", attn)
 
 Features = Callable[["BlockContext", str], "tuple[torch.Tensor, torch.Tensor]"]
 Maps = Callable[["BlockContext", str], torch.Tensor]

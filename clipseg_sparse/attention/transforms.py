@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..normalizers import Normalizer, normalize
-from ..proxy import region_support
+from .normalizers import Normalizer, normalize
+from .grid import region_support
 from .spec import Term
 from .taps import TAPS, BlockContext, tap_kind
 

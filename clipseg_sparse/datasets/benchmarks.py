@@ -15,11 +15,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..metrics import IGNORE_INDEX
 from ..registry import Registry
 from .classnames import display_labels
 from .errors import DOCS, DatasetError
-from .labels import read_label_png
+from .labels import IGNORE_INDEX, read_label_png
 
 
 @dataclass(frozen=True)

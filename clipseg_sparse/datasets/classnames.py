@@ -20,7 +20,7 @@ import hashlib
 from functools import lru_cache
 from pathlib import Path
 
-from ..text import Vocabulary
+from ..segment.vocabulary import Vocabulary
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 NAME_SETS = ("sclip", "plain")

@@ -9,8 +9,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..metrics import IGNORE_INDEX
 from .errors import DatasetError
+
+IGNORE_INDEX = 255  # the label value of pixels no benchmark scores (void)
 
 
 def read_label_png(path: Path) -> np.ndarray:
@@ -57,7 +58,7 @@ def label_image(labels: np.ndarray) -> Image.Image:
 
 def write_label_png(path: Path, values: np.ndarray) -> None:
     """Save H x W values 0..255 as a palette PNG (VOC colours), atomically: viewers see colours, readers values."""
-    from ..results import atomic_path
+    from ..runtime.atomic import atomic_path
 
     if values.min(initial=0) < 0:
         raise ValueError("label values must be in 0..255 to fit an 8-bit PNG")

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from .convert import dna_modules, vision_blocks
-from .module import DenoisingAttention, positive_attention
+from ..attention.taps import positive_attention
+from .module import DenoisingAttention
 
 FORMAT = "clipseg-sparse-dna/1"
 
@@ -52,7 +53,7 @@ def save_adapter(clip, path: str | Path, training: dict | None = None) -> Path:
     """Write the DnA branches of a converted DenseCLIP to `path` (safetensors, atomically)."""
     from safetensors.torch import save_file
 
-    from ..results import atomic_path
+    from ..runtime.atomic import atomic_path
 
     modules = dna_modules(clip)
     if not modules:

@@ -17,7 +17,7 @@ from PIL import Image
 
 from ..datasets import IGNORE_INDEX, Benchmark
 from ..datasets.labels import patch_labels
-from ..images import IMAGE_SUFFIXES, load_image
+from ..segment.images import IMAGE_SUFFIXES, load_image
 
 
 def patch_majority(labels: np.ndarray, patch: int) -> np.ndarray:

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..normalizers import Normalizer, normalize
+from ..attention.normalizers import Normalizer, normalize
 
 PUBLISHED_SIGN = {False: 1, True: -1}  # shared_values -> sign of the published variant (dna_models.py / dna.py)
 
@@ -164,8 +164,3 @@ def _additive_mask(
         pad = additive(key_padding_mask)[:, None, None, :]
         mask = pad if mask is None else mask + pad
     return mask
-
-
-def positive_attention(attn: torch.nn.Module) -> torch.nn.Module:
-    """The nn.MultiheadAttention holding a block's own q/k/v/out weights, whether or not DnA wraps it."""
-    return attn.positive if isinstance(attn, DenoisingAttention) else attn

@@ -29,9 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..datasets import DATASETS, IGNORE_INDEX, class_vocabulary
-from ..distributed import init_from_env
-from ..results import atomic_path
-from ..text import embed_names
+from ..runtime.distributed import init_from_env
+from ..runtime.atomic import atomic_path
+from ..segment.vocabulary import embed_names
 from .adapter import save_adapter
 from .convert import convert_to_dna
 from .data import StepBatches, TrainingSet, image_folder
@@ -186,7 +186,8 @@ def train(
 ) -> TrainResult:
     """Train (or resume) into the folder `out`; see the module docstring. stop_after: stop once this step
     is reached (an interruption, for tests and time-boxed jobs); the checkpoint lets the next call go on."""
-    from ..model import load_clip, resolve_device
+    from ..models.clip import load_clip
+    from ..runtime.device import resolve_device
 
     out = Path(out)
     ckpt_path, adapter_path, log_path = out / "checkpoint.pt", out / "adapter.safetensors", out / "train.json"
@@ -306,7 +307,7 @@ class _bar:
     def __init__(self, show: bool, total: int, done: int) -> None:
         self.progress = None
         if show:
-            from ..progress import progress_bar
+            from ..runtime.progress import progress_bar
 
             self.progress = progress_bar("steps")
             self.task = self.progress.add_task("dna train", total=total, completed=done)

@@ -1,0 +1,191 @@
+"""Why a pixel got its label: the attention row of the patch under a point, next to the segmentation.
+
+    views = explain(clip, "house.jpg", "sky,tree,house", ["sclip", "sclip-entmax"], point=(120, 80))
+    figure = render_explain(views)            # one row per spec: attention map | overlay
+    views[0].attention                         # h x w, the query patch's attention over the patches
+
+The attention is that of the last edited block over the whole image (one forward at the settings'
+resolution, no windows), so the map covers the image. Entries that entmax sets to exactly zero stay
+zero: they are drawn as the plain greyscale image, everything else on a colour scale. The row's
+statistics are those of `analysis` (entropy in nats, support = exp(entropy), exact non-zero count),
+averaged over heads unless one head is chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw
+
+from .statistics import check_tokens, normalize_rows, row_entropy
+from ..attention import AttentionSpec, resolve_spec
+from ..segment.images import load_image
+from ..segment.segmenter import InferenceSettings, Segmenter, resized_shape, to_pixels
+from ..models.clip import DenseCLIP
+from ..files.outputs import overlay_image
+
+
+@dataclass
+class ExplainView:
+    """One spec's view of one point.
+
+    attention: h x w float64, the query patch's attention over the patch grid (CLS column, if any, dropped; the
+    head mean unless `head` was given); exact zeros are entmax's. labels: H x W class indices at the
+    original size. query: (row, col) of the query patch on the grid; scale: original pixels per grid
+    cell (y, x). entropy / support / nonzero: statistics of the full row (CLS included), head-averaged.
+    """
+
+    spec: str
+    attention: np.ndarray
+    labels: np.ndarray
+    class_names: tuple[str, ...]
+    present: dict[str, float]
+    query: tuple[int, int]
+    scale: tuple[float, float]
+    entropy: float
+    support: float
+    nonzero: float
+    tokens: int
+    heads: str
+    rgb: np.ndarray
+    point: tuple[int, int]
+
+    @property
+    def title(self) -> str:
+        return (
+            f"{self.spec}\nentropy {self.entropy:.2f} nats, support exp(H) {self.support:.1f}, "
+            f"non-zero {self.nonzero:.1f}/{self.tokens} ({self.heads})"
+        )
+
+
+def query_patch(point: tuple[int, int], image_size: tuple[int, int], resized: tuple[int, int], patch: int) -> tuple[int, int]:
+    """(row, col) of the patch under pixel `point` = (x, y) of the original image (H, W)."""
+    x, y = point
+    height, width = image_size
+    if not (0 <= x < width and 0 <= y < height):
+        raise ValueError(f"point ({x}, {y}) is outside the {width} x {height} image")
+    return int(y * resized[0] / height) // patch, int(x * resized[1] / width) // patch
+
+
+def explain(
+    clip: DenseCLIP,
+    image,
+    vocabulary,
+    specs: Sequence[AttentionSpec | str],
+    point: tuple[int, int],
+    settings: InferenceSettings | None = None,
+    templates: str | Sequence[str] = "openai",
+    head: int | None = None,
+) -> list[ExplainView]:
+    """One ExplainView per spec for the pixel `point` = (x, y) of `image` (a path, PIL image or array).
+
+    The segmentation uses `settings` (windows included); the attention one whole-image forward at
+    `settings.resolution`. head: one attention head (0-based) instead of the mean over heads.
+    """
+
+    rgb = load_image(image)
+    settings = settings or InferenceSettings()
+    height, width = rgb.shape[:2]
+    size = resized_shape(height, width, settings.resolution, settings.max_long_side)
+    ps = clip.patch_size
+    grid = (-(-size[0] // ps), -(-size[1] // ps))
+    row, col = query_patch(point, (height, width), size, ps)
+    pixels = F.pad(to_pixels(rgb, clip, size), (0, grid[1] * ps - size[1], 0, grid[0] * ps - size[0]))
+    views = []
+    for spec in specs:
+        spec = resolve_spec(spec)
+        maps = clip.attention_maps(pixels, spec)[0]  # heads x N x N (attention.attention_maps)
+        check_tokens(maps.shape[-1], grid[0] * grid[1], spec)
+        cls = int(maps.shape[-1] == grid[0] * grid[1] + 1)  # CLS first, unless the spec drops it (cls:C)
+        if head is not None and not 0 <= head < maps.shape[0]:
+            raise ValueError(f"head {head} does not exist: the model has {maps.shape[0]} heads (0..{maps.shape[0] - 1})")
+        rows = normalize_rows(maps[:, cls + row * grid[1] + col])  # heads x N
+        rows = rows[head : head + 1] if head is not None else rows
+        entropy = row_entropy(rows)
+        result = Segmenter(clip, vocabulary, spec, settings, templates).predict(rgb)
+        views.append(
+            ExplainView(
+                spec=str(spec),
+                attention=rows.mean(0)[cls:].reshape(grid).cpu().numpy(),
+                labels=result.labels,
+                class_names=result.class_names,
+                present=result.present(),
+                query=(row, col),
+                scale=(height / size[0] * ps, width / size[1] * ps),
+                entropy=float(entropy.mean()),
+                support=float(entropy.exp().mean()),
+                nonzero=float((rows > 0).sum(-1).double().mean()),
+                tokens=int(rows.shape[-1]),
+                heads=f"head {head}" if head is not None else f"mean of {maps.shape[0]} heads",
+                rgb=rgb,
+                point=tuple(point),
+            )
+        )
+    return views
+
+
+def attention_image(view: ExplainView, colormap: str = "inferno") -> np.ndarray:
+    """H x W x 3 uint8: the image in grey where the attention is exactly 0, coloured by sqrt(attention /
+    max) elsewhere (the square root shows the tail next to the usually dominant query patch) (each grid cell a block, no smoothing, so the support stays exact); the query point ringed."""
+    from matplotlib import colormaps
+
+    height, width = view.labels.shape
+    cells = np.floor(np.arange(height) / view.scale[0]).astype(int), np.floor(np.arange(width) / view.scale[1]).astype(int)
+    att = view.attention[np.minimum(cells[0], view.attention.shape[0] - 1)][:, np.minimum(cells[1], view.attention.shape[1] - 1)]
+    grey = view.rgb.astype(np.float32).mean(-1, keepdims=True).repeat(3, -1) * 0.6
+    colours = colormaps[colormap](np.sqrt(att / max(att.max(), 1e-12)))[..., :3] * 255
+    out = np.where((att > 0)[..., None], 0.25 * grey + 0.75 * colours, grey)
+    return _ring(out.astype(np.uint8), view.point)
+
+
+def _ring(rgb: np.ndarray, point: tuple[int, int]) -> np.ndarray:
+    img = Image.fromarray(rgb)
+    r = max(4, min(img.size) // 40)
+    x, y = point
+    draw = ImageDraw.Draw(img)
+    draw.ellipse((x - r, y - r, x + r, y + r), outline=(0, 255, 255), width=max(2, r // 3))
+    return np.asarray(img)
+
+
+def overlay_with_point(view: ExplainView) -> np.ndarray:
+    """The segmentation overlay (image blended with class colours, legend of the classes present)."""
+    return _ring(np.asarray(overlay_image(view.rgb, view.labels, view.present, view.class_names)), view.point)
+
+
+def render_explain(views: Sequence[ExplainView], caption: str = "", width_inches: float = 10.0, dpi: int = 100):
+    """A matplotlib Figure: one row per view, attention map | segmentation overlay, titled with the spec
+    and the row's statistics, under an optional caption (model, weights). Size: width_inches x (rows *
+    row height) at `dpi`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    height, width = views[0].labels.shape
+    row_height = width_inches / 2 * height / width + 0.8
+    fig = Figure(figsize=(width_inches, row_height * len(views)), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(views), 2, squeeze=False)
+    if caption:
+        fig.suptitle(caption, fontsize=9)
+    for (ax_att, ax_seg), view in zip(axes, views):
+        ax_att.imshow(attention_image(view))
+        ax_att.set_title(view.title, fontsize=8)
+        ax_seg.imshow(overlay_with_point(view))
+        ax_seg.set_title(f"{view.spec}: segmentation", fontsize=8)
+        for ax in (ax_att, ax_seg):
+            ax.set_axis_off()
+    return fig
+
+
+def write_explain(views: Sequence[ExplainView], path: str | Path, caption: str = "", dpi: int = 100) -> Path:
+    """Render and save the figure as PNG (written via a temporary file)."""
+    from ..runtime.atomic import atomic_path
+
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        render_explain(views, caption, dpi=dpi).savefig(tmp, format="png")
+    return path

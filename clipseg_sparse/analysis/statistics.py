@@ -1,0 +1,310 @@
+"""Attention statistics on labelled data: how diffuse is the edited block's attention?
+
+The entmax paper's first claim is that sparse attention helps where the baseline attention is diffuse,
+i.e. where a patch spreads its attention over patches of *other* ground-truth classes. This module
+measures that. For every query patch whose ground-truth class is known (labels reduced to the patch grid
+by majority, see `patch_labels`), on the attention rows of the last edited block, per head:
+
+    entropy      -sum_j p_ij log p_ij (nats; 0 log 0 = 0)
+    support      exp(entropy), the effective number of attended tokens
+    nonzero      the exact number of non-zero entries (entmax's support; N for softmax)
+    own_mass     attention on patches of the query's own class
+    stuff_mass   attention on patches of background / stuff classes (`stuff_classes`)
+    cls_mass     attention on the CLS token
+    diffusivity  1 - own_mass
+
+Rows are divided by their sum first (a summed source such as `qq+kk` adds two normalised maps). The
+"mean over heads" of a statistic is the mean of the per-head values; for the masses this equals the
+mass of the head-averaged map. Statistics are summed per image (and per query class) into an item log,
+so a run resumes like `eval`, and averaged over query patches per image, per class and per dataset.
+
+    clip = load_clip("ViT-B-16")
+    record = analyze(clip, "ade20k", "/data", "sclip", out=Path("runs/ade-sclip.analysis.json"))
+    record["metrics"]["diffusivity"]
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..attention import AttentionSpec, resolve_spec
+from ..datasets import DATASETS, Benchmark, Sample
+from ..datasets.classnames import DATA_DIR
+from ..datasets.labels import patch_labels
+from ..models.clip import DenseCLIP
+
+STATS = ("entropy", "support", "nonzero", "own_mass", "stuff_mass", "cls_mass", "diffusivity")
+ANALYSIS_SETTINGS = ("resolution", "max_long_side", "window", "stride", "batch_size")
+
+
+# -- stuff classes (data) ----------------------------------------------------------------------------
+def stuff_classes(dataset: str) -> tuple[int, ...] | None:
+    """Indices of the background / stuff classes of a dataset (after decoding); None when unknown.
+
+    Class 0 where it is a scored background (VOC21, Context60, COCO-Object); COCO-Stuff's trainIds
+    80..170 (its first 80 classes are COCO's things); Cityscapes trainIds 0..10 (road .. sky; 11..18
+    are the classes with instances); ADE20K the 50 panoptic stuff classes (data/stuff/ade20k.txt).
+    """
+    if dataset == "ade20k":
+        text = (DATA_DIR / "stuff" / "ade20k.txt").read_text(encoding="utf-8")
+        return tuple(int(t) for line in text.splitlines() if not line.startswith("#") for t in line.split())
+    if dataset == "coco-stuff":
+        return tuple(range(80, 171))
+    if dataset == "cityscapes":
+        return tuple(range(11))
+    if dataset in DATASETS and DATASETS.get(dataset).background:
+        return (0,)
+    return None
+
+
+# -- pure tensor functions ---------------------------------------------------------------------------
+def row_entropy(rows: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the last dim (nats), with 0 log 0 = 0 so entmax's exact zeros add nothing."""
+    return -torch.special.xlogy(rows, rows).sum(-1)
+
+
+def normalize_rows(maps: torch.Tensor) -> torch.Tensor:
+    """Rows divided by their sum, in float64 (a summed source such as qq+kk has rows summing to 2)."""
+    maps = maps.double()
+    return maps / maps.sum(-1, keepdim=True).clamp_min(1e-300)
+
+
+def attention_statistics(
+    maps: torch.Tensor, labels: torch.Tensor, stuff: torch.Tensor | None = None, has_cls: bool = True
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Row statistics (see module doc) of the labelled query patches.
+
+    maps: H x N x N attention of one image (heads, queries, keys); N = 1 + P with the CLS token first
+    when `has_cls`, else N = P. labels: P patch classes (-1 = unknown, see `patch_labels`).
+    stuff: bool mask over class indices (True = background / stuff); None gives stuff_mass NaN.
+    Returns ({stat: H x Q float64}, Q query classes) for the Q patches with a known class.
+    """
+    maps = normalize_rows(maps)
+    offset = 1 if has_cls else 0
+    labels = labels.to(maps.device)
+    query = (labels >= 0).nonzero().squeeze(1)
+    rows = maps[:, query + offset]  # H x Q x N
+    patches = rows[..., offset:]  # H x Q x P
+    q_labels = labels[query]
+    entropy = row_entropy(rows)
+    own = (patches * (labels[None, :] == q_labels[:, None])).sum(-1)
+    if stuff is None:
+        stuff_mass = torch.full_like(own, float("nan"))
+    else:
+        key_stuff = torch.zeros_like(labels, dtype=torch.bool)
+        known = labels >= 0
+        key_stuff[known] = stuff.to(labels.device)[labels[known]]
+        stuff_mass = (patches * key_stuff).sum(-1)
+    stats = {
+        "entropy": entropy,
+        "support": entropy.exp(),
+        "nonzero": (rows > 0).sum(-1).double(),
+        "own_mass": own,
+        "stuff_mass": stuff_mass,
+        "cls_mass": rows[..., 0] if has_cls else torch.zeros_like(own),
+        "diffusivity": 1.0 - own,
+    }
+    return stats, q_labels
+
+
+def stuff_mask(indices: Sequence[int] | None, num_classes: int) -> torch.Tensor | None:
+    if indices is None:
+        return None
+    mask = torch.zeros(num_classes, dtype=torch.bool)
+    mask[list(indices)] = True
+    return mask
+
+
+# -- sums of one image and their aggregation ---------------------------------------------------------
+def image_sums(stats: Mapping[str, torch.Tensor], classes: torch.Tensor, per_head: bool = False) -> dict:
+    """The item-log record of statistics over query patches: patch count, sums of the head means,
+    per query class [count, sums], and per head sums when asked. Adding two records adds their patches."""
+    means = {k: v.mean(0) for k, v in stats.items()}  # over heads: Q
+    record: dict[str, Any] = {"patches": int(classes.numel()), "sums": {k: float(v.sum()) for k, v in means.items()}}
+    per_class = {}
+    for c in classes.unique().tolist():
+        sel = classes == c
+        per_class[str(c)] = [int(sel.sum()), {k: float(v[sel].sum()) for k, v in means.items()}]
+    record["classes"] = per_class
+    if per_head:
+        record["head_sums"] = {k: v.sum(1).tolist() for k, v in stats.items()}
+    return record
+
+
+def add_sums(a: dict | None, b: dict) -> dict:
+    """The record of the patches of `a` and `b` together (a None: b)."""
+    if a is None:
+        return copy.deepcopy(b)
+    out = {"patches": a["patches"] + b["patches"], "sums": {k: a["sums"][k] + b["sums"][k] for k in a["sums"]}}
+    classes = {c: [n, dict(s)] for c, (n, s) in a["classes"].items()}
+    for c, (n, s) in b["classes"].items():
+        if c in classes:
+            classes[c] = [classes[c][0] + n, {k: classes[c][1][k] + s[k] for k in s}]
+        else:
+            classes[c] = [n, dict(s)]
+    out["classes"] = classes
+    if "head_sums" in a and "head_sums" in b:
+        out["head_sums"] = {k: [x + y for x, y in zip(a["head_sums"][k], b["head_sums"][k])] for k in a["head_sums"]}
+    return out
+
+
+def _means(sums: Mapping[str, float], count: int) -> dict[str, float | None]:
+    """Sums over `count` patches -> means; None (JSON null) for no patches or an undefined statistic."""
+    return {k: (v / count if count and not np.isnan(v) else None) for k, v in sums.items()}
+
+
+def summarize(images: Mapping[str, dict], class_names: Sequence[str]) -> dict:
+    """Dataset, per-class and per-image means (over query patches) from per-image records."""
+    total = None
+    per_image = {}
+    for image_id, rec in images.items():
+        total = add_sums(total, rec)
+        per_image[image_id] = {"patches": rec["patches"], **_means(rec["sums"], rec["patches"])}
+    if total is None:
+        return {"metrics": {k: None for k in STATS}, "patches": 0, "per_class": {}, "per_image": {}}
+    per_class = {}
+    for c in sorted(total["classes"], key=int):
+        n, sums = total["classes"][c]
+        per_class[class_names[int(c)]] = {"patches": n, **_means(sums, n)}
+    out = {"metrics": _means(total["sums"], total["patches"]), "patches": total["patches"], "per_class": per_class, "per_image": per_image}
+    if "head_sums" in total:
+        out["per_head"] = {k: list(_means(dict(enumerate(v)), total["patches"]).values()) for k, v in total["head_sums"].items()}
+    return out
+
+
+# -- one image ---------------------------------------------------------------------------------------
+def nearest_labels(labels: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
+    """H x W labels resized to `size` by nearest neighbour (the resized image's pixel grid)."""
+    t = torch.as_tensor(labels, dtype=torch.int64)
+    if tuple(t.shape) == tuple(size):
+        return t
+    return F.interpolate(t[None, None].float(), size=size, mode="nearest")[0, 0].long()
+
+
+def check_tokens(tokens: int, patches: int, spec: AttentionSpec) -> None:
+    """The statistics need attention over CLIP's own patch grid (plus CLS): refuse any other token set."""
+    if tokens not in (patches, patches + 1):
+        raise ValueError(f"spec {spec} attends over {tokens} tokens, not CLIP's {patches} patches (+ CLS); analyze and explain need CLIP's grid")
+
+
+def image_statistics(
+    clip: DenseCLIP, rgb: np.ndarray, labels: np.ndarray, spec: AttentionSpec, settings, stuff: torch.Tensor | None, per_head: bool = False
+) -> dict:
+    """The summed statistics of one labelled image over all its sliding windows (each window's rows
+    are those the model computes for that window, `attention.attention_maps`; overlapping windows
+    count a patch once per window)."""
+    from ..segment.segmenter import iter_window_features, resized_shape, to_pixels
+
+    size = resized_shape(*rgb.shape[:2], settings.resolution, settings.max_long_side)
+    pixels = to_pixels(rgb, clip, size)
+    resized = nearest_labels(labels, size)
+    total = None
+    windows = iter_window_features(clip, pixels, spec, settings.window, settings.stride, settings.batch_size, encode=clip.attention_maps)
+    for boxes, maps in windows:
+        for (y1, y2, x1, x2), window_maps in zip(boxes, maps):
+            grid = patch_labels(resized[y1:y2, x1:x2], clip.patch_size)
+            check_tokens(window_maps.shape[-1], grid.numel(), spec)
+            stats, classes = attention_statistics(window_maps, grid, stuff, has_cls=window_maps.shape[-1] == grid.numel() + 1)
+            total = add_sums(total, image_sums(stats, classes, per_head))
+    return total
+
+
+# -- a dataset ---------------------------------------------------------------------------------------
+def analyze(
+    clip: DenseCLIP,
+    dataset_name: str,
+    root: str | Path,
+    spec: AttentionSpec | str | None = "sclip",
+    protocol: str = "sclip",
+    overrides: Mapping[str, Any] | None = None,
+    limit: int | None = None,
+    out: Path | None = None,
+    per_head: bool = False,
+    stuff: Sequence[int] | None = None,
+    progress: bool = True,
+    *,
+    overwrite: bool = False,
+    resume: bool = True,
+) -> dict:
+    """Attention statistics of `spec` on a labelled benchmark; returns the result record (kind "analysis").
+
+    The protocol gives resolution and windows (`overrides`: resolution, window, stride, max_long_side,
+    batch_size). stuff: class indices counted as background / stuff (default `stuff_classes(dataset)`).
+    out: result JSON, resumable through `<out>.progress.jsonl` exactly as `evaluate` (see results.py);
+    a finished result of the same configuration is returned, not recomputed, unless `overwrite`.
+    Raises DatasetError, ConfigMismatchError or ValueError as `evaluate` does.
+    """
+    from ..segment.images import load_image
+    from ..runtime.progress import progress_bar
+    from ..evaluation.protocols import PROTOCOLS
+    from ..files.results import logged_or_computed, open_run, result_record
+    from ..runtime.atomic import write_json_atomic
+
+    bench = DATASETS.get(dataset_name)
+    spec = resolve_spec(spec)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 (got {limit})")
+    unknown = sorted(set(overrides or {}) - set(ANALYSIS_SETTINGS))
+    if unknown:
+        raise ValueError(f"analyze takes only the settings {', '.join(ANALYSIS_SETTINGS)} (got {', '.join(unknown)})")
+    settings = PROTOCOLS.get(protocol).settings(bench.name, overrides)
+    stuff = tuple(sorted(set(stuff))) if stuff is not None else stuff_classes(bench.name)
+    if stuff is not None and any(not 0 <= c < bench.num_classes for c in stuff):
+        raise ValueError(f"stuff class indices must be in 0..{bench.num_classes - 1} for {bench.name}")
+    samples = bench.samples(root)[:limit]
+    config = {
+        **clip.config(),
+        "attention": str(spec),
+        "dataset": bench.name,
+        "root": str(Path(root).resolve()),
+        "protocol": protocol,
+        **{k: getattr(settings, k) for k in ANALYSIS_SETTINGS},
+        "per_head": per_head,
+        "stuff_classes": list(stuff) if stuff is not None else None,
+        "patch_labels": "majority over each patch's pixels (nearest-resized labels); void-majority patches skipped",
+        "limit": limit,
+    }
+    finished, log = open_run(out, config, overwrite=overwrite, resume=resume)
+    if finished is not None:
+        return finished
+    mask = stuff_mask(stuff, bench.num_classes)
+    images, seconds, reused = {}, 0.0, 0
+    with progress_bar("images") if progress else nullcontext() as bar:
+        task = bar.add_task(f"analyze {bench.name}", total=len(samples)) if bar else None
+        for sample in samples:
+            compute = lambda s=sample: _sample_statistics(clip, bench, s, spec, settings, mask, per_head, load_image)  # noqa: E731
+            rec, was_logged = logged_or_computed(log, sample.id, compute)
+            images[sample.id] = {k: v for k, v in rec.items() if k not in ("id", "seconds")}
+            seconds += float(rec["seconds"])
+            reused += was_logged
+            if bar:
+                bar.advance(task)
+    summary = summarize(images, bench.classes)
+    record = result_record(
+        "analysis",
+        config,
+        metrics=summary.pop("metrics"),
+        timing={"wall_s": seconds, "images_per_s": len(samples) / seconds if seconds > 0 else None, "resumed_images": reused},
+        num_images=len(samples),
+        **summary,
+    )
+    if out is not None:
+        write_json_atomic(out, record)
+    return record
+
+
+def _sample_statistics(clip, bench: Benchmark, sample: Sample, spec, settings, mask, per_head: bool, load_image: Callable) -> dict:
+    from ..datasets import DatasetError
+
+    labels = bench.load_label(sample.label)
+    rgb = load_image(sample.image)
+    if rgb.shape[:2] != labels.shape:
+        raise DatasetError(f"{bench.name}: image {sample.image} is {rgb.shape[:2]} but label {sample.label} is {labels.shape}")
+    return image_statistics(clip, rgb, labels, spec, settings, mask, per_head)

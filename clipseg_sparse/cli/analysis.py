@@ -1,0 +1,232 @@
+"""CLI bodies of the analysis commands (`analyze`, `explain`, `demo`); registered in cli.py.
+
+Thin wrappers: parse, call clipseg_sparse.analysis.statistics / explain / demo, print. Heavy imports in the bodies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import Device, DeviceOpt, ModelOpt, Precision, PrecisionOpt, PretrainedOpt, check_out, fail, load_model, out_console
+from ..runtime.progress import err_console
+
+PresetsOpt = Annotated[Optional[list[str]], typer.Option("--preset", help="Attention preset (repeat to compare several; see `ls presets`).")]
+AttnsOpt = Annotated[Optional[list[str]], typer.Option("--attn", help="Attention spec such as qq/entmax:1.5/nores/noffn (repeatable).")]
+
+
+def resolve_specs(presets: list[str] | None, attns: list[str] | None, default: str) -> list:
+    """Every --preset then every --attn, as AttentionSpecs without repeats; the default when none given."""
+    from ..attention import PRESETS, AttentionSpec
+
+    for name in presets or []:
+        if name not in PRESETS:
+            fail(PRESETS.unknown_message(name))
+    texts = [*(presets or []), *(attns or [])] or [default]
+    try:
+        specs = [AttentionSpec.parse(t) for t in texts]
+    except ValueError as e:
+        fail(str(e))
+    return list(dict.fromkeys(specs))
+
+
+def analysis_file(out: Path, dataset: str, spec, config_key: str) -> Path:
+    """OUT/<dataset>__<spec with / and : made file-safe>__<hash>.json: one result file per spec."""
+    slug = str(spec).replace("/", "_").replace(":", "-").replace("+", "-")
+    return out / f"{dataset}__{slug}__{config_key}.json"
+
+
+def analyze(
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="Labelled benchmark (see `ls datasets`).")],
+    root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for one result JSON per spec (resumable); none: print only.")] = None,
+    preset: PresetsOpt = None,
+    attn: AttnsOpt = None,
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    protocol: Annotated[str, typer.Option("--protocol", help="Gives resolution and windows per dataset (see `ls protocols`).")] = "sclip",
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
+    window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window size in pixels (0 = whole image).")] = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride in pixels.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Windows per forward pass.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N images.")] = None,
+    per_head: Annotated[bool, typer.Option("--per-head", help="Also keep every statistic per attention head.")] = False,
+    stuff: Annotated[Optional[str], typer.Option("--stuff", help="Comma-separated class names counted as background/stuff (default: the dataset's list).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Recompute finished or partial results in --out.")] = False,
+) -> None:
+    """Attention statistics on labelled data: entropy, support, non-zeros, own-class mass, diffusivity.
+
+    Per query patch of the last edited block (labels reduced to the patch grid by majority; void patches
+    skipped), averaged over heads, then per image, per class and over the dataset. Default spec: sclip.
+    """
+    from ..analysis.statistics import analyze as run_analysis
+    from ..datasets import DATASETS, DatasetError
+    from ..registry import UnknownNameError
+    from ..files.results import ConfigMismatchError, config_hash
+
+    check_out(out, folder=True)
+    try:
+        bench = DATASETS.get(dataset)
+        bench.samples(root)  # a missing dataset fails before the model loads
+    except (UnknownNameError, KeyError, DatasetError) as e:
+        fail(str(e))
+    stuff_ids = None
+    if stuff is not None:
+        names = [n.strip() for n in stuff.split(",") if n.strip()]
+        missing = [n for n in names if n not in bench.classes]
+        if missing:
+            fail(f"--stuff: {', '.join(missing)} not among the {bench.name} classes (e.g. {', '.join(bench.classes[:5])}, ...)")
+        stuff_ids = [bench.classes.index(n) for n in names]
+    specs = resolve_specs(preset, attn, default="sclip")
+    clip = load_model(model, pretrained, device, precision)
+    overrides = dict(resolution=resolution, window=window, stride=stride, batch_size=batch_size)
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    records = []
+    for spec in specs:
+        key = config_hash({"model": clip.config(), "root": str(root.resolve()), "protocol": protocol, **overrides,
+                           "limit": limit, "per_head": per_head, "stuff": stuff_ids})[:8]  # fmt: skip
+        path = analysis_file(out, bench.name, spec, key) if out is not None else None
+        try:
+            records.append(run_analysis(clip, bench.name, root, spec, protocol, overrides, limit, path, per_head, stuff_ids, overwrite=overwrite))
+        except (DatasetError, ConfigMismatchError, ValueError, FileNotFoundError) as e:
+            fail(str(e))
+        if path is not None:
+            err_console.print(f"result: {path}", highlight=False)
+    out_console().print(analysis_table(records))
+
+
+def analysis_table(records: list[dict]):
+    """One row per spec: the dataset-level means of every statistic."""
+    from rich.table import Table
+
+    from ..analysis.statistics import STATS
+
+    c = records[0]["config"]
+    title = f"attention statistics | {c['dataset']} | {c['model']} ({c['pretrained']}) | {records[0]['num_images']} images, {records[0]['patches']} query patches"
+    table = Table("attention", *STATS, title=title, title_justify="left")
+    for rec in records:
+        m = rec["metrics"]
+        table.add_row(rec["config"]["attention"], *("-" if m[s] is None else f"{m[s]:.3f}" for s in STATS))
+    return table
+
+
+def explain(
+    image: Annotated[Path, typer.Argument(help="The image to explain.", show_default=False)],
+    point: Annotated[str, typer.Option("--point", help="X,Y pixel of the original image whose patch's attention is shown.")],
+    classes: Annotated[str, typer.Option("--classes", "-c", help='Classes, comma-separated; "|" joins synonyms.')],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="PNG to write (default IMAGE_STEM.explain.png here).")] = None,
+    preset: PresetsOpt = None,
+    attn: AttnsOpt = None,
+    head: Annotated[Optional[int], typer.Option("--head", min=0, help="Show one attention head (0-based) instead of the mean over heads.")] = None,
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side the image is resized to (default 336).")] = None,
+    templates: Annotated[str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file.")] = "openai",
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
+) -> None:
+    """One PNG: per spec, the attention of the patch under --point over the image (entmax's exact zeros
+    in grey) beside the segmentation overlay, titled with the row's entropy and support size."""
+    from ..analysis.explain import explain as run_explain, write_explain
+    from ..segment.images import ImageReadError
+    from ..segment.segmenter import InferenceSettings
+    from ..segment.vocabulary import Vocabulary
+
+    out = out or Path(f"{image.stem}.explain.png")
+    if out.exists() and not overwrite:
+        fail(f"--out {out}: exists; pass --overwrite to replace it")
+    if out.is_dir():
+        fail(f"--out {out}: is a folder; give the PNG file to write")
+    try:
+        x, y = (int(v) for v in point.split(","))
+    except ValueError:
+        fail(f"--point {point!r}: expected X,Y in pixels, e.g. 120,80")
+    if not image.is_file():
+        fail(f"{image}: image not found")
+    specs = resolve_specs(preset, attn, default="sclip")
+    try:
+        vocabulary = Vocabulary.parse(classes)
+        settings = InferenceSettings().replace(resolution=resolution)
+    except ValueError as e:
+        fail(str(e))
+    clip = load_model(model, pretrained, device, precision)
+    try:
+        views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head)
+    except (ImageReadError, ValueError) as e:
+        fail(str(e))
+    note = " - RANDOM WEIGHTS: the maps show the mechanics only" if clip.pretrained == "none" else ""
+    write_explain(views, out, caption=f"{image.name}, point ({x}, {y}), {clip.model_name} ({clip.pretrained}){note}")
+    for view in views:
+        out_console().print(view.title.replace("\n", ": "), highlight=False)
+    err_console.print(f"wrote {out}", highlight=False)
+
+
+def gain_report(records, sources: list[str], out_dir: Path, metric: str | None, overwrite: bool) -> None:
+    """`report --diffusivity DIR`: gain vs diffusivity plots and tables; raises ReportError on bad input."""
+    from ..analysis.diffusivity import correlations_rich, read_analyses, write_gain_report
+
+    metric = metric or "mIoU"
+    written, rows, class_rows = write_gain_report(records, read_analyses(sources), out_dir, metric, overwrite)
+    console = out_console()
+    console.print(correlations_rich(rows, f"{metric} gain vs softmax diffusivity"))
+    if class_rows:
+        console.print(correlations_rich(class_rows, "per-class IoU gain vs class diffusivity"))
+    for path in written:
+        err_console.print(f"wrote {path}", highlight=False)
+
+
+def gallery(folders: list[str], out: Path, dataset: str | None, root: Path | None, overwrite: bool) -> None:
+    """`report --html OUT FOLDER...`: the static gallery page."""
+    from ..datasets import DatasetError
+    from ..analysis.gallery import write_gallery
+    from ..registry import UnknownNameError
+
+    if (dataset is None) != (root is None):
+        fail("--dataset and --root go together (the dataset whose images and labels the predictions are of)")
+    if out.is_dir():
+        fail(f"--html {out}: is a folder; give the .html file to write")
+    try:
+        path, page = write_gallery(folders, out, dataset, root, overwrite)
+    except (ValueError, UnknownNameError, DatasetError, KeyError) as e:
+        fail(str(e))
+    err_console.print(f"wrote {path}: {len(page.rows)} images x {len(page.columns)} columns ({', '.join(page.columns)})", highlight=False)
+
+
+def demo(
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    preset: PresetsOpt = None,
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (default 336).")] = None,
+    templates: Annotated[str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file.")] = "openai",
+    host: Annotated[str, typer.Option("--host", help="Interface to serve on (default: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to serve on.")] = 7860,
+) -> None:
+    """A local web demo (Gradio; pip install -e ".\\[demo]"): upload, type classes, compare presets, click for attention.
+
+    --pretrained none runs with random weights (labelled so in the page) to try it without downloads.
+    """
+    try:
+        import gradio  # noqa: F401
+    except ImportError:
+        fail('the demo needs Gradio: pip install -e ".[demo]" (or pip install "clipseg-sparse[demo]")')
+    from ..attention import PRESETS
+    from ..analysis.demo import DEFAULT_PRESETS, build_demo, launch
+    from ..segment.segmenter import InferenceSettings
+
+    for name in preset or []:
+        if name not in PRESETS:
+            fail(PRESETS.unknown_message(name))
+    try:
+        settings = InferenceSettings().replace(resolution=resolution)
+    except ValueError as e:
+        fail(str(e))
+    clip = load_model(model, pretrained, device, precision)
+    err_console.print(f"serving on http://{host}:{port} (Ctrl-C stops it)", highlight=False)
+    launch(build_demo(clip, settings, templates, preset or DEFAULT_PRESETS), host, port)

@@ -1,0 +1,206 @@
+"""Options and helpers shared by the commands that run a model (segment, eval, fgovd, sweep).
+
+The library owns defaults: an option left unset on the command line is None here and is dropped
+before the library is called, so precedence is command line > preset/protocol > library default.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, NoReturn, Optional, Sequence
+
+import typer
+
+from ..runtime.progress import err_console
+
+
+def _flags_show_no_value_type() -> None:
+    """typer (0.2x) prints `<bool>` after every flag in --help, as if it took a value, and users then
+    write `--overwrite true` ("true: no such file"). A flag takes no value: show no type for it."""
+    option = getattr(typer.core, "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if shown is None or getattr(shown, "flag_aware", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) and self.metavar is None else shown(self, ctx)
+
+    display_type_rich.flag_aware = True
+    option.display_type_rich = display_type_rich
+
+
+_flags_show_no_value_type()
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="open_clip model name (ViT-B-16, ViT-L-14, ...) or a model-config JSON.")]
+PretrainedOpt = Annotated[
+    str, typer.Option("--pretrained", help="open_clip tag (openai), a checkpoint file (.pt/.bin/.safetensors), or 'none' (random weights).")
+]
+DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run; auto picks cuda, then mps, then cpu.")]
+PrecisionOpt = Annotated[Precision, typer.Option("--precision", help="Model precision; fp16/bf16 are for GPUs.")]
+PresetOpt = Annotated[
+    Optional[str], typer.Option("--preset", help="Attention preset: clip, maskclip, sclip, clearclip, naclip, proxyclip, ..., *-entmax (see `ls presets`).")
+]
+AttnOpt = Annotated[
+    Optional[str],
+    typer.Option("--attn", help="Attention spec SOURCE/NORMALIZER, optionally followed by /OPTIONs, e.g. qq/entmax:1.5/nores/noffn; overrides --preset."),
+]
+
+ProxyWeightsOpt = Annotated[
+    str,
+    typer.Option("--proxy-weights", help="Weights of the external backbones of proxy presets (proxyclip, trident, `ls backbones`): hub, a checkpoint file, none, or auto (none when --pretrained none, else hub); per backbone NAME=W,NAME=W (e.g. dino_vitb16=dino.pth,sam_vitb=sam_vit_b_01ec64.pth)."),
+]
+
+RegionsOpt = Annotated[
+    Optional[str],
+    typer.Option("--regions", help="Region masks for CorrCLIP (corrclip presets, stage regionvote): a folder with one png/npy/npz per image, named like it, or sam2 (SAM2 automatic masks, extra .[proxy], cached)."),
+]
+
+TemplatesOpt = Annotated[
+    str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file with one {}-template per line.")
+]
+
+
+def out_console():
+    """The console for tables on stdout. Off a terminal rich cuts lines at 80 columns, which truncates
+    cells ("entmax:1…"); redirected output (`cmd > out.txt`) gets wide lines instead, unless COLUMNS is set."""
+    import os
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 240)
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """One-line error on stderr and a non-zero exit (2 = bad usage or input)."""
+    from rich.markup import escape
+
+    # escaped: a message quoting "[x, y, w, h]" or a path with brackets must not be read as rich markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def check_out(out: Path | None, folder: bool, option: str = "--out") -> None:
+    """Fail early, before any model is loaded, when --out is the wrong kind of path (a file where a folder
+    goes, or the reverse) or cannot be written (read-only place, a file in the way)."""
+    if out is None:
+        return
+    if folder and out.exists() and not out.is_dir():
+        fail(f"{option} {out}: is a file; this command writes a folder of outputs there")
+    if not folder and out.is_dir():
+        fail(f"{option} {out}: is a folder; give the result file to write, e.g. {out / 'result.json'}")
+    problem = unwritable(out.absolute() if folder else out.absolute().parent)
+    if problem:
+        fail(f"{option} {out}: {problem}")
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be written in `folder` (created if missing), or None: its nearest existing
+    ancestor must be a folder this process can create files in (probed with a temporary file)."""
+    import tempfile
+
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot be created: {existing} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f"cannot write in {existing} ({e.strerror or e})"
+    return None
+
+
+def resolve_attention(preset: str | None, attn: str | None, default: str = "sclip"):
+    """--attn wins over --preset, which wins over the command's default preset."""
+    from ..attention import PRESETS, AttentionSpec
+
+    if attn is None and preset is not None and preset not in PRESETS:
+        fail(PRESETS.unknown_message(preset))
+    text = attn or preset or default
+    try:
+        spec = AttentionSpec.parse(text)
+    except ValueError as e:
+        fail(str(e))
+    note_softmax_aliases(text.split("/"))
+    return spec
+
+
+def note_softmax_aliases(normalizers) -> None:
+    """Say so when a normalizer written `entmax:1` runs as softmax (alpha -> 1 is entmax's softmax limit,
+    and results record it as softmax), so nobody reads a softmax number as an entmax one."""
+    for text in normalizers:
+        name, _, arg = str(text).strip().lower().partition(":")
+        try:
+            alias = name == "entmax" and float(arg) == 1.0
+        except ValueError:
+            alias = False
+        if alias:
+            err_console.print(f"note: {text} is softmax (entmax's alpha -> 1 limit); it runs and is recorded as softmax", highlight=False)
+
+
+def load_model(model: str, pretrained: str, device: Device, precision: Precision):
+    """load_clip with user errors turned into one-line messages."""
+    from ..models.clip import load_clip
+    from ..runtime.weights import WeightsUnavailableError
+
+    try:
+        with err_console.status(f"loading {model} ({pretrained})"):
+            return load_clip(model, pretrained=pretrained, device=device.value, precision=precision.value)
+    except (WeightsUnavailableError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+
+
+
+
+def load_proxies(spec, clip, weights: str, stages: Sequence[str] = ()) -> None:
+    """Load the external backbones a spec's ext: terms read, and SAM's predictor when a refine stage
+    (samrefine) is among `stages`, with one-line errors (before any work)."""
+    from ..runtime.weights import MissingExtraError
+    from ..runtime.weights import WeightsUnavailableError
+    from ..models.proxies import PROXIES, prepare_proxies
+    from ..stages import resolve_stages
+
+    try:
+        with err_console.status("loading proxy backbones"):
+            prepare_proxies(spec, clip, weights)
+            if any(st.kind == "refine" for st in resolve_stages(stages)):
+                from ..methods.trident_refine import sam_predictor
+
+                PROXIES.configure(clip, weights)
+                sam_predictor(clip.device)
+    except (WeightsUnavailableError, MissingExtraError, ValueError) as e:
+        fail(str(e))
+
+
+def load_regions(value: str | None, names: list[str], device: Device, reader: str | None):
+    """The --regions source (`regions.open_regions`), with one-line errors before any model loads; `reader`
+    (what needs regions, `regions.region_reader`) without --regions is an error."""
+    from ..runtime.weights import MissingExtraError
+    from ..runtime.device import resolve_device
+    from ..segment.regions import open_regions
+
+    if value is None:
+        if reader:
+            fail(f"{reader} needs region masks for each image: give --regions FOLDER (png/npy/npz per image) or --regions sam2")
+        return None
+    try:
+        return open_regions(value, str(resolve_device(device.value)), names)
+    except (ValueError, MissingExtraError) as e:
+        fail(str(e))

@@ -1,0 +1,3 @@
+"""Inputs and outputs on disk: image discovery, folder runs, output files, result records.
+
+May import `datasets`, `segment` and below."""

@@ -1,0 +1,59 @@
+"""CorrCLIP (Zhang et al., ICCV 2025) as presets of the attention engine.
+
+The published forward (zdk258/CorrCLIP@103bc18, research/peers-sota.md 2.8), in the engine's axes:
+`ext:dino_vitb8.qk[cos,scale:4,region:0.2]` is the scope-restricted attention (DINO ViT-B/8 last-block
+q + k cosine, x 4, allowed = same merged region or (either token unsegmented and S > mean S), regions
+merged by DBSCAN eps 0.2), one map for all heads, softmax; `cls:0/noffn` the reduced block W_o(A V) on
+the DINO grid; `in:mean@6-10` the spatial branch (mean of the outputs of blocks 6..10 through the same
+attention, weight 1.0); `mct:0.5` the semantic branch (mask class tokens, weight 0.5; with it every
+branch passes ln_post on its own). The map correction is the `regionvote` labels stage, which the
+`corrclip` protocol turns on. Region maps come from a folder or SAM2 (`regions.py`).
+"""
+
+from __future__ import annotations
+
+from ..attention.grid import region_vote
+from ..attention.presets import register_entmax_variant, register_preset
+from ..stages import register_plain_stage
+
+CORRCLIP = "ext:dino_vitb8.qk[cos,scale:4,region:0.2]/softmax/cls:0/noffn/in:mean@{first}-{last}/mct:0.5"
+
+CORRCLIP_NOTES = (
+    "copied: DINO ViT-B/8 last-block q + k (the qkv projection, CLS dropped), L2-normalised, cosine on the DINO "
+    "grid (crop/8); the window's regions resized nearest to that grid and merged per window: region means of the "
+    "normalised features (unsegmented excluded), cosine, DBSCAN (eps 0.2, min_samples 1) on max(sim) - sim; "
+    "allowed = same merged region, or either token unsegmented and S > mean(S) over the window's whole map; "
+    "softmax(4 S) for all heads; the last block's values without CLS bilinearly resized to the DINO grid; "
+    "W_o(A V) without residual or FFN; spatial branch = mean of the outputs of blocks 6..10 (ViT-L/14: 11..22) "
+    "through the same attention; semantic branch = one CLS copy (after ln_pre) per region id present on CLIP's "
+    "grid (the merged map resized nearest; the unsegmented id included) attending in every block to the CLS "
+    "and its region's patches only (not to itself), its full last-block output given to every DINO-grid cell "
+    "of its region (nearest); ln_post on each branch, weights 1.0 and 0.5; padded window pixels form one more "
+    "region (the code pads with 10000); map correction (stage regionvote, on in the corrclip protocol) on the "
+    "original un-merged regions at the original size, ties to the smaller label; "
+    "fixed: unsegmented = id -1 (the code takes the smallest id present in each window as unsegmented, so a "
+    "window without unsegmented pixels loses its smallest region's scope; the map correction likewise skips "
+    "the image's smallest id); windows padded bottom/right to CLIP's patch (the code pads centred to 56); "
+    "non-square crops use (H/p, W/p); fp32; the semantic branch batched over windows (the code runs batch 1); "
+    "not copied: the default CLIP is OpenAI's (the paper's is MetaCLIP: --model ViT-B-16-quickgelu --pretrained "
+    "metaclip_fullcc), CLIP's positional embedding resized DINO-style, fp16, its '; '-separated class files "
+    "(VOC21 'people')"
+)
+
+for _name, _first, _last, _what in (("corrclip", 6, 10, "ViT-B/16 block indices"), ("corrclip-l14", 11, 22, "ViT-L/14 block indices")):
+    register_preset(
+        _name,
+        CORRCLIP.format(first=_first, last=_last),
+        f"CorrCLIP (Zhang et al., ICCV 2025), {_what}: DINO ViT-B/8 q+k cosine x 4 restricted to merged region "
+        f"masks, spatial branch (mean of blocks {_first}..{_last}), semantic branch of mask class tokens (0.5); "
+        f"needs region masks (--regions)",
+        CORRCLIP_NOTES,
+    )
+    register_entmax_variant(_name)
+
+
+# CorrCLIP's map correction (zdk258/CorrCLIP postprocess_result), on the original region map
+register_plain_stage(
+    "regionvote", "labels", region_vote,
+    help="labels: CorrCLIP's map correction, every region of the image's region map takes its most frequent label",
+)  # fmt: skip

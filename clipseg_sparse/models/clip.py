@@ -1,0 +1,413 @@
+"""Loading a frozen open_clip ViT and reading dense patch features through an attention spec.
+
+`load_clip` is the one entry point (open_clip's `create_model` underneath): it accepts a pretrained tag,
+a local checkpoint or no weights at all, and turns every way of failing to get weights into one
+`WeightsUnavailableError` that says what to do. `DenseCLIP.encode_dense` runs the untouched model up to
+the last `spec.layers` blocks, then runs those blocks itself from their own weights (no fork of
+open_clip's code, nothing patched in place), so one loaded model serves any number of specs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import AttentionSpec, resolve_spec
+from ..attention import blocks as attention_blocks
+from ..attention.taps import attention_grid
+from ..runtime.device import PRECISIONS, resolve_device
+from ..runtime.weights import (
+    CHECKPOINT_SUFFIXES,
+    RANDOM_WEIGHTS_SEED,
+    WeightsUnavailableError,
+    _checkpoint_error,
+    _hub_offline,
+    _unreachable_hub,
+    _weights_help,
+)
+from .text_tower import encode_tokens
+
+POS_INTERP_RULES = ("size", "scale")  # see DenseCLIP.positional_embedding
+
+
+def _is_torchscript_archive(path: Path) -> bool:
+    """OpenAI's own releases (ViT-B-16.pt, ...) are TorchScript zips; those models use QuickGELU."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("constants.pkl") for n in z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def _unsupported(config: dict) -> str | None:
+    """Why an open_clip model config cannot be used here (None if it can)."""
+    if isinstance(config.get("vision_cfg", {}).get("layers"), (list, tuple)):
+        return "its image tower is a ResNet (ModifiedResNet), not a ViT; only ViT towers have patch tokens to re-attend"
+    if "timm_model_name" in config.get("vision_cfg", {}):
+        return "its image tower is a timm model (SigLIP, ViTamin, ...), not open_clip's VisionTransformer"
+    if "hf_tokenizer_name" in config.get("text_cfg", {}):
+        return "its text tower uses a Hugging Face tokenizer (CLIPA, worldwide, ...)"
+    return None
+
+
+def supported_models() -> list[str]:
+    """open_clip ViT names `load_clip` accepts: open_clip's own VisionTransformer and CLIP tokenizer."""
+    import open_clip
+
+    return [m for m in open_clip.list_models() if m.startswith("ViT") and _unsupported(open_clip.get_model_config(m)) is None]
+
+
+@contextlib.contextmanager
+def _no_stray_open_clip_logs():
+    """open_clip logs a failed download on the root logger and then raises the same text; with logging
+    unconfigured that reaches stderr raw ("ERROR:root:..."). Our own error says it, so drop those records
+    unless the application configured logging (root has handlers)."""
+    root = logging.getLogger()
+    sink = logging.NullHandler() if not root.handlers else None
+    if sink is not None:
+        root.addHandler(sink)
+    try:
+        yield
+    finally:
+        if sink is not None:
+            root.removeHandler(sink)
+
+
+def check_model_name(model_name: str) -> str:
+    """The open_clip name of a supported model (a config JSON is registered); ValueError otherwise.
+
+    Cheap (reads configs only), so grids can be checked before any model is built.
+    """
+    import open_clip
+
+    name = model_name
+    if name.endswith(".json"):  # a custom architecture, e.g. a tiny ViT for tests
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"{name}: model config file not found")
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}: not a JSON model config ({e})") from None
+        missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if not isinstance(config, dict) or k not in config]
+        if missing:
+            raise ValueError(f"{name}: not an open_clip model config: no {', '.join(repr(k) for k in missing)}")
+        open_clip.add_model_config(path)
+        name = path.stem
+    elif open_clip.get_model_config(name.replace("/", "-")) is None:
+        raise ValueError(f"unknown model {model_name!r}; supported ViTs include: {', '.join(supported_models()[:12])}, ... (`ls models`)")
+    name = name.replace("/", "-")
+    reason = _unsupported(open_clip.get_model_config(name))
+    if reason:
+        raise ValueError(f"model {model_name!r} is not supported: {reason}; see `clipseg-sparse ls models`")
+    return name
+
+
+def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool | None, cache_dir: str | None):
+    """(open_clip model, canonical name, weights: checkpoint path | tag | None, QuickGELU used)."""
+    import open_clip
+
+    name = check_model_name(model_name)
+    if pretrained is None:
+        gelu = bool(quick_gelu)
+        # random weights are for tests and demos: seeded, so a resumed run uses the same model
+        with _no_stray_open_clip_logs(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_WEIGHTS_SEED)
+            return open_clip.create_model(name, pretrained=None, force_quick_gelu=gelu), name, None, gelu
+    path = Path(pretrained).expanduser()
+    if path.suffix in CHECKPOINT_SUFFIXES or os.sep in pretrained:
+        if not path.is_file():
+            raise WeightsUnavailableError(
+                f"{pretrained}: checkpoint file not found (--pretrained takes an existing .pt/.pth/.bin/.safetensors file, an open_clip tag, or none)"
+            )
+        gelu = _is_torchscript_archive(path) if quick_gelu is None else quick_gelu
+        try:
+            with _no_stray_open_clip_logs():
+                model = open_clip.create_model(name, pretrained=str(path), force_quick_gelu=gelu)
+        except Exception as e:  # wrong architecture, truncated file, ...
+            raise WeightsUnavailableError(_checkpoint_error(path, name, e)) from e
+        return model, name, str(path), gelu
+    cfg = open_clip.get_pretrained_cfg(name, pretrained)
+    if not cfg:
+        tags = open_clip.list_pretrained_tags_by_model(name)
+        raise ValueError(
+            f"unknown pretrained tag {pretrained!r} for {name}; tags: {', '.join(tags) or '(none)'}; "
+            f"or give a checkpoint path, or 'none'"
+        )
+    gelu = cfg.get("quick_gelu", False) if quick_gelu is None else quick_gelu
+    unreachable = _unreachable_hub(cfg)
+    try:
+        with _no_stray_open_clip_logs(), _hub_offline(unreachable is not None):
+            model = open_clip.create_model(name, pretrained=pretrained, force_quick_gelu=gelu, cache_dir=cache_dir)
+    except Exception as e:
+        why = f"{unreachable} is unreachable and the weights are not in the cache. " if unreachable else ""
+        raise WeightsUnavailableError(why + _weights_help(name, pretrained)) from e
+    return model, name, pretrained, gelu
+
+
+def load_clip(
+    model_name: str = "ViT-B-16",
+    pretrained: str | None = "openai",
+    device: str | torch.device | None = "auto",
+    precision: str = "fp32",
+    quick_gelu: bool | None = None,
+    cache_dir: str | None = None,
+) -> "DenseCLIP":
+    """Load a frozen open_clip ViT for dense prediction.
+
+    model_name: an open_clip name (`ViT-B-16`, `ViT-L-14`, ...) or a path to an open_clip model-config
+        JSON file. pretrained: an open_clip tag (default `openai`), a local checkpoint file
+        (.pt / .pth / .bin / .safetensors), or None / "none" for random weights.
+    quick_gelu: None = what the weights were trained with (the tag's setting; True for OpenAI's own
+        TorchScript checkpoints). precision: fp32, fp16 or bf16 (the model is cast; use fp16/bf16 on GPU).
+    Raises WeightsUnavailableError with instructions when weights cannot be had (offline, missing file).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
+    if isinstance(pretrained, str) and pretrained.lower() in ("", "none"):
+        pretrained = None
+    model, name, weights, gelu = _create_open_clip(model_name, pretrained, quick_gelu, cache_dir)
+    import open_clip
+
+    dev = resolve_device(device)
+    model = model.to(device=dev, dtype=PRECISIONS[precision]).eval().requires_grad_(False)
+    return DenseCLIP(
+        model=model,
+        tokenizer=open_clip.get_tokenizer(name),
+        model_name=name,
+        pretrained=weights or "none",
+        precision=precision,
+        quick_gelu=gelu,
+    )
+
+
+@dataclass
+class DenseCLIP:
+    """A frozen CLIP with text embeddings and dense (per-patch) image embeddings.
+
+    `model` is the open_clip model with its weights untouched; specs are applied per call.
+    quick_gelu: whether the activation is QuickGELU (it changes every embedding, so results record it).
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    model_name: str
+    pretrained: str
+    precision: str = "fp32"
+    quick_gelu: bool = False
+    _pos_cache: dict = field(default_factory=dict, repr=False)
+
+    def config(self) -> dict:
+        """What identifies this model's numbers in a result file: name, weights, precision, activation,
+        and the entmax attention backend selected now (see accel.py; AdaSplash is approximate)."""
+        from ..runtime.accel import get_attention_backend
+
+        return {
+            "model": self.model_name,
+            "pretrained": self.pretrained,
+            "precision": self.precision,
+            "quick_gelu": self.quick_gelu,
+            "attention_backend": get_attention_backend(),
+        }
+
+    @property
+    def visual(self) -> torch.nn.Module:
+        return self.model.visual
+
+    @property
+    def device(self) -> torch.device:
+        return self.visual.proj.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.visual.proj.dtype
+
+    @property
+    def patch_size(self) -> int:
+        return int(self.visual.patch_size[0])
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.visual.proj.shape[1])
+
+    @property
+    def mean(self) -> tuple[float, float, float]:
+        return tuple(self.visual.preprocess_cfg["mean"])
+
+    @property
+    def std(self) -> tuple[float, float, float]:
+        return tuple(self.visual.preprocess_cfg["std"])
+
+    @property
+    def logit_scale(self) -> float:
+        return float(self.model.logit_scale.exp())
+
+    @torch.inference_mode()
+    def encode_text(
+        self, texts: Sequence[str], batch_size: int = 256, advance: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """L2-normalised text embeddings, T x D (fp32), equal to open_clip's `encode_text` (to ~1e-7)
+        but computed only up to each batch's longest prompt where that is exact (see text_tower.py).
+        advance(n) is called as batches of n prompts finish."""
+        if not texts:
+            return torch.zeros(0, self.embed_dim)
+        tokens = self.tokenizer(list(texts)).to(self.device)
+        return F.normalize(encode_tokens(self.model, tokens, batch_size, advance).float(), dim=-1)
+
+    def positional_embedding(self, grid: tuple[int, int], rule: str = "size") -> torch.Tensor:
+        """Positional embeddings (1 + h*w) x C for a patch grid, bicubic from the native grid.
+
+        rule "size": interpolate to exactly `grid` (source coordinate (i + 0.5) * native / h - 0.5).
+        rule "scale": the published repositories' `interpolate_pos_encoding` (SCLIP, NACLIP, ClearCLIP,
+        from DINO): `scale_factor=(h + 0.1) / native`, so the source coordinate is
+        (i + 0.5) * native / (h + 0.1) - 0.5; and, as there, the native embedding is used unchanged
+        whenever the token count matches (so a non-square grid of native-many patches gets it too).
+        """
+        if rule not in POS_INTERP_RULES:
+            raise ValueError(f"unknown positional-embedding rule {rule!r}; choose {', '.join(POS_INTERP_RULES)}")
+        pos = self.visual.positional_embedding
+        native = tuple(self.visual.grid_size)
+        h, w = grid
+        if (h * w == native[0] * native[1]) if rule == "scale" else (tuple(grid) == native):
+            return pos
+        key = (tuple(grid), rule, pos.dtype, pos.device)
+        if key not in self._pos_cache:
+            cls, patches = pos[:1], pos[1:]
+            patches = patches.reshape(1, *native, -1).permute(0, 3, 1, 2).float()
+            if rule == "size":
+                patches = F.interpolate(patches, size=grid, mode="bicubic", align_corners=False)
+            else:
+                factor = ((h + 0.1) / native[0], (w + 0.1) / native[1])
+                patches = F.interpolate(patches, scale_factor=factor, mode="bicubic", align_corners=False)
+                if tuple(patches.shape[-2:]) != (h, w):  # the published code asserts the same
+                    raise ValueError(f"scale-factor interpolation gave {tuple(patches.shape[-2:])}, not {grid}")
+            patches = patches.permute(0, 2, 3, 1).reshape(h * w, -1).to(pos.dtype)
+            self._pos_cache[key] = torch.cat([cls, patches])
+        return self._pos_cache[key]
+
+    @property
+    def depth(self) -> int:
+        """Number of transformer blocks of the image tower."""
+        return len(self.visual.transformer.resblocks)
+
+    def check_spec(self, spec: AttentionSpec | str | None) -> None:
+        """ValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth;
+        a `dna:PATH` adapter that is missing, changed or made for another model)."""
+        spec = resolve_spec(spec)
+        if spec.layers > self.depth:
+            raise ValueError(f"attention spec {spec} edits the last {spec.layers} blocks, but {self.model_name} has {self.depth}")
+        self._tower(spec)
+
+    def _embed(self, pixels: torch.Tensor, pos_interp: str = "size") -> tuple[torch.Tensor, tuple[int, int]]:
+        """Tokens B x (1 + h*w) x C after ln_pre, and the patch grid (h, w); `pos_interp` as in
+        `positional_embedding`."""
+        v = self.visual
+        ps = self.patch_size
+        B, _, H, W = pixels.shape
+        if H % ps or W % ps:
+            raise ValueError(f"input {H}x{W} is not a multiple of the patch size {ps}")
+        grid = (H // ps, W // ps)
+        x = v.conv1(pixels.to(device=self.device, dtype=self.dtype)).flatten(2).transpose(1, 2)
+        cls = v.class_embedding.to(x.dtype).view(1, 1, -1).expand(B, -1, -1)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding(grid, pos_interp).to(x.dtype)
+        x = v.ln_pre(v.patch_dropout(x))
+        if not v.transformer.batch_first:
+            raise ValueError("only batch-first open_clip transformers are supported (open_clip >= 2.24 default)")
+        return x, grid
+
+    @torch.inference_mode()
+    def encode_dense(
+        self,
+        pixels: torch.Tensor,
+        spec: AttentionSpec | str | None = None,
+        token_hooks: Sequence[Callable] = (),
+        with_cls: bool = False,
+        pos_interp: str = "size",
+        context: Mapping[str, Any] | None = None,
+        regions: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Dense features B x h x w x D, after ln_post and proj, L2-normalised, CLS dropped.
+
+        pixels: B x 3 x H x W CLIP-normalised, H and W multiples of the patch size; h = H / patch.
+        spec: AttentionSpec, its text form or a preset name (None = unmodified CLIP).
+        token_hooks: token stages (stages.py), each `hook(x, grid) -> x` on the B x (1 + h*w) x C
+        hidden states entering the edited blocks, in order, after those the spec names (`hook:`).
+        with_cls: also return the CLS embeddings B x D (L2-normalised; in parallel mode the original
+        path's, i.e. CLIP's image embedding), for match stages such as CLIP Surgery's feature surgery.
+        pos_interp: the positional-embedding rule, "size" or the published repositories' "scale" (see
+        `positional_embedding`). context: what a spec's `feedback` term (ResCLIP) reads: `text`, the
+        T x D L2-normalised name embeddings, and `logit_scale` (see `attention.feedback`).
+        regions: B x H x W integer region ids of the pixels (-1 unsegmented), for specs that read region
+        maps (CorrCLIP's `region:EPS` support and `mct:BETA` branch).
+        """
+        return self.dense_forward(pixels, spec, token_hooks, with_cls, pos_interp, context, regions)
+
+    def dense_forward(
+        self,
+        pixels: torch.Tensor,
+        spec: AttentionSpec | str | None = None,
+        token_hooks: Sequence[Callable] = (),
+        with_cls: bool = False,
+        pos_interp: str = "size",
+        context: Mapping[str, Any] | None = None,
+        regions: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
+        spec = resolve_spec(spec)
+        x, grid = self._embed(pixels, pos_interp)
+        x = attention_blocks.encode_normed(self._tower(spec), x, spec, grid, self.visual.ln_post, pixels, token_hooks, regions, context)
+        x = self._features(x[:, (0 if with_cls else 1) :])
+        out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
+        feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
+        return (feats, x[:, 0]) if with_cls else feats
+
+    @torch.inference_mode()
+    def dense_tokens(
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = (), pos_interp: str = "size"
+    ) -> torch.Tensor:
+        """B x h x w x C patch tokens after the last block, before ln_post (the width of the transformer):
+        what Trident splices across windows before its global stage; `project` finishes them."""
+        x, out_grid = self._last_tokens(pixels, spec, token_hooks, pos_interp)
+        return x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
+
+    def project(self, tokens: torch.Tensor) -> torch.Tensor:
+        """ln_post, proj and L2 normalisation (fp32) of ... x C tokens: ... x D features."""
+        return self._features(self.visual.ln_post(tokens))
+
+    def _features(self, normed: torch.Tensor) -> torch.Tensor:
+        """proj and L2 normalisation (fp32) of tokens after ln_post."""
+        return F.normalize((normed @ self.visual.proj).float(), dim=-1)
+
+    def _last_tokens(self, pixels, spec, token_hooks, pos_interp, context: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
+        """All tokens B x N x C after the edited blocks, and the grid their patch tokens (the last N' = h*w)
+        lie on: CLIP's, or an external backbone's (ProxyCLIP)."""
+        spec = resolve_spec(spec)
+        x, grid = self._embed(pixels, pos_interp)
+        x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks, context=context)
+        return x, attention_grid(spec, tuple(pixels.shape[-2:]), grid)
+
+    @torch.inference_mode()
+    def attention_maps(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, regions: torch.Tensor | None = None) -> torch.Tensor:
+        """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`."""
+        spec = resolve_spec(spec)
+        x, grid = self._embed(pixels)
+        return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels, regions).float()
+
+    def _tower(self, spec: AttentionSpec):
+        """What the blocks run from: the image tower, or with `dna:PATH` a view of it whose adapter blocks
+        run DnA on these same weights (nothing is patched in place)."""
+        adapter = spec.extra("dna")
+        if adapter is None:
+            return self.visual
+        from ..dna.spec_option import dna_visual
+
+        return dna_visual(self, adapter)

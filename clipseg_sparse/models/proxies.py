@@ -1,0 +1,212 @@
+"""The engine's `ext:NAME` score tap: attention scores from an external backbone's features.
+
+`ext:dino_vitb8` runs the registered backbone (`ls backbones`) on the same crop CLIP sees (CLIP's
+normalisation undone, the backbone's applied: ProxyCLIP's `norm(unnorm(img))`) and gives its last
+normed patch tokens as features on its own patch grid, shared by all heads; `ext:dino_vitb8.qk` gives
+q + k of its last block (CorrCLIP). The term's metric, shift/scale and support then apply as for any
+tap. When that grid differs from CLIP's (DINO B/8: 42 x 42 for a 336 crop vs 21 x 21), CLIP's values
+are bilinearly resized to it and the block's output lives on it (`grid` of the tap), as in ProxyCLIP.
+
+Backbones are loaded once per process and device, with the weights chosen by `use_proxy_weights`
+(default: the Hub tag, or random weights when the CLIP model itself has none); `use_backbone`
+installs one you loaded yourself.
+
+Presets (registered here): `proxyclip` (DINO ViT-B/8) and its `-dinov2` / `-sam` proxy options, each
+with an `-entmax` variant (entmax:1.5 in the normalizer slot, the positive support kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention.presets import register_entmax_variant, register_preset
+from ..attention.taps import TAPS, Tap, tap_kind
+from .backbones import BACKBONES, Backbone, load_backbone
+
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+EXT_FEATURES = {"": "tokens", "qk": "qkv"}
+
+
+@dataclass
+class ProxyBackbones:
+    """Loaded backbones for `ext:` taps and stages. weights: "auto" (random when the CLIP weights are
+    none, else "hub"), "hub", "none" or a checkpoint file (used for every backbone the spec names), or
+    per backbone `NAME=W,NAME=W` (Trident: a DINO and a SAM checkpoint; backbones not named: "auto")."""
+
+    weights: str = "auto"
+    clip_weights: str = "openai"
+    precision: str = "fp32"
+    clip_mean: tuple[float, float, float] = OPENAI_MEAN
+    clip_std: tuple[float, float, float] = OPENAI_STD
+    _loaded: dict = field(default_factory=dict, repr=False)
+
+    def configure(self, clip=None, weights: str | None = None) -> None:
+        """Follow a DenseCLIP's normalisation, precision and weights (for "auto"); set the weights.
+        Backbones loaded with other weights or precision are dropped."""
+        before = (self.weights, self.clip_weights, self.precision)
+        if clip is not None:
+            self.clip_mean, self.clip_std = tuple(clip.mean), tuple(clip.std)
+            self.clip_weights, self.precision = clip.pretrained, clip.precision
+        if weights is not None:
+            self.weights = weights
+        if (self.weights, self.clip_weights, self.precision) != before:
+            self._loaded.clear()
+
+    def resolved_weights(self, name: str | None = None) -> str:
+        """The weights `name` loads with ("hub", "none" or a file)."""
+        weights = self.weights
+        if "=" in weights:
+            per = dict(item.split("=", 1) for item in weights.split(",") if item)
+            unknown = sorted(set(per) - set(BACKBONES.names()))
+            if unknown:
+                raise ValueError(f"--proxy-weights: unknown backbone {unknown[0]!r} (see `ls backbones`)")
+            weights = per.get(name, "auto")
+        if weights == "auto":
+            return "none" if self.clip_weights == "none" else "hub"
+        return weights
+
+    def get(self, name: str, device: torch.device) -> Backbone:
+        key = (name, str(device))
+        if key not in self._loaded:
+            self._loaded[key] = load_backbone(name, self.resolved_weights(name), device=device, precision=self.precision)
+        return self._loaded[key]
+
+    def config(self, names: list[str]) -> dict:
+        """Backbone name -> timm tag, weights and precision, for result files (nothing is loaded)."""
+        out = {}
+        for name in names:
+            loaded = [b for (n, _), b in self._loaded.items() if n == name]
+            weights = loaded[0].weights if loaded else self.resolved_weights(name)
+            tag = BACKBONES.get(name).timm_name
+            out[name] = {"timm": tag, "weights": tag if weights == "hub" else weights, "precision": self.precision}
+        return out
+
+
+PROXIES = ProxyBackbones()
+
+
+def use_proxy_weights(weights: str | None = None, clip=None) -> None:
+    """Choose the weights of every `ext:` backbone ("auto", "hub", "none" or a checkpoint file) and
+    follow `clip`'s normalisation and precision."""
+    PROXIES.configure(clip, weights)
+
+
+def prepare_proxies(spec, clip, weights: str | None = None) -> list[str]:
+    """Follow `clip`, choose the weights, and load now every backbone the spec's `ext:` terms read (so
+    missing weights fail before any image is processed). Returns their names."""
+    names = spec_backbones(spec)
+    if names:
+        PROXIES.configure(clip, weights)
+        for name in names:
+            PROXIES.get(name, clip.device)
+    return names
+
+
+def use_backbone(backbone: Backbone, device: str | torch.device = "cpu") -> None:
+    """Use this loaded backbone for `ext:{backbone.info.name}` on `device` (e.g. one built with other
+    weights, or a small model in tests)."""
+    PROXIES._loaded[(backbone.info.name, str(torch.device(device)))] = backbone
+
+
+def ext_backbones(spec) -> list[str]:
+    """Names of the external backbones a spec's terms read, in order."""
+    names = []
+    for group in spec.groups:
+        for term in group.terms:
+            kind, arg = tap_kind(term.tap)
+            if kind == "ext" and split_ext(arg)[0] not in names:
+                names.append(split_ext(arg)[0])
+    return names
+
+
+def spec_backbones(spec) -> list[str]:
+    """Names of the external backbones a spec runs: its `ext:` terms', then its stages' (`hook:sam`)."""
+    from ..stages import resolve_stages
+
+    names = ext_backbones(spec)
+    for stage in resolve_stages(spec.hooks):
+        names += [n for n in stage.backbones if n not in names]
+    return names
+
+
+def proxy_config(names: list[str]) -> dict:
+    """`{"proxy_backbones": {...}}` for these backbone names (result files), else {}."""
+    return {"proxy_backbones": PROXIES.config(names)} if names else {}
+
+
+def split_ext(arg: str) -> tuple[str, str]:
+    """`dino_vitb8.qk` -> ("dino_vitb8", "qk"); ValueError for an unknown backbone or feature."""
+    name, _, feature = arg.partition(".")
+    info = BACKBONES.get(name)
+    if info.kind == "sam2-masks":
+        raise ValueError(f"ext:{arg}: {name} makes region masks, not features")
+    if feature not in EXT_FEATURES:
+        raise ValueError(f"ext:{arg}: unknown feature {feature!r}; use ext:NAME (last normed tokens) or ext:NAME.qk")
+    return name, feature
+
+
+def proxy_grid(arg: str, pixels: tuple[int, int]) -> tuple[int, int]:
+    """The backbone's patch grid for a crop of `pixels` (H, W)."""
+    info = BACKBONES.get(split_ext(arg)[0])
+    if info.input_size:
+        return (info.input_size // info.patch_size,) * 2
+    return pixels[0] // info.patch_size, pixels[1] // info.patch_size
+
+
+def ext_features(pixels: torch.Tensor, arg: str) -> torch.Tensor:
+    """B x 1 x M x C features of `ext:arg` for CLIP-normalised pixels (B x 3 x H x W)."""
+    name, feature = split_ext(arg)
+    backbone = PROXIES.get(name, pixels.device)
+    x = backbone.from_clip_pixels(pixels.float(), PROXIES.clip_mean, PROXIES.clip_std)
+    out = backbone.features(x, want=(EXT_FEATURES[feature],))
+    if feature == "qk":
+        B, H, M, d = out.q.shape
+        f = (out.q + out.k).transpose(1, 2).reshape(B, M, H * d)
+    else:
+        f = out.tokens
+    return f[:, None].to(pixels.dtype)
+
+
+def _ext_tap(ctx, arg: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tap's features, computed once per batch of windows (kept in ctx.extra: the extra inputs of the
+    block and CorrCLIP's region merging read the same backbone run)."""
+    key = ("ext", arg)
+    if key not in ctx.extra:
+        ctx.extra[key] = ext_features(ctx.pixels, arg)
+    return (ctx.extra[key],) * 2
+
+
+TAPS.register(
+    "ext",
+    Tap(features=_ext_tap, check=lambda arg: split_ext(arg) and None, grid=proxy_grid),
+    help="ext:NAME[.qk] (an external backbone's last tokens or last-block q+k, `ls backbones`)",
+)
+
+_PROXYCLIP = "ext:{}[cos,shift:1.2,scale:3,pos]/softmax/cls:0/noffn"
+_PROXYCLIP_NOTES = (
+    "copied: cosine of the backbone's last normed patch tokens on its own grid; (S - 1.2 mean(S)) x 3 with the "
+    "mean over each window's whole map; -inf below 0; one softmax map for all heads; the last block's values "
+    "bilinearly resized to the backbone grid; W_o(A V) without residual, FFN or CLS; logits on the backbone grid "
+    "resized to the window; the backbone sees the CLIP crop re-normalised with ImageNet mean/std at the crop's "
+    "size (SAM: 1024 x 1024); DINO's own position-embedding interpolation; "
+    "fixed: non-square crops use (H/p, W/p) (the code assumes square windows and transposes CLIP's grid); crops "
+    "smaller than the window are padded bottom/right to CLIP's patch (the code pads centred to 56); "
+    "not copied: CLIP's own positional embedding resized DINO-style, fp16, its ';'-separated class files; "
+    "a window whose mean similarity exceeds 1/1.2 gives NaN, as in the published code"
+)
+for _name, _backbone, _what in (
+    ("proxyclip", "dino_vitb8", "DINO ViT-B/8"),
+    ("proxyclip-dinov2", "dinov2_vitb14_reg", "DINOv2 ViT-B/14 with registers"),
+    ("proxyclip-sam", "sam_vitb", "SAM ViT-B image encoder (1024 x 1024 input, 256-d neck features)"),
+):
+    register_preset(
+        _name,
+        _PROXYCLIP.format(_backbone),
+        f"ProxyCLIP (Lan et al., ECCV 2024) with {_what} as the proxy: its feature cosine, shifted by 1.2 x mean, "
+        f"scaled by 3, positive support, as the last block's attention; reduced block",
+        _PROXYCLIP_NOTES,
+    )
+    register_entmax_variant(_name)

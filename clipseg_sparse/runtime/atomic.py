@@ -1,0 +1,71 @@
+"""Atomic file writes: a kill or an exception never leaves a half-written file under its final name.
+
+Low in the package because dataset converters, DnA checkpoints and result files all write through it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a hidden temporary path beside `path`; rename it onto `path` only if the block succeeds.
+
+    A kill or an exception never leaves a half-written file under the final name (the rename is atomic
+    on one filesystem), so a re-run that skips existing files cannot skip a torn one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON via a temporary file and rename, so a kill never leaves a half-written result."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, default=jsonable) + "\n", encoding="utf-8")
+
+
+def create_json_exclusive(path: str | Path, data: Any) -> bool:
+    """Write JSON to `path` only if no file is there, atomically across processes; False if one was.
+
+    The file is written under a temporary name and hard-linked onto `path` (link fails on an existing
+    name, and the content is complete the moment the name appears); filesystems without hard links fall
+    back to an exclusive create. This is how concurrent runs claim an output without overwriting each other.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=2, default=jsonable) + "\n"
+    tmp = path.with_name(f".{path.name}.claim{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here (some network / FUSE filesystems)
+            try:
+                with open(path, "x", encoding="utf-8") as f:
+                    f.write(text)
+            except FileExistsError:
+                return False
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def jsonable(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):  # numpy / torch scalars and arrays
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")

@@ -1,0 +1,3 @@
+"""Image -> label map: settings, preprocessing, windows, label maps, the `Segmenter`, vocabularies, regions.
+
+May import `models`, `attention`, `stages`, `runtime`."""

@@ -1,0 +1,175 @@
+"""Region masks for CorrCLIP: per-image integer maps read from files or made by SAM2 and cached.
+
+A region map is an H x W integer array: one id >= 0 per region, -1 where no mask covers the pixel
+("unsegmented"; CorrCLIP uses the map's minimum value for that). Sources:
+- a folder of per-image files named like the image (`photos/sub/a.jpg` -> `MASKS/sub/a.png|.npy|.npz`,
+  else `MASKS/a.*`, the flat layout of CorrCLIP's released masks): PNG (8- or 16-bit label image,
+  0 = unsegmented, region r stored as r + 1), .npy (the map itself, negative = unsegmented) or .npz (key
+  `regions`, else its only array; CorrCLIP's files, key `instance_mask`, mark unsegmented pixels with the
+  map's minimum, read as -1);
+- SAM2's automatic mask generator (`sam2` package, extra `.[proxy]`) with CorrCLIP's settings
+  (points_per_side 8, pred_iou_thresh 0.4, stability_score_thresh 0.4), cached as .npy per image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..models.backbones import BACKBONES
+from ..runtime.weights import require_extra
+from .images import IMAGE_SUFFIXES
+from ..runtime.weights import WeightsUnavailableError
+
+REGION_SUFFIXES = (".png", ".npy", ".npz")
+CORRCLIP_SAM2 = dict(points_per_side=8, pred_iou_thresh=0.4, stability_score_thresh=0.4)
+
+
+def read_region_map(path: str | Path) -> np.ndarray:
+    """H x W int32 region ids (-1 = unsegmented) from a .png, .npy or .npz file; ValueError naming the
+    file when it is not a 2-D integer map."""
+    path = Path(path)
+    try:
+        if path.suffix == ".png":
+            from PIL import Image
+
+            regions = np.asarray(Image.open(path)).astype(np.int64) - 1
+        elif path.suffix == ".npy":
+            regions = np.load(path, allow_pickle=False)
+        elif path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                keys = list(z.keys())
+                if "regions" not in keys and len(keys) != 1:
+                    raise ValueError(f"has arrays {', '.join(keys)}; expected 'regions' or a single array")
+                regions = z["regions" if "regions" in keys else keys[0]]
+                if keys == ["instance_mask"]:  # CorrCLIP's released masks: the minimum is "unsegmented"
+                    regions = np.where(regions == regions.min(), -1, regions)
+        else:
+            raise ValueError(f"unsupported suffix; use {', '.join(REGION_SUFFIXES)}")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read region masks: {e}") from None
+    if regions.ndim != 2 or not np.issubdtype(regions.dtype, np.integer):
+        raise ValueError(f"{path}: region masks must be a 2-D integer map (got {regions.dtype} {regions.shape})")
+    return np.where(regions < 0, -1, regions).astype(np.int32)
+
+
+def masks_to_regions(masks: Sequence[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
+    """Binary masks (each H x W) -> region map: larger masks painted first, so a smaller mask inside a
+    larger one keeps its own id; pixels no mask covers are -1."""
+    regions = np.full(shape, -1, dtype=np.int32)
+    for i in sorted(range(len(masks)), key=lambda j: -int(np.count_nonzero(masks[j]))):
+        regions[np.asarray(masks[i], dtype=bool)] = i
+    return regions
+
+
+class RegionFolder:
+    """Region maps from a folder: image `sub/a.jpg` -> `root/sub/a.(png|npy|npz)`."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise ValueError(f"{root}: region-mask folder not found")
+
+    def source(self) -> str:
+        return f"folder:{self.root}"
+
+    def find(self, name: str) -> Path | None:
+        """The region file of image `name` (a path relative to the images' folder, suffix optional)."""
+        stem = Path(name).with_suffix("") if Path(name).suffix.lower() in IMAGE_SUFFIXES else Path(name)
+        for base in dict.fromkeys((stem, Path(stem.name))):
+            for suffix in REGION_SUFFIXES:
+                path = self.root / f"{base}{suffix}"
+                if path.is_file():
+                    return path
+        return None
+
+    def check(self, names: Sequence[str]) -> None:
+        """ValueError naming the first image without a region file (before any work starts)."""
+        missing = [n for n in names if self.find(n) is None]
+        if missing:
+            raise ValueError(f"no region masks for {len(missing)} image(s) in {self.root}, e.g. {missing[0]} (expected {Path(missing[0]).stem}{'|'.join(REGION_SUFFIXES)})")
+
+    def __call__(self, image: np.ndarray, name: str) -> np.ndarray:
+        path = self.find(name)
+        if path is None:
+            raise ValueError(f"no region masks for {name} in {self.root} (expected {Path(name).stem}{'|'.join(REGION_SUFFIXES)})")
+        regions = read_region_map(path)
+        if regions.shape != image.shape[:2]:
+            raise ValueError(f"{path}: region masks are {regions.shape[1]}x{regions.shape[0]}, the image is {image.shape[1]}x{image.shape[0]}")
+        return regions
+
+
+class Sam2Regions:
+    """SAM2 automatic masks with CorrCLIP's settings, cached per image content in `cache_dir`."""
+
+    def __init__(self, cache_dir: str | Path, checkpoint: str = "hub", device: str = "cpu") -> None:
+        self.cache_dir = Path(cache_dir)
+        self.checkpoint = checkpoint
+        self.device = device
+        self._generator = None
+
+    def source(self) -> str:
+        return f"sam2:{BACKBONES.get('sam2_hiera_l').timm_name if self.checkpoint == 'hub' else self.checkpoint}"
+
+    def _load(self):
+        require_extra("sam2", "SAM2 region masks")
+        from sam2.automatic_mask_generator import SAM2AutomaticMaskGenerator
+
+        model_id = BACKBONES.get("sam2_hiera_l").timm_name
+        try:
+            if self.checkpoint == "hub":
+                return SAM2AutomaticMaskGenerator.from_pretrained(model_id, device=self.device, **CORRCLIP_SAM2)
+            from sam2.build_sam import build_sam2
+
+            model = build_sam2("configs/sam2.1/sam2.1_hiera_l.yaml", self.checkpoint, device=self.device)
+            return SAM2AutomaticMaskGenerator(model, **CORRCLIP_SAM2)
+        except Exception as e:
+            raise WeightsUnavailableError(
+                f"could not obtain SAM2 weights {self.checkpoint!r} ({model_id} from the Hugging Face Hub, then its cache "
+                f"$HF_HOME; offline: a local checkpoint file, or HF_HUB_OFFLINE=1 to fail fast): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from e
+
+    def __call__(self, image: np.ndarray, name: str) -> np.ndarray:
+        key = hashlib.sha1(np.ascontiguousarray(image).tobytes()).hexdigest()[:16]
+        path = self.cache_dir / f"{key}.npy"
+        if path.is_file():
+            return read_region_map(path)
+        if self._generator is None:
+            self._generator = self._load()
+        masks = [m["segmentation"] for m in self._generator.generate(image)]
+        regions = masks_to_regions(masks, image.shape[:2])
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npy")
+        np.save(tmp, regions)
+        tmp.replace(path)
+        return regions
+
+
+def open_regions(value: str, device: str = "cpu", names: Sequence[str] = ()) -> "RegionFolder | Sam2Regions":
+    """The region source a `--regions` value names: `sam2` (its extra checked now; masks cached under the
+    package cache) or a folder, checked to hold a file for each image of `names`. ValueError /
+    MissingExtraError name the problem."""
+    if value == "sam2":
+        from .vocabulary import default_cache_dir
+
+        require_extra("sam2", "--regions sam2")
+        return Sam2Regions(default_cache_dir() / "regions", device=device)
+    source = RegionFolder(value)
+    source.check(names)
+    return source
+
+
+def region_reader(spec, stages: Sequence[str] = ()) -> str | None:
+    """What reads region maps: the attention spec (a `region:EPS` support or `mct:` branch) or a labels
+    stage (regionvote), as text for error messages; None when nothing does."""
+    from ..attention import resolve_spec
+    from ..attention.scope import needs_regions
+    from ..stages import resolve_stages
+
+    spec = resolve_spec(spec)
+    if needs_regions(spec):
+        return f"attention {spec}"
+    return next((f"stage {st.name}" for st in resolve_stages(stages) if st.kind == "labels"), None)
