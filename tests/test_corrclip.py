@@ -284,7 +284,7 @@ def test_eval_corrclip_protocol_reads_regions_by_sample_id(proxy, tmp_path):  # 
 
     from clipseg_sparse.cli.app import app
     from clipseg_sparse.datasets import DATASETS
-    from clipseg_sparse.sweeps.grid import SweepPaths
+    from clipseg_sparse.sweeps.run import SweepPaths
 
     make_benchmark("voc21", tmp_path / "voc", n=2, size=(48, 64))
     samples = DATASETS.get("voc21").samples(tmp_path / "voc")

@@ -114,7 +114,8 @@ def test_shards_of_a_grid_are_disjoint_and_make_the_whole(sweep_args, tmp_path, 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 def test_torchrun_sweep_deals_cells_to_ranks_and_equals_one_process(sweep_args, tmp_path):
-    from clipseg_sparse.sweeps.grid import Grid, SweepPaths, run_sweep
+    from clipseg_sparse.sweeps.grid import Grid
+    from clipseg_sparse.sweeps.run import SweepPaths, run_sweep
 
     grid = Grid.from_dict(dict(models=[TINY_CONFIG], pretrained="none", datasets=["voc21"], sources=["qk", "qq", "kk"], templates="single"))
     one = run_sweep(grid, SweepPaths(tmp_path / "one", {"*": tmp_path / "data"}), device="cpu", progress=False)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from clipseg_sparse.sweeps.grid import Grid, SweepPaths, run_sweep
+from clipseg_sparse.sweeps.grid import Grid
+from clipseg_sparse.sweeps.run import SweepPaths, run_sweep
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 from test_cli_ux import assert_one_line_error, invoke

@@ -2,7 +2,8 @@
 
 import pytest
 
-from clipseg_sparse.sweeps.grid import GRIDS, Grid, SweepPaths, parse_roots, read_grid_file
+from clipseg_sparse.sweeps.grid import GRIDS, Grid, read_grid_file
+from clipseg_sparse.sweeps.run import SweepPaths, parse_roots
 
 
 def test_presets_with_source_and_normalizer_overrides():

@@ -551,7 +551,8 @@ def _run_grid(grid, paths, device: Device, metric: str | None = None, shard: str
     """Run the grid (under torchrun: this rank's share); returns (summary of all ranks, rank)."""
     from ..runtime.distributed import init_from_env, parse_shard
     from ..runtime.device import resolve_device
-    from ..sweeps.grid import check_fgovd_negatives, run_sweep
+    from ..sweeps.grid import check_fgovd_negatives
+    from ..sweeps.run import run_sweep
 
     try:  # a missing GPU would otherwise fail every cell; a report metric no file can give, the report
         part = parse_shard(shard) if shard is not None else None
@@ -599,7 +600,8 @@ def sweep(
     """
     import dataclasses
 
-    from ..sweeps.grid import Grid, SweepPaths, parse_roots, read_grid_file
+    from ..sweeps.grid import Grid, read_grid_file
+    from ..sweeps.run import SweepPaths, parse_roots
 
     check_out(out, folder=True)
     given = {
@@ -703,8 +705,9 @@ def reproduce(
     device: DeviceOpt = Device.auto,
 ) -> None:
     """Run a shipped grid (a published table) and render its report (OUT/report.md, report.csv, plots/)."""
+    from ..sweeps.grid import GRIDS, read_grid_file
     from ..sweeps.report import ReportError, collect
-    from ..sweeps.grid import GRIDS, SweepPaths, parse_roots, read_grid_file
+    from ..sweeps.run import SweepPaths, parse_roots
     from ..registry import UnknownNameError
 
     if list_ or table is None:
