@@ -21,7 +21,7 @@ from clipseg_sparse.analysis.diffusivity import (
     spearman,
     write_gain_report,
 )
-from clipseg_sparse.sweeps.report import ReportError, collect
+from clipseg_sparse.sweeps.records import ReportError, collect
 
 BASE = {"model": "ViT-B-16", "pretrained": "openai", "precision": "fp32", "resolution": 336, "window": 224, "stride": 112}
 DIFFUSIVITY = {"voc21": 0.1, "context60": 0.2, "ade20k": 0.4, "coco-stuff": 0.7}

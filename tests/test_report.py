@@ -9,19 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipseg_sparse.sweeps.report import (
-    ReportError,
-    alpha_series,
-    collect,
-    dataset_series,
-    default_metric,
-    pivot,
-    resolution_series,
-    to_csv,
-    to_markdown,
-    to_rich,
-    write_plots,
-)
+from clipseg_sparse.sweeps.plots import alpha_series, dataset_series, resolution_series, write_plots
+from clipseg_sparse.sweeps.records import ReportError, collect, default_metric
+from clipseg_sparse.sweeps.report import pivot, to_csv, to_markdown, to_rich
 
 BASE = {
     "model": "ViT-B-16",

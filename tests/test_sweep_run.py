@@ -10,7 +10,9 @@ from typer.testing import CliRunner
 
 from clipseg_sparse.cli.app import app
 from clipseg_sparse.sweeps.grid import Grid
-from clipseg_sparse.sweeps.report import collect, default_metric, pivot, to_markdown, write_plots
+from clipseg_sparse.sweeps.plots import write_plots
+from clipseg_sparse.sweeps.records import collect, default_metric
+from clipseg_sparse.sweeps.report import pivot, to_markdown
 from clipseg_sparse.sweeps.run import SweepPaths, run_sweep
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark

@@ -1,7 +1,7 @@
 """Gain vs diffusivity: does entmax help most where softmax attention is most diffuse?
 
 Each *cell* pairs an eval result of a sparse normalizer (entmax:ALPHA, sparsemax, randmask:ALPHA) with
-its softmax reference (the same run with only the normalizer set to softmax, as report.softmax_deltas
+its softmax reference (the same run with only the normalizer set to softmax, as records.softmax_deltas
 finds it) and with the `analyze` result of that softmax spec on the same dataset, model, weights and
 resolution: x = the softmax attention's diffusivity (1 - own-class mass), y = the metric's gain over
 softmax. Per class, x is the class's diffusivity and y its IoU gain. For each normalizer (and for all
@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..sweeps.report import Record, ReportError, _result_files, softmax_attention, softmax_deltas, sort_key
+from ..sweeps.records import Record, ReportError, result_files, softmax_attention, softmax_deltas, sort_key
 
 MATCH_KEYS = ("model", "pretrained", "dataset", "attention", "resolution")
 FILES = ("gain-vs-diffusivity.png", "gain-vs-diffusivity.csv", "gain-vs-diffusivity.md",
@@ -34,7 +34,7 @@ def read_analyses(sources: Iterable[str | Path]) -> list[dict]:
     """`analyze` result files (kind "analysis") among files, folders (recursive) and globs."""
     out = []
     for source in sources:
-        for path in _result_files(source):
+        for path in result_files(source):
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError):

@@ -654,7 +654,7 @@ def report(
 
     With --html: a static gallery page of prediction folders instead (images x specs, sortable by the
     difference in per-image mIoU between two specs)."""
-    from ..sweeps.report import ReportError, collect
+    from ..sweeps.records import ReportError, collect
 
     if html is not None:
         return cli_analysis.gallery(results, html, dataset, root, overwrite)
@@ -669,7 +669,9 @@ def report(
 
 def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite: bool) -> None:
     """Tables to stdout, optional Markdown / CSV files and plots; raises ReportError on bad input."""
-    from ..sweeps.report import PLOT_FILES, ReportError, default_metric, pivot, to_csv, to_markdown, to_rich, write_plots
+    from ..sweeps.plots import PLOT_FILES, write_plots
+    from ..sweeps.records import ReportError, default_metric
+    from ..sweeps.report import pivot, to_csv, to_markdown, to_rich
 
     for path in (markdown, csv, *(plots / n for n in PLOT_FILES if plots is not None)):
         if path is not None and path.exists() and not overwrite:
@@ -706,7 +708,7 @@ def reproduce(
 ) -> None:
     """Run a shipped grid (a published table) and render its report (OUT/report.md, report.csv, plots/)."""
     from ..sweeps.grid import GRIDS, read_grid_file
-    from ..sweeps.report import ReportError, collect
+    from ..sweeps.records import ReportError, collect
     from ..sweeps.run import SweepPaths, parse_roots
     from ..registry import UnknownNameError
 

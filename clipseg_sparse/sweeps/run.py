@@ -22,7 +22,7 @@ from typing import Iterable, Mapping, Sequence
 from ..files.results import RESULT_SCHEMA
 from ..runtime.atomic import write_json_atomic
 from .grid import Cell, Grid
-from .report import read_result
+from .records import read_result
 
 @dataclass
 class SweepPaths:
