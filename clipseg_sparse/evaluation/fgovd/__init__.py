@@ -9,6 +9,7 @@ from .data import (
     DIFFICULTY_SPLITS,
     SPLITS,
     Benchmark,
+    BenchmarkFile,
     BenchmarkFormatError,
     MissingImageError,
     RegionAnnotation,
@@ -23,7 +24,8 @@ __all__ = [
     "DIFFICULTY_SPLITS",
     "REGIONS",
     "SPLITS",
-    "Benchmark",
+    "Benchmark",  # old name of BenchmarkFile, one release
+    "BenchmarkFile",
     "BenchmarkFormatError",
     "MissingImageError",
     "RegionAnnotation",

@@ -73,7 +73,7 @@ class RegionAnnotation:
 
 
 @dataclass
-class Benchmark:
+class BenchmarkFile:
     """One FG-OVD file: its split name and its annotations grouped by image, in the file's image order."""
 
     split: str
@@ -83,6 +83,9 @@ class Benchmark:
     def images(self) -> list[str]:
         """file_name of every image that has annotations, in the order of the file's `images` list."""
         return list(dict.fromkeys(a.file_name for a in self.annotations))
+
+
+Benchmark = BenchmarkFile  # old name, one release
 
 
 def split_name(path: str | Path) -> str:
@@ -157,7 +160,7 @@ def _coco_index(data: dict):
     return coco
 
 
-def read_benchmark(path: str | Path, split: str | None = None) -> Benchmark:
+def read_benchmark(path: str | Path, split: str | None = None) -> BenchmarkFile:
     """Read one FG-OVD file. split: the split name; None = from the file name (see `SPLITS`).
 
     Raises BenchmarkFormatError naming the first offending entry (its index, id and field).
@@ -190,7 +193,7 @@ def read_benchmark(path: str | Path, split: str | None = None) -> Benchmark:
                     segmentation=ann.get("segmentation") or None,
                 )
             )
-    return Benchmark(split=split, path=path, annotations=annotations)
+    return BenchmarkFile(split=split, path=path, annotations=annotations)
 
 
 def negative_counts(path: str | Path) -> list[int]:

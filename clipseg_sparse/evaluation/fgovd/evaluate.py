@@ -28,7 +28,7 @@ from ...registry import Registry
 from ...files.results import file_id, logged_or_computed, open_run, result_record
 from ...runtime.atomic import write_json_atomic
 from ...segment.vocabulary import embed_names, resolve_templates, templates_id
-from .data import Benchmark, RegionAnnotation, check_images, check_segmentations, read_benchmark
+from .data import BenchmarkFile, RegionAnnotation, check_images, check_segmentations, read_benchmark
 from .metrics import fgovd_metrics
 from .pooling import WindowFeatures, box_map, encode_crops, mask_map
 
@@ -44,7 +44,7 @@ for _name, _what in (
 DEFAULT_NEGATIVES = 10
 
 
-def _select(benchmarks: Sequence[Benchmark], limit: int | None) -> dict[str, list[RegionAnnotation]]:
+def _select(benchmarks: Sequence[BenchmarkFile], limit: int | None) -> dict[str, list[RegionAnnotation]]:
     """file_name -> annotations of every benchmark, the first `limit` images of each file only."""
     groups: dict[str, list[RegionAnnotation]] = {}
     for bench in benchmarks:
