@@ -142,3 +142,24 @@ def test_model_typos_fail_the_grid_before_any_cell(tmp_path):
         Grid(datasets=["voc21"], models=["ViT-B-61"])
     with pytest.raises(ValueError, match="model config file not found"):
         Grid(datasets=["voc21"], models=[str(tmp_path / "missing.json")])
+
+
+@pytest.mark.parametrize("old", ["sweep", "report"])
+def test_old_sweep_and_report_paths_find_every_name_they_had(old, monkeypatch):
+    """`clipseg_sparse.sweep` and `.report` were split into sweeps/{grid,run,records,report,plots}.py; for one
+    release the old paths still import (with a DeprecationWarning) and find each public name."""
+    import importlib
+    import sys
+
+    import clipseg_sparse.sweeps.grid as grid
+    import clipseg_sparse.sweeps.report as report
+
+    monkeypatch.delitem(sys.modules, f"clipseg_sparse.{old}", raising=False)
+    with pytest.warns(DeprecationWarning, match=f"clipseg_sparse.{old} moved"):
+        module = importlib.import_module(f"clipseg_sparse.{old}")
+    names = {"sweep": ["Grid", "Cell", "GRIDS", "GridFile", "read_grid_file", "check_fgovd_negatives", "SweepPaths",
+                       "parse_roots", "run_sweep", "run_cell", "record_failure", "is_done", "data_changed"],
+             "report": ["Record", "ReportError", "collect", "read_result", "default_metric", "softmax_deltas", "Pivot",
+                        "pivot", "to_markdown", "to_csv", "to_rich", "Series", "alpha_series", "write_plots", "PLOT_FILES"]}  # fmt: skip
+    assert all(hasattr(module, name) for name in names[old])
+    assert module.Cell is grid.Cell and report.TableCell is not grid.Cell
