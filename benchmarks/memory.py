@@ -7,7 +7,7 @@ import argparse
 import json
 
 from clipseg_sparse.bench.run import segment_peak_rss
-from clipseg_sparse.segment.segmenter import InferenceSettings
+from clipseg_sparse.segment.settings import InferenceSettings
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--model", default="ViT-L-14")

@@ -13,7 +13,7 @@ from rich.console import Console
 from clipseg_sparse.bench.run import add_run_arguments, bench_segment, random_clip, rich_tables
 
 from clipseg_sparse.bench.timing import write_images
-from clipseg_sparse.segment.segmenter import InferenceSettings
+from clipseg_sparse.segment.settings import InferenceSettings
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 add_run_arguments(parser)

@@ -29,7 +29,7 @@ the call each kind's function receives:
   (`Segmenter(regions=...)`); e.g. `regionvote`, CorrCLIP's map correction. The saved probabilities are
   the ones before this stage (as CorrCLIP's seg_logit).
 - refine: `fn(labels, maps, image) -> labels`, labels = H x W int64 class labels at the original size
-  (after the background rules, before labels stages), maps = the image's `inference.ClassMaps` (C x H x W
+  (after the background rules, before labels stages), maps = the image's `segment.labels.ClassMaps` (C x H x W
   probabilities, read a band of rows at a time), image = the original H x W x 3 uint8 RGB image; e.g.
   `samrefine`, Trident's SAM prompt refinement. The saved probabilities are the ones before this stage.
 

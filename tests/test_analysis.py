@@ -154,7 +154,7 @@ def _loop_statistics(clip, sample, spec, resolution: int) -> tuple[int, dict]:
     """Whole-image statistics by plain loops over the attention map of one forward."""
     from clipseg_sparse.attention import attention_maps
     from clipseg_sparse.segment.images import load_image
-    from clipseg_sparse.segment.segmenter import resized_shape, to_pixels
+    from clipseg_sparse.segment.preprocess import resized_shape, to_pixels
 
     bench = DATASETS.get("ade20k")
     rgb, labels = load_image(sample.image), bench.load_label(sample.label)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from clipseg_sparse.evaluation.fgovd import BenchmarkFormatError, evaluate_fgovd, read_benchmark
-from clipseg_sparse.segment.segmenter import InferenceSettings
+from clipseg_sparse.segment.settings import InferenceSettings
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 from test_cli_ux import assert_one_line_error, cache_dir, image, invoke  # noqa: F401 - fixtures

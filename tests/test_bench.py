@@ -7,7 +7,7 @@ from clipseg_sparse.bench.run import bench_forward, bench_normalizers, bench_seg
 
 from clipseg_sparse.bench.timing import BenchRow, write_images
 from clipseg_sparse.cli.app import app
-from clipseg_sparse.segment.segmenter import InferenceSettings
+from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.attention.normalizers import entmax
 from conftest import TINY_CONFIG
 

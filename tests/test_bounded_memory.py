@@ -14,7 +14,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from clipseg_sparse.cli.app import app
-from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+from clipseg_sparse.segment.segmenter import Segmenter
+from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.files.outputs import OutputOptions, write_outputs
 from conftest import TINY_CONFIG
 

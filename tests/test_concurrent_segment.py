@@ -12,7 +12,8 @@ from PIL import Image
 
 from clipseg_sparse.files.folder import plan_run, run_plan
 from clipseg_sparse.files.inputs import discover_images
-from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+from clipseg_sparse.segment.segmenter import Segmenter
+from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.files.outputs import ClaimConflictError, OutputOptions
 from conftest import TINY_CONFIG
 

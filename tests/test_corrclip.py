@@ -19,7 +19,8 @@ from test_proxyclip import proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO 
 from typer.testing import CliRunner
 
 from conftest import TINY_CONFIG
-from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+from clipseg_sparse.segment.segmenter import Segmenter
+from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.attention.grid import region_vote
 from clipseg_sparse.segment.regions import RegionFolder
 

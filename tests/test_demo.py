@@ -8,7 +8,7 @@ from PIL import Image
 
 from browser import run_chromium, screenshot
 from clipseg_sparse.analysis.demo import DemoError, DemoModel, build_demo, launch
-from clipseg_sparse.segment.segmenter import InferenceSettings
+from clipseg_sparse.segment.settings import InferenceSettings
 
 SETTINGS = InferenceSettings(resolution=64, window=32, stride=16)
 PRESETS = ["clearclip", "clearclip-entmax"]

@@ -161,7 +161,7 @@ def test_torchrun_fgovd_equals_one_process(tmp_path):
     from test_fgovd import FULL, make_images
 
     from clipseg_sparse.evaluation.fgovd import evaluate_fgovd
-    from clipseg_sparse.segment.segmenter import InferenceSettings
+    from clipseg_sparse.segment.settings import InferenceSettings
 
     make_images(FULL, tmp_path / "coco", count=5)
     with one_thread():

@@ -432,7 +432,7 @@ def _feature_surgery_reference(image_features, text_features):
 
 
 def test_clipsurgery_matches_published_forward_and_feature_surgery(vit_b16):
-    from clipseg_sparse.segment.segmenter import dense_cosine
+    from clipseg_sparse.segment.windows import dense_cosine
 
     torch.manual_seed(9)
     pixels = _structured_pixels(1, (160, 160))

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from clipseg_sparse import AttentionSpec, InferenceSettings, Segmenter
-from clipseg_sparse.segment.segmenter import dense_cosine, resized_shape, to_pixels, window_boxes, window_geometry
+from clipseg_sparse.segment.preprocess import resized_shape, to_pixels, window_boxes, window_geometry
+from clipseg_sparse.segment.windows import dense_cosine
 from clipseg_sparse.evaluation.protocols import PROTOCOLS
 
 

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from clipseg_sparse.cli.app import app
 from clipseg_sparse.analysis.explain import attention_image, explain, query_patch, render_explain, write_explain
-from clipseg_sparse.segment.segmenter import InferenceSettings, to_pixels
+from clipseg_sparse.segment.preprocess import to_pixels
+from clipseg_sparse.segment.settings import InferenceSettings
 from conftest import TINY_CONFIG
 
 SETTINGS = InferenceSettings(resolution=64, window=32, stride=16)

@@ -27,7 +27,8 @@ from clipseg_sparse.evaluation.fgovd import (
 )
 from clipseg_sparse.evaluation.fgovd import evaluate as evaluate_mod
 from clipseg_sparse.evaluation.fgovd.pooling import WindowFeatures, box_map, crop_box, encode_crops, mask_map
-from clipseg_sparse.segment.segmenter import InferenceSettings, to_pixels
+from clipseg_sparse.segment.preprocess import to_pixels
+from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.registry import UnknownNameError
 from clipseg_sparse.files.results import ConfigMismatchError
 from conftest import TINY_CONFIG

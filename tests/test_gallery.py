@@ -13,7 +13,8 @@ from clipseg_sparse.cli.app import app
 from clipseg_sparse.datasets import DATASETS
 from clipseg_sparse.evaluation.segmentation import evaluate
 from clipseg_sparse.analysis.gallery import write_gallery
-from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+from clipseg_sparse.segment.segmenter import Segmenter
+from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.files.outputs import OutputOptions, write_outputs
 from clipseg_sparse.segment.images import load_image
 

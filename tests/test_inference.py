@@ -4,16 +4,9 @@ import torch
 import torch.nn.functional as F
 
 from clipseg_sparse import AttentionSpec, InferenceSettings, Segmenter, Vocabulary
-from clipseg_sparse.segment.segmenter import (
-    ClassMaps,
-    DenseMap,
-    _factored,
-    class_probabilities,
-    probabilities_to_labels,
-    resized_shape,
-    to_pixels,
-    window_boxes,
-)
+from clipseg_sparse.segment.labels import ClassMaps, class_probabilities, probabilities_to_labels
+from clipseg_sparse.segment.preprocess import resized_shape, to_pixels, window_boxes
+from clipseg_sparse.segment.windows import DenseMap, _factored
 from clipseg_sparse.segment.vocabulary import embed_names, openai_imagenet_templates, resolve_templates
 
 
@@ -203,7 +196,7 @@ def test_to_pixels_normalises(tiny_clip):
 def test_dense_cosine_equals_per_window_upsample_and_average(tiny_clip, window, stride, out_size):
     # the reference does it the slow, obvious way: each window upsampled (padded to the patch grid,
     # then cropped), added into place, divided by the overlap count, then resized to out_size
-    from clipseg_sparse.segment.segmenter import dense_cosine
+    from clipseg_sparse.segment.windows import dense_cosine
 
     torch.manual_seed(3)
     pixels = torch.randn(1, 3, 70, 101)

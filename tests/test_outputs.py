@@ -5,7 +5,7 @@ import pytest
 from PIL import Image
 
 from clipseg_sparse.datasets.labels import PALETTE, label_image
-from clipseg_sparse.segment.segmenter import SegmentationResult
+from clipseg_sparse.segment.labels import SegmentationResult
 from clipseg_sparse.files.outputs import OutputOptions, Status, coco_rle, overlay_image, write_outputs
 from clipseg_sparse.registry import UnknownNameError
 

@@ -2,7 +2,7 @@ import pytest
 
 from clipseg_sparse.attention import PRESETS
 from clipseg_sparse.datasets import DATASETS, NAME_SETS
-from clipseg_sparse.segment.segmenter import InferenceSettings
+from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.evaluation.protocols import PROTOCOLS
 
 # (protocol, dataset) -> values read from the published mmseg configs (cfg_*.py) and segmentor defaults.

@@ -14,9 +14,9 @@ from clipseg_sparse.attention.grid import (
     region_support,
     region_vote,
     sam_filtered_attention,
-    splice_windows,
     values_to_grid,
 )
+from clipseg_sparse.segment.windows import splice_windows
 
 
 def _cos(a, b):

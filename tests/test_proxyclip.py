@@ -19,7 +19,9 @@ from typer.testing import CliRunner
 from conftest import TINY_CONFIG
 from clipseg_sparse.attention import AttentionSpec
 from clipseg_sparse.models.backbones import BACKBONES, Backbone
-from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter, dense_cosine
+from clipseg_sparse.segment.segmenter import Segmenter
+from clipseg_sparse.segment.settings import InferenceSettings
+from clipseg_sparse.segment.windows import dense_cosine
 from clipseg_sparse.models.proxies import PROXIES, proxy_grid, use_backbone, use_proxy_weights
 
 TINY_TEXT = "ext:dino_vitb8[cos,shift:1.2,scale:3,pos]/{}/cls:0/noffn"

@@ -171,7 +171,7 @@ def test_resclip_equals_the_published_forward(vit_b16):
 def test_resclip_on_a_whole_image_that_is_not_whole_patches(vit_b16):
     """remainder drop (VOC21 / VOC20 whole images): the network sees 80 x 96, the first pass upsamples to
     and runs PAMR on the whole 80 x 104 image, as the published create_logit_temp does."""
-    from clipseg_sparse.segment.segmenter import dense_cosine
+    from clipseg_sparse.segment.windows import dense_cosine
 
     torch.manual_seed(3)
     pixels = _structured((80, 104), seed=6)

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from conftest import TINY_CONFIG
 from clipseg_sparse.methods import trident_refine as sr
 from clipseg_sparse.runtime.weights import MissingExtraError
-from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+from clipseg_sparse.segment.segmenter import Segmenter
+from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.runtime.weights import WeightsUnavailableError
 from clipseg_sparse.stages import parse_stage
 

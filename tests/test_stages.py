@@ -4,7 +4,9 @@ import torch
 import torch.nn.functional as F
 
 from clipseg_sparse import InferenceSettings, Segmenter
-from clipseg_sparse.segment.segmenter import class_probabilities, dense_cosine, resized_shape, to_pixels
+from clipseg_sparse.segment.labels import class_probabilities
+from clipseg_sparse.segment.preprocess import resized_shape, to_pixels
+from clipseg_sparse.segment.windows import dense_cosine
 from clipseg_sparse.registry import UnknownNameError
 from clipseg_sparse.stages import STAGES, Stage, pamr, parse_stage
 

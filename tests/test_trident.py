@@ -23,7 +23,9 @@ from typer.testing import CliRunner
 
 from conftest import TINY_CONFIG, tiny_sam
 from clipseg_sparse.models.backbones import BACKBONES, Backbone
-from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter, spliced_tokens
+from clipseg_sparse.segment.segmenter import Segmenter
+from clipseg_sparse.segment.settings import InferenceSettings
+from clipseg_sparse.segment.windows import spliced_tokens
 from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
 from clipseg_sparse.methods.trident import sam_attention
 

@@ -15,7 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..segment.segmenter import InferenceSettings, Segmenter
+from ..segment.segmenter import Segmenter
+from ..segment.settings import InferenceSettings
 from ..models.clip import DenseCLIP
 from ..segment.vocabulary import Vocabulary
 

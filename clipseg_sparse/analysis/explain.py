@@ -25,7 +25,9 @@ from PIL import Image, ImageDraw
 from .statistics import check_tokens, normalize_rows, row_entropy
 from ..attention import AttentionSpec, resolve_spec
 from ..segment.images import load_image
-from ..segment.segmenter import InferenceSettings, Segmenter, resized_shape, to_pixels
+from ..segment.preprocess import resized_shape, to_pixels
+from ..segment.segmenter import Segmenter
+from ..segment.settings import InferenceSettings
 from ..models.clip import DenseCLIP
 from ..files.outputs import overlay_image
 

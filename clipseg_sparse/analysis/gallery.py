@@ -113,7 +113,7 @@ def _segment_cells(folder: Path, bench, samples: dict) -> dict[str, GalleryCell]
 def _prediction_cells(folder: Path, bench, samples: dict) -> dict[str, GalleryCell]:
     """key -> cell for an eval --save-pred folder (overlays drawn here from the dataset's images)."""
     from ..segment.images import load_image
-    from ..segment.segmenter import SegmentationResult
+    from ..segment.labels import SegmentationResult
     from ..files.outputs import overlay_image
 
     cells = {}

@@ -200,7 +200,8 @@ def image_statistics(
     """The summed statistics of one labelled image over all its sliding windows (each window's rows
     are those the model computes for that window, `attention.attention_maps`; overlapping windows
     count a patch once per window)."""
-    from ..segment.segmenter import iter_window_features, resized_shape, to_pixels
+    from ..segment.preprocess import resized_shape, to_pixels
+    from ..segment.windows import iter_window_features
 
     size = resized_shape(*rgb.shape[:2], settings.resolution, settings.max_long_side)
     pixels = to_pixels(rgb, clip, size)

@@ -98,20 +98,6 @@ def values_to_grid(v: torch.Tensor, clip_grid: tuple[int, int], proxy_grid: tupl
     return x.permute(0, 2, 3, 1).reshape(B, H, -1, d)
 
 
-def splice_windows(feats: torch.Tensor, corners: list[tuple[int, int]], grid: tuple[int, int]) -> torch.Tensor:
-    """Trident's splice: window features W x h x w x C placed at their top-left patch corners on an
-    image grid (H x W patches), overlaps averaged: H x W x C. Every cell must be covered."""
-    _, h, w, C = feats.shape
-    total = feats.new_zeros(*grid, C)
-    count = feats.new_zeros(*grid, 1)
-    for f, (y, x) in zip(feats, corners):
-        total[y : y + h, x : x + w] += f
-        count[y : y + h, x : x + w] += 1
-    if bool((count == 0).any()):
-        raise ValueError("windows do not cover the whole grid")
-    return total / count
-
-
 # -- CorrCLIP regions --------------------------------------------------------------------------------
 def merge_regions(regions: torch.Tensor, feats: torch.Tensor, eps: float = CORRCLIP_EPS) -> torch.Tensor:
     """CorrCLIP's mask merging for one image: regions M (ids, < 0 unsegmented) on the feature grid,

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from .timing import BenchRow, best_ms
-from ..segment.segmenter import Segmenter, class_probabilities, probabilities_to_labels, resized_shape, to_pixels, window_boxes
+from ..segment.labels import class_probabilities, probabilities_to_labels
+from ..segment.preprocess import resized_shape, to_pixels, window_boxes
+from ..segment.segmenter import Segmenter
 
 
 @torch.inference_mode()

@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 from ..runtime.accel import adasplash_installed, attention_backend
 from ..segment.images import load_image
-from ..segment.segmenter import InferenceSettings, Segmenter, resized_shape, to_pixels, window_boxes
+from ..segment.preprocess import resized_shape, to_pixels, window_boxes
+from ..segment.segmenter import Segmenter
+from ..segment.settings import InferenceSettings
 from ..models.clip import DenseCLIP, load_clip
 from ..attention.normalizers import entmax, normalize
 from .timing import BenchRow, best_ms, rows_of, smooth_image, write_images

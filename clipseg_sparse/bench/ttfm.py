@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .timing import BenchRow, best_ms, smooth_image
-from ..segment.segmenter import InferenceSettings, Segmenter
+from ..segment.segmenter import Segmenter
+from ..segment.settings import InferenceSettings
 from ..models.clip import DenseCLIP
 from ..segment.vocabulary import resolve_templates
 

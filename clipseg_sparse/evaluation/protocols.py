@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from ..attention import AttentionSpec
 from ..attention.presets import resclip_text
-from ..segment.segmenter import InferenceSettings
+from ..segment.settings import InferenceSettings
 from ..registry import Registry
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from ..datasets.labels import MAX_PNG_CLASSES, PALETTE, voc_palette, write_label_png
-from ..segment.segmenter import SegmentationResult
+from ..segment.labels import SegmentationResult
 from ..registry import Registry
 from ..runtime.atomic import atomic_path, create_json_exclusive, write_json_atomic
 from .results import config_hash

@@ -22,7 +22,8 @@ from ...attention import AttentionSpec, resolve_spec
 from ...runtime.distributed import gather, rank_and_world, shard
 from ...runtime.progress import progress_bar
 from ...segment.images import load_image
-from ...segment.segmenter import InferenceSettings, resized_shape, to_pixels
+from ...segment.preprocess import resized_shape, to_pixels
+from ...segment.settings import InferenceSettings
 from ...models.clip import DenseCLIP
 from ...registry import Registry
 from ...files.results import file_id, logged_or_computed, open_run, result_record

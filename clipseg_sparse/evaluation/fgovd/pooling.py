@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ...attention import AttentionSpec
-from ...segment.segmenter import InferenceSettings, iter_window_features
+from ...segment.settings import InferenceSettings
+from ...segment.windows import iter_window_features
 from ...models.clip import DenseCLIP
 from .data import RegionAnnotation
 

@@ -1,0 +1,83 @@
+"""An image as the network sees it: resize, CLIP's normalisation, rounding, and each window's geometry."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..models.clip import DenseCLIP
+from .settings import REMAINDER_RULES, RESIZE_METHODS
+
+
+def resized_shape(height: int, width: int, short_side: int, long_cap: int = 2048) -> tuple[int, int]:
+    """mmcv's keep-ratio rescale to (long_cap, short_side): scale = min(long_cap/long, short/short)."""
+    if not short_side:
+        return height, width
+    scale = min(short_side / min(height, width), (long_cap or math.inf) / max(height, width))
+    return int(height * scale + 0.5), int(width * scale + 0.5)
+
+
+def window_boxes(height: int, width: int, window: int, stride: int) -> list[tuple[int, int, int, int]]:
+    """(y1, y2, x1, x2) of mmseg's sliding windows; the last one is shifted back inside the image."""
+    if not window:
+        return [(0, height, 0, width)]
+    rows = max(height - window + stride - 1, 0) // stride + 1
+    cols = max(width - window + stride - 1, 0) // stride + 1
+    boxes = []
+    for r in range(rows):
+        for c in range(cols):
+            y2, x2 = min(r * stride + window, height), min(c * stride + window, width)
+            boxes.append((max(y2 - window, 0), y2, max(x2 - window, 0), x2))
+    return boxes
+
+
+def round_up_pixels(pixels: torch.Tensor, multiple: int, minimum: int = 0) -> torch.Tensor:
+    """Trident's `preprocess_image`: B x 3 x H x W resized bilinearly (align_corners False) so that both
+    sides are multiples of `multiple` (rounded up) and at least `minimum` (the window); unchanged if so."""
+    H, W = pixels.shape[-2:]
+    size = tuple(max(-(-side // multiple) * multiple, minimum) for side in (H, W))
+    return pixels if size == (H, W) else F.interpolate(pixels, size=size, mode="bilinear", align_corners=False)
+
+
+def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int], method: str = "torch") -> torch.Tensor:
+    """uint8 H x W x 3 -> 1 x 3 x size CLIP-normalised fp32, resized bilinearly (align_corners=False).
+
+    method "torch": resize the float image (no rounding). "opencv": what mmcv's `imresize` does in the
+    published pipelines, `cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)` on the uint8 image,
+    whose fixed-point result is rounded to uint8 (up to about 0.8 grey levels from the float resize).
+    """
+    if method not in RESIZE_METHODS:
+        raise ValueError(f"unknown resize method {method!r}; choose {', '.join(RESIZE_METHODS)}")
+    if method == "opencv" and tuple(image.shape[:2]) != tuple(size):
+        import cv2
+
+        image = cv2.resize(np.ascontiguousarray(image), (size[1], size[0]), interpolation=cv2.INTER_LINEAR)
+    x = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float()  # a copy: inputs may be read-only
+    if tuple(x.shape[-2:]) != tuple(size):
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False).clamp(0, 255)
+    mean = torch.tensor(clip.mean).view(1, 3, 1, 1) * 255
+    std = torch.tensor(clip.std).view(1, 3, 1, 1) * 255
+    return (x - mean) / std
+
+
+def window_geometry(side: int, patch: int, rule: str = "pad", whole_image: bool = False) -> tuple[int, int, int, int]:
+    """How a window side that is not a whole number of patches is encoded: (patches, pad before, pad
+    after, upsampled size). A negative pad after drops pixels. The patch map is upsampled bilinearly to
+    `upsampled` pixels and rows `pad before` .. `pad before + side` of it are the window's.
+
+    pad (our default): zero-pad at the end; patch i covers pixels i*patch .. (i+1)*patch.
+    centre (ClearCLIP's sliding windows, `compute_padsize`): zero-pad half before (rounded down), half
+    after, then crop the upsampled map; a whole image (no windows) is encoded as with drop, as there.
+    drop (SCLIP, NACLIP and ClearCLIP without windows): the patch convolution ignores the last
+    side % patch pixels and the floor(side / patch) patch map is stretched over the whole side.
+    """
+    if rule not in REMAINDER_RULES:
+        raise ValueError(f"unknown remainder rule {rule!r}; choose {', '.join(REMAINDER_RULES)}")
+    extra = -side % patch
+    if rule == "drop" or (rule == "centre" and whole_image):
+        if side < patch:
+            raise ValueError(f"a {side}-pixel window side is smaller than one {patch}-pixel patch")
+        return side // patch, 0, -(side % patch), side
+    before = extra // 2 if rule == "centre" else 0
+    return (side + extra) // patch, before, extra - before, side + extra

@@ -1,0 +1,304 @@
+"""Sliding windows -> dense features -> the cosine with the text at the output size, kept factored.
+
+Bilinear upsampling, placing windows and averaging their overlaps are linear and separable, so the whole
+N_names x H x W map is Ly @ G @ Lx^T of the small window grid G: `CosineMap` computes any band of rows
+alone, bit-identical to the same rows of the whole map, and no names x pixels tensor is ever made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import AttentionSpec
+from ..models.clip import DenseCLIP
+from ..stages import Stage, resolve_stages
+from .preprocess import window_boxes, window_geometry
+
+
+def iter_window_features(
+    clip: DenseCLIP,
+    pixels: torch.Tensor,
+    spec: AttentionSpec,
+    window: int = 224,
+    stride: int = 112,
+    batch_size: int = 16,
+    token_stages: Sequence[Stage] = (),
+    pos_interp: str = "size",
+    remainder: str = "pad",
+    encode: Callable[[torch.Tensor, AttentionSpec], torch.Tensor] | None = None,
+    with_cls: bool = False,
+    context: dict | None = None,
+    regions: torch.Tensor | None = None,
+) -> Iterator[tuple]:
+    """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
+
+    Yields (window boxes (y1, y2, x1, x2), B x h x w x D features), plus the windows' B x D CLS
+    embeddings when `with_cls`. Windows whose sides are not multiples of the patch size follow
+    `remainder` (see `window_geometry`); with the default, pad, they are zero-padded at the bottom and
+    right, so patch (i, j) of a window covers pixels
+    y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
+    encode(crops, spec) replaces `clip.encode_dense` (e.g. attention maps for the analysis). context:
+    passed to `clip.encode_dense` (the text a `feedback` term's first pass reads).
+    regions: H x W integer region ids of `pixels` (-1 unsegmented), cropped like each window; padded
+    pixels form one more region (CorrCLIP pads its masks with 10000), for specs that read regions.
+    """
+    _, _, H, W = pixels.shape
+    boxes = window_boxes(H, W, window, stride)
+    wh, ww = boxes[0][1] - boxes[0][0], boxes[0][3] - boxes[0][2]
+    _, top, bottom, _ = window_geometry(wh, clip.patch_size, remainder, not window)
+    _, left, right, _ = window_geometry(ww, clip.patch_size, remainder, not window)
+    for i in range(0, len(boxes), batch_size):
+        chunk = boxes[i : i + batch_size]
+        windows = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
+        crops = F.pad(windows, (left, right, top, bottom))
+        crop_regions = None
+        if regions is not None:
+            crop_regions = torch.stack([regions[y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
+            crop_regions = F.pad(crop_regions, (left, right, top, bottom), value=int(regions.max()) + 1)
+        if encode is not None:
+            yield chunk, encode(crops, spec)
+        else:
+            # ResCLIP's first pass upsamples to the whole window, also where `drop` cuts it to whole patches
+            ctx = dict(context, windows=windows) if context and min(right, bottom) < 0 else context
+            out = clip.encode_dense(crops, spec, token_stages, with_cls, pos_interp=pos_interp, context=ctx, regions=crop_regions)
+            yield (chunk, *out) if with_cls else (chunk, out)
+
+
+#: elements of one band of rows of the N x H x W cosine map (and of each temporary made from it): the final
+#: resize is computed a band at a time, so memory does not grow with classes x image size (16 MiB float32:
+#: small enough for the C library to reuse freed bands instead of mapping fresh pages for each)
+BAND_ELEMENTS = 1 << 22
+
+
+#: rows per matrix-product call: every call has this shape, so a row's result never depends on the band
+ROW_BLOCK = 8
+
+
+@dataclass(frozen=True)
+class CosineMap:
+    """N_names x H x W cosine between patch features and text at the output size, kept factored.
+
+    Bilinear resizing is separable and linear, so every output row is a weighted sum of a few rows of
+    the window grid (a row of `rows_from`, H' x R), and each of its pixels a weighted sum of the grid's
+    K columns (`cols`, W x K). `pieces` computes any ROW_BLOCK rows alone with the same two matrix
+    products for every block, whatever the band, so a band (`rows`) equals the same rows of the whole map
+    bit for bit and no N x H x W tensor is ever needed.
+    """
+
+    grid: torch.Tensor  # R x K x N: every window's patch cosines, laid out as window rows x window columns
+    rows_from: torch.Tensor  # H' x R, H' = H rounded up to a multiple of ROW_BLOCK (zero rows)
+    cols: torch.Tensor  # W x K
+    height: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.grid.shape[2], self.height, self.cols.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.grid.device
+
+    def scaled(self, factor: float) -> "CosineMap":
+        """The same map times `factor` (scaling the small grid, not every pixel)."""
+        return dataclasses.replace(self, grid=self.grid * factor)
+
+    def rows(self, y0: int, y1: int) -> torch.Tensor:
+        """N x (y1 - y0) x W, a fresh tensor seen through a view of a (y1 - y0) x W x N tensor: reductions over names then run along
+        contiguous memory, about twice as fast as over the leading dimension of a C x H x W tensor."""
+        first, last = y0 - y0 % ROW_BLOCK, -(-y1 // ROW_BLOCK) * ROW_BLOCK
+        out = torch.empty(last - first, self.cols.shape[0], self.grid.shape[2], device=self.grid.device, dtype=self.grid.dtype)
+        for start, block in self.pieces(first, last):
+            out[start - first : start - first + ROW_BLOCK] = block.permute(1, 2, 0)
+        return out[y0 - first : y1 - first].permute(2, 0, 1)
+
+    def pieces(self, y0: int, y1: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, N x ROW_BLOCK x W) for the blocks of rows covering y0..y1 (whole blocks, so the first
+        may start before y0 and the last end after y1, past the map's height): fresh tensors, names
+        contiguous. Each is two matrix products, the same calls for every block: ROW_BLOCK x R @ R x (K N)
+        for the rows, then W x K @ K x (ROW_BLOCK N) for the columns of all its rows at once."""
+        R, K, N = self.grid.shape
+        grid = self.grid.view(R, K * N)
+        for start in range(y0 - y0 % ROW_BLOCK, y1, ROW_BLOCK):
+            block = torch.mm(self.rows_from[start : start + ROW_BLOCK], grid).view(ROW_BLOCK, K, N)
+            block = torch.mm(self.cols, block.transpose(0, 1).reshape(K, ROW_BLOCK * N))  # W x (ROW_BLOCK N)
+            yield start, block.view(-1, ROW_BLOCK, N).permute(2, 1, 0)
+
+
+@dataclass(frozen=True)
+class DenseMap:
+    """An N x H x W map held whole (what post stages such as PAMR return), with CosineMap's interface."""
+
+    values: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.values.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def scaled(self, factor: float) -> "DenseMap":
+        return DenseMap(self.values * factor)
+
+    def rows(self, y0: int, y1: int) -> torch.Tensor:
+        """N x (y1 - y0) x W, a fresh copy (callers may overwrite it)."""
+        return self.values[:, y0:y1].clone()
+
+    def pieces(self, y0: int, y1: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """CosineMap.pieces' interface: the band itself, one piece."""
+        yield y0, self.rows(y0, y1)
+
+
+def row_bands(height: int, row_elements: int, budget: int = BAND_ELEMENTS) -> list[tuple[int, int]]:
+    """(y0, y1) bands of rows covering 0..height, each a multiple of ROW_BLOCK rows holding at most
+    `budget` elements (ROW_BLOCK rows at least)."""
+    step = max(1, budget // max(row_elements * ROW_BLOCK, 1)) * ROW_BLOCK
+    return [(y, min(y + step, height)) for y in range(0, height, step)]
+
+
+def dense_cosine(
+    clip: DenseCLIP,
+    pixels: torch.Tensor,
+    text: torch.Tensor,
+    spec: AttentionSpec,
+    window: int = 224,
+    stride: int = 112,
+    batch_size: int = 16,
+    out_size: tuple[int, int] | None = None,
+    token_stages: Sequence[Stage] = (),
+    pos_interp: str = "size",
+    remainder: str = "pad",
+    logit_scale: float = 40.0,
+    regions: torch.Tensor | None = None,
+) -> CosineMap:
+    """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size
+    (or at `out_size`, as if that map were then resized bilinearly), as a CosineMap (rows on demand).
+
+    Windows run as batches of `batch_size` through the model; each window's patch map is upsampled
+    bilinearly to the window (by default zero-padded up to a multiple of the patch size, then cropped;
+    `remainder` and `pos_interp` as in `iter_window_features`) and the overlaps are averaged. Bilinear resizing is separable and linear, and the windows form a grid of row
+    and column intervals, so upsample -> place -> average -> resize is one product per name,
+    Ly @ G @ Lx^T, with G the grid of all windows' patch maps (rows*h x cols*w per name) and Ly, Lx
+    small interpolation matrices: no per-window work or window-sized temporaries beyond the model call,
+    and any band of rows is a band of Ly's rows, which is what CosineMap uses.
+    Match stages the spec names (`hook:surgery`) rewrite each window's cosine map before that. A spec
+    with a `feedback` term (ResCLIP) gets the text and `logit_scale` for its first pass.
+    regions: H x W region ids of `pixels`, for specs that read regions (see `iter_window_features`).
+    """
+    _, _, H, W = pixels.shape
+    text = text.to(clip.device)
+    match = [st for st in resolve_stages(spec.hooks) if st.kind == "match"]  # e.g. CLIP Surgery's
+    boxes, cos = [], []
+    context = {"text": text, "logit_scale": logit_scale}
+    windows = iter_window_features(
+        clip, pixels, spec, window, stride, batch_size, token_stages, pos_interp, remainder, with_cls=bool(match), context=context, regions=regions
+    )
+    for chunk, feats, *cls in windows:
+        boxes += chunk
+        window_cos = torch.einsum("bhwd,nd->bhwn", feats, text)
+        for stage in match:  # match stages see B x N_names x h x w
+            window_cos = stage(window_cos.permute(0, 3, 1, 2), cls[0], text).permute(0, 2, 3, 1)
+        cos.append(window_cos)
+    cos = torch.cat(cos)  # windows row-major over the grid of row and column intervals
+    rows = sorted({(y1, y2) for y1, y2, _, _ in boxes})
+    cols = sorted({(x1, x2) for _, _, x1, x2 in boxes})
+    _, h, w, n = cos.shape
+    grid = cos.view(len(rows), len(cols), h, w, n).permute(0, 2, 1, 3, 4).reshape(len(rows) * h, len(cols) * w, n)
+    out_h, out_w = out_size or (H, W)
+    # a window's map covers the window's encoded pixels (`window_geometry`): h x w patches of CLIP, or
+    # the finer grid of an external backbone's attention (ProxyCLIP's DINO B/8 gives 2h x 2w)
+    _, top, _, up_h = window_geometry(rows[0][1] - rows[0][0], clip.patch_size, remainder, not window)
+    _, left, _, up_w = window_geometry(cols[0][1] - cols[0][0], clip.patch_size, remainder, not window)
+    ly = _window_interpolation(rows, H, h, up_h, top, out_h)
+    lx = _window_interpolation(cols, W, w, up_w, left, out_w)
+    return _factored(grid, ly, lx)
+
+
+def _factored(grid: torch.Tensor, ly: torch.Tensor, lx: torch.Tensor) -> CosineMap:
+    """The CosineMap Ly @ grid @ Lx^T of an R x K x N grid (ly: out_h x R, lx: out_w x K)."""
+    out_h = ly.shape[0]
+    to = dict(device=grid.device, dtype=grid.dtype)
+    rows_from = F.pad(ly, (0, 0, 0, -out_h % ROW_BLOCK))  # whole blocks of rows
+    return CosineMap(grid.contiguous(), rows_from.to(**to), lx.to(**to), out_h)
+
+
+def spliced_tokens(
+    clip: DenseCLIP,
+    pixels: torch.Tensor,
+    spec: AttentionSpec,
+    window: int = 224,
+    stride: int = 112,
+    batch_size: int = 16,
+    token_stages: Sequence[Stage] = (),
+    pos_interp: str = "size",
+) -> torch.Tensor:
+    """Trident's splice: every window's last-block tokens before ln_post (`DenseCLIP.dense_tokens`,
+    h x w cells per window) placed at the window's corner on the image's grid of cells, overlaps
+    averaged: 1 x Gh x Gw x C. Windows must tile that grid: the window side a whole number of cells and
+    every corner on a cell boundary (for CLIP's grid: image sides, window and stride multiples of the
+    patch size; `InferenceSettings.size_multiple`)."""
+    _, _, H, W = pixels.shape
+    encode = lambda crops, spec: clip.dense_tokens(crops, spec, token_stages, pos_interp)  # noqa: E731
+    boxes, feats = [], []
+    for chunk, f in iter_window_features(clip, pixels, spec, window, stride, batch_size, encode=encode):
+        boxes += chunk
+        feats.append(f)
+    feats = torch.cat(feats)
+    (y1, y2, x1, x2), (h, w) = boxes[0], feats.shape[1:3]
+    cell_h, cell_w = (y2 - y1) // h, (x2 - x1) // w
+    if (y2 - y1) % h or (x2 - x1) % w or H % cell_h or W % cell_w or any(b[0] % cell_h or b[2] % cell_w for b in boxes):
+        raise ValueError(
+            f"splicing windows needs the image ({H}x{W}), window and stride on the {cell_h}x{cell_w}-pixel cell grid "
+            f"(set size_multiple={clip.patch_size}, a window and stride multiple of {clip.patch_size})"
+        )
+    corners = [(b[0] // cell_h, b[2] // cell_w) for b in boxes]
+    return splice_windows(feats, corners, (H // cell_h, W // cell_w))[None]
+
+
+def splice_windows(feats: torch.Tensor, corners: list[tuple[int, int]], grid: tuple[int, int]) -> torch.Tensor:
+    """Trident's splice: window features W x h x w x C placed at their top-left patch corners on an
+    image grid (H x W patches), overlaps averaged: H x W x C. Every cell must be covered."""
+    _, h, w, C = feats.shape
+    total = feats.new_zeros(*grid, C)
+    count = feats.new_zeros(*grid, 1)
+    for f, (y, x) in zip(feats, corners):
+        total[y : y + h, x : x + w] += f
+        count[y : y + h, x : x + w] += 1
+    if bool((count == 0).any()):
+        raise ValueError("windows do not cover the whole grid")
+    return total / count
+
+
+def grid_cosine(feats: torch.Tensor, text: torch.Tensor, out_size: tuple[int, int]) -> CosineMap:
+    """Cosine of one h x w x D feature grid covering the whole image with N_names x D text, resized
+    bilinearly (align_corners False) to `out_size`, as a CosineMap (Trident's logits on the SAM grid)."""
+    h, w, _ = feats.shape
+    grid = torch.einsum("hwd,nd->hwn", feats, text.to(feats.device))
+    return _factored(grid, _resize_matrix(h, out_size[0]), _resize_matrix(w, out_size[1]))
+
+
+def _resize_matrix(src: int, dst: int) -> torch.Tensor:
+    """dst x src weights of 1-D linear resizing (align_corners=False), the per-axis part of bilinear."""
+    return F.interpolate(torch.eye(src)[None], size=dst, mode="linear", align_corners=False)[0].T
+
+
+def _window_interpolation(
+    spans: list[tuple[int, int]], size: int, patches: int, upsampled: int, offset: int, out: int
+) -> torch.Tensor:
+    """out x (len(spans) * patches): upsample each window's `patches` to `upsampled` pixels, keep the
+    window's rows from `offset` on, place them at its span, average where spans overlap, then resize
+    `size` -> `out` (all along one axis)."""
+    up = _resize_matrix(patches, upsampled)[offset:]
+    place = torch.zeros(size, len(spans) * patches)
+    coverage = torch.zeros(size, 1)
+    for i, (a, b) in enumerate(spans):
+        place[a:b, i * patches : (i + 1) * patches] = up[: b - a]
+        coverage[a:b] += 1
+    place /= coverage
+    return place if out == size else _resize_matrix(size, out) @ place
