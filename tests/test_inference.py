@@ -89,6 +89,17 @@ def test_resized_shape_follows_mmcv_rescale():
     assert resized_shape(100, 200, 0) == (100, 200)
 
 
+def test_max_long_side_0_means_no_cap(tiny_clip):
+    assert resized_shape(16, 100, 32, 0) == (32, 200)
+    image = np.random.default_rng(4).integers(0, 255, (16, 100, 3), dtype=np.uint8)
+    results = [
+        Segmenter(tiny_clip, "a,b", settings=InferenceSettings(resolution=32, max_long_side=cap, window=32, stride=32), templates="single").predict(image)
+        for cap in (0, 200)  # 200: the uncapped long side, so both see the same input
+    ]
+    assert results[0].labels.shape == (16, 100)
+    assert np.array_equal(results[0].probs, results[1].probs)
+
+
 def test_window_boxes_cover_image_and_stay_inside():
     boxes = window_boxes(336, 500, 224, 112)
     assert len(boxes) == 2 * 4

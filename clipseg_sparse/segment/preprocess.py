@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,8 @@ from .settings import REMAINDER_RULES, RESIZE_METHODS
 
 
 def resized_shape(height: int, width: int, short_side: int, long_cap: int = 2048) -> tuple[int, int]:
-    """mmcv's keep-ratio rescale to (long_cap, short_side): scale = min(long_cap/long, short/short)."""
+    """mmcv's keep-ratio rescale to (long_cap, short_side): scale = min(long_cap/long, short/short).
+    short_side 0 keeps the size; long_cap 0 caps nothing."""
     if not short_side:
         return height, width
     scale = min(short_side / min(height, width), (long_cap or math.inf) / max(height, width))

@@ -15,7 +15,8 @@ from ..stages import resolve_stages
 
 @dataclass(frozen=True)
 class InferenceSettings:
-    """Every knob between pixels and labels. 0 disables resolution (keep size) and window (whole image)."""
+    """Every knob between pixels and labels. 0 disables resolution (keep size), max_long_side (no cap) and
+    window (whole image)."""
 
     resolution: int = 336
     max_long_side: int = 2048
