@@ -1,4 +1,4 @@
-"""CLI bodies of the analysis commands (`analyze`, `explain`, `demo`); registered in cli.py.
+"""`clipseg-sparse analyze`, `explain` and `demo`, and the gallery and diffusivity parts of `report`.
 
 Thin wrappers: parse, call clipseg_sparse.analysis.statistics / explain / demo, print. Heavy imports in the bodies.
 """
@@ -15,6 +15,8 @@ from ..runtime.progress import err_console
 
 PresetsOpt = Annotated[Optional[list[str]], typer.Option("--preset", help="Attention preset (repeat to compare several; see `ls presets`).")]
 AttnsOpt = Annotated[Optional[list[str]], typer.Option("--attn", help="Attention spec such as qq/entmax:1.5/nores/noffn (repeatable).")]
+
+app = typer.Typer()
 
 
 def resolve_specs(presets: list[str] | None, attns: list[str] | None, default: str) -> list:
@@ -38,6 +40,7 @@ def analysis_file(out: Path, dataset: str, spec, config_key: str) -> Path:
     return out / f"{dataset}__{slug}__{config_key}.json"
 
 
+@app.command("analyze", no_args_is_help=True)
 def analyze(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Labelled benchmark (see `ls datasets`).")],
     root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
@@ -114,6 +117,7 @@ def analysis_table(records: list[dict]):
     return table
 
 
+@app.command("explain", no_args_is_help=True)
 def explain(
     image: Annotated[Path, typer.Argument(help="The image to explain.", show_default=False)],
     point: Annotated[str, typer.Option("--point", help="X,Y pixel of the original image whose patch's attention is shown.")],
@@ -197,6 +201,7 @@ def gallery(folders: list[str], out: Path, dataset: str | None, root: Path | Non
     err_console.print(f"wrote {path}: {len(page.rows)} images x {len(page.columns)} columns ({', '.join(page.columns)})", highlight=False)
 
 
+@app.command("demo")
 def demo(
     model: ModelOpt = "ViT-B-16",
     pretrained: PretrainedOpt = "openai",

@@ -15,9 +15,12 @@ import typer
 from ..runtime.progress import err_console
 
 
-def _flags_show_no_value_type() -> None:
+def flags_show_no_value_type() -> None:
     """typer (0.2x) prints `<bool>` after every flag in --help, as if it took a value, and users then
-    write `--overwrite true` ("true: no such file"). A flag takes no value: show no type for it."""
+    write `--overwrite true` ("true: no such file"). A flag takes no value: show no type for it.
+
+    A patch of typer's option class (help is drawn per option, with no hook): `app.py` applies it once
+    when it builds the app; applying it again is a no-op."""
     option = getattr(typer.core, "TyperOption", None)
     shown = getattr(option, "display_type_rich", None)
     if shown is None or getattr(shown, "flag_aware", False):
@@ -28,9 +31,6 @@ def _flags_show_no_value_type() -> None:
 
     display_type_rich.flag_aware = True
     option.display_type_rich = display_type_rich
-
-
-_flags_show_no_value_type()
 
 
 class Device(str, Enum):
@@ -45,6 +45,8 @@ class Precision(str, Enum):
     fp16 = "fp16"
     bf16 = "bf16"
 
+
+PAMR_HELP = "PAMR refinement of the cosine maps at the original image size (10 iterations, dilations 8,16; NACLIP's post stage; runs on the whole image, not row-tiled, so it needs about (names + 20) x H x W floats)."
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="open_clip model name (ViT-B-16, ViT-L-14, ...) or a model-config JSON.")]
 PretrainedOpt = Annotated[
@@ -93,6 +95,12 @@ def fail(message: str, code: int = 2) -> NoReturn:
     # escaped: a message quoting "[x, y, w, h]" or a path with brackets must not be read as rich markup
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def note_shown(out: Path | None, shown: bool) -> None:
+    """Say that a finished result file was read back instead of computed (eval, fgovd)."""
+    if shown:
+        err_console.print(f"{out} holds this configuration's finished result: showing it, not recomputing (--overwrite recomputes)", highlight=False, soft_wrap=True)
 
 
 def check_out(out: Path | None, folder: bool, option: str = "--out") -> None:

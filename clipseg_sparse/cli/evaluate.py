@@ -1,0 +1,248 @@
+"""`clipseg-sparse eval`, `fgovd` and `convert`: scores on segmentation and FG-OVD benchmarks, and the
+dataset conversions `eval` reads."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import (
+    PAMR_HELP,
+    AttnOpt,
+    Device,
+    DeviceOpt,
+    ModelOpt,
+    Precision,
+    PrecisionOpt,
+    PresetOpt,
+    PretrainedOpt,
+    ProxyWeightsOpt,
+    RegionsOpt,
+    TemplatesOpt,
+    check_out,
+    fail,
+    load_model,
+    load_proxies,
+    load_regions,
+    note_shown,
+    out_console,
+    resolve_attention,
+)
+from ..runtime.progress import err_console, progress_bar
+
+app = typer.Typer()
+
+
+@app.command("eval")
+def eval_cmd(
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="Benchmark: voc21, voc20, context60, context59, ade20k, coco-stuff, coco-object, cityscapes (see `ls datasets`).")],
+    root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    proxy_weights: ProxyWeightsOpt = "auto",
+    regions: RegionsOpt = None,
+    preset: PresetOpt = None,
+    attn: AttnOpt = None,
+    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip, proxyclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
+    class_names: Annotated[Optional[str], typer.Option("--class-names", help="Prompt names: sclip (synonyms, stuff words for background), plain (ClearCLIP's), or a file with one class per line; default: the protocol's.")] = None,
+    templates: TemplatesOpt = "openai",
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
+    window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window size in pixels (0 = whole image).")] = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride in pixels.")] = None,
+    logit_scale: Annotated[Optional[float], typer.Option("--logit-scale", help="Scale on cosines before the softmax over names.")] = None,
+    bg_threshold: Annotated[Optional[float], typer.Option("--bg-threshold", help="Pixels whose top probability is below this become background (class 0).")] = None,
+    area_threshold: Annotated[Optional[float], typer.Option("--area-threshold", help="Drop classes covering at most this fraction of the foreground (SCLIP's area_thd).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sliding windows per forward pass.")] = None,
+    pamr: Annotated[Optional[bool], typer.Option("--pamr/--no-pamr", help=PAMR_HELP + " Default: the protocol's (on for naclip).", show_default=False)] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate the first N images only.")] = None,
+    save_pred: Annotated[Optional[Path], typer.Option("--save-pred", help="Folder for palette PNG predictions in the dataset's label encoding.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Result JSON; a <out>.progress.jsonl beside it makes the run resumable.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Recompute even if --out holds a finished result or a partial run.")] = False,
+) -> None:
+    """Evaluate on a benchmark: dataset-level mIoU, per-class IoU, resumable with --out.
+
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse eval ...` shards the images.
+    """
+    from ..datasets import DATASETS, DatasetError, class_vocabulary
+    from ..runtime.distributed import init_from_env
+    from ..evaluation.segmentation import evaluate
+    from ..evaluation.protocols import PROTOCOLS
+    from ..files.results import ConfigMismatchError
+
+    check_out(out, folder=False)
+    check_out(save_pred, folder=True, option="--save-pred")
+    try:
+        bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
+        samples = bench.samples(root)[:limit]  # fail on a missing dataset or class-name file before loading the model
+        vocabulary, _ = class_vocabulary(bench.name, class_names or proto.class_names)
+    except (KeyError, DatasetError, ValueError) as e:
+        fail(str(e))
+    for repeated in vocabulary.repeated_names():  # published name sets are kept as published (SCLIP's COCO-Object)
+        err_console.print(f"note: prompt names of {bench.name}: {repeated}; kept as given, the later class cannot win on that name", highlight=False, soft_wrap=True)
+    spec = resolve_attention(preset, attn, default=proto.attention)
+    overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
+                     bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
+    try:
+        stages = proto.settings(bench.name, overrides).stage_texts()
+    except ValueError as e:
+        fail(str(e))
+    from ..segment.regions import region_reader
+
+    region_src = load_regions(regions, [s.id for s in samples], device, region_reader(spec, stages))
+    rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
+    clip = load_model(model, pretrained, device, precision)
+    load_proxies(spec, clip, proxy_weights, stages)
+    shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
+    try:
+        record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
+                          limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, regions=region_src)
+    except (DatasetError, ConfigMismatchError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    if rank > 0:
+        return
+    note_shown(out, shown)
+    out_console().print(_result_table(record))
+    if out is not None:
+        err_console.print(f"result: {out}", highlight=False)
+
+
+def _result_table(record: dict):
+    """Per-class IoU / Acc and the means of an eval result record."""
+    from rich.table import Table
+
+    c = record["config"]
+    pct = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    title = f"{c['dataset']} | {c['attention']} | {c['protocol']} | {c['model']} ({c['pretrained']}) | {record['num_images']} images"
+    from rich.markup import escape
+
+    table = Table("class", "IoU %", "Acc %", title=escape(title))  # spec strings hold [..]
+    for name, m in record["per_class"].items():
+        table.add_row(name, pct(m["IoU"]), pct(m["Acc"]))
+    m = record["metrics"]
+    table.add_section()
+    table.add_row("[bold]mean[/]", f"[bold]{pct(m['mIoU'])}[/]", pct(m["mAcc"]))
+    table.add_row("pixel accuracy", "", pct(m["aAcc"]))
+    return table
+
+
+class Region(str, Enum):
+    pool = "pool"
+    mask = "mask"
+    crop = "crop"
+
+
+@app.command("fgovd")
+def fgovd(
+    benchmark: Annotated[list[Path], typer.Option("--benchmark", "-b", help="FG-OVD benchmark JSON (repeat for several); the split comes from the file name.")],
+    images: Annotated[Path, typer.Option("--images", help="COCO 2017 root holding val2017/ and train2017/.")],
+    model: ModelOpt = "ViT-B-16",
+    pretrained: PretrainedOpt = "openai",
+    device: DeviceOpt = Device.auto,
+    precision: PrecisionOpt = Precision.fp32,
+    preset: PresetOpt = None,
+    attn: AttnOpt = None,
+    region: Annotated[Region, typer.Option("--region", help="pool: dense features in the box; mask: in the polygon; crop: the box encoded whole.")] = Region.pool,
+    scale_factor: Annotated[Optional[float], typer.Option("--scale-factor", help="Enlarge the crop about its centre (crop only; default 1).")] = None,
+    negatives: Annotated[Optional[int], typer.Option("--negatives", "-n", help="Hard negatives per region; metrics for N = 1..this (default 10).")] = None,
+    templates: TemplatesOpt = "none",
+    resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (default 336; 0 = keep size).")] = None,
+    window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window size in pixels (default 224; 0 = whole image).")] = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride in pixels (default 112).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N images of each benchmark file.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Result JSON with every region's scores; a <out>.progress.jsonl beside it makes the run resumable.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Recompute even if --out holds a finished result or a partial run.")] = False,
+) -> None:
+    """Fine-grained region-caption matching on FG-OVD: top-1 and rank of the positive caption among hard negatives.
+
+    Default attention: the sclip preset for pool and mask (dense features need a segmentation-style edit to be local), unmodified clip for crop (the benchmark authors' protocol).
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse fgovd ...` shards the images.
+    """
+    from ..runtime.distributed import init_from_env
+    from ..evaluation.fgovd import evaluate_fgovd, split_name
+    from ..evaluation.fgovd.report import metrics_table
+    from ..segment.segmenter import InferenceSettings
+
+    check_out(out, folder=False)
+    for path in benchmark:  # before loading the model
+        if not path.is_file():
+            fail(f"{path}: benchmark file not found")
+        try:
+            split_name(path)
+        except KeyError as e:
+            fail(str(e))
+    spec = resolve_attention(preset, attn, default="clip" if region is Region.crop else "sclip")
+    try:
+        settings = InferenceSettings().replace(resolution=resolution, window=window, stride=stride)
+    except ValueError as e:
+        fail(str(e))
+    kwargs = {k: v for k, v in {"scale_factor": scale_factor, "negatives": negatives}.items() if v is not None}
+    rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
+    clip = load_model(model, pretrained, device, precision)
+    shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
+    try:
+        result = evaluate_fgovd(
+            clip, benchmark, images, spec, region=region.value, settings=settings, templates=templates, limit=limit, out=out, overwrite=overwrite, **kwargs
+        )
+    except (OSError, ValueError) as e:  # missing files, malformed benchmark, config mismatch, unreadable image
+        fail(str(e))
+    if rank > 0:
+        return
+    note_shown(out, shown)
+    out_console().print(metrics_table(result["metrics"], result["config"]["benchmarks"], result["config"]["negatives"]))
+    if out is not None:
+        err_console.print(f"result: {out}", highlight=False)
+
+
+convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (see datasets.md).", no_args_is_help=True)
+
+
+def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: bool, instances: Path | None = None) -> None:
+    from ..datasets import DatasetError
+    from ..datasets import convert as cv
+
+    out = out or root
+    dest = out / "annotations" / split
+    with progress_bar("files") as bar:
+        task = bar.add_task(f"{kind} {split}", total=None)
+        step = lambda: bar.advance(task)  # noqa: E731
+        try:
+            if instances is not None:
+                written = cv.coco_object_from_instances(instances, dest, overwrite, step)
+            elif kind == "coco-object":
+                written = cv.convert_stuffthingmaps(root / "annotations" / split, dest, cv.object_lut(), cv.OBJECT_SUFFIX, overwrite, step)
+            else:
+                written = cv.convert_stuffthingmaps(root / "annotations" / split, dest, cv.stuff_lut(), cv.STUFF_SUFFIX, overwrite, step)
+        except DatasetError as e:
+            fail(str(e))
+    if out.resolve() != root.resolve() and (root / "images").is_dir() and not (out / "images").exists():
+        (out / "images").symlink_to((root / "images").resolve(), target_is_directory=True)
+    err_console.print(f"wrote {written} label files to {dest}", highlight=False)
+
+
+StuffRootArg = Annotated[Path, typer.Argument(help="COCO-Stuff164k folder: images/<split>/*.jpg and annotations/<split>/*.png (raw stuffthingmaps).")]
+SplitOpt = Annotated[str, typer.Option("--split", help="Sub-folder to convert.")]
+ConvertOutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Dataset folder to write annotations/<split>/ into (default: ROOT); images/ is linked.")]
+ConvertOverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Rewrite label files that already exist.")]
+
+
+@convert_app.command("coco-stuff")
+def convert_coco_stuff(root: StuffRootArg, split: SplitOpt = "val2017", out: ConvertOutOpt = None, overwrite: ConvertOverwriteOpt = False) -> None:
+    """COCO-Stuff labels (*_labelTrainIds.png, 0..170, 255 unlabeled), as mmseg's coco_stuff164k.py."""
+    _convert("coco-stuff", root, split, out, overwrite)
+
+
+@convert_app.command("coco-object")
+def convert_coco_object(
+    root: StuffRootArg,
+    split: SplitOpt = "val2017",
+    out: ConvertOutOpt = None,
+    overwrite: ConvertOverwriteOpt = False,
+    instances: Annotated[Optional[Path], typer.Option("--instances", help="Rasterise this COCO instances JSON with pycocotools instead (approximate; see datasets.md).")] = None,
+) -> None:
+    """COCO-Object labels (*_instanceTrainIds.png, 0 background, 1..80 things), as SCLIP's cvt_coco_object.py."""
+    _convert("coco-object", root, split, out, overwrite, instances)

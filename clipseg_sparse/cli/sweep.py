@@ -1,0 +1,236 @@
+"""`clipseg-sparse sweep`, `report` and `reproduce`: grids of runs, their tables and plots, and the shipped grids
+of the published tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import analysis as cli_analysis
+from .common import PAMR_HELP, Device, DeviceOpt, Precision, check_out, fail, note_softmax_aliases, out_console
+from .ls import grids_table
+from ..runtime.progress import err_console
+
+app = typer.Typer()
+
+
+def _split(text: str | None) -> list[str] | None:
+    """Comma-separated flag value -> list; None when the flag was not given."""
+    return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
+
+
+RootOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--root", help="Dataset root: DIR for every dataset, or NAME=DIR for one (repeatable)."),
+]
+ImagesRootOpt = Annotated[Optional[Path], typer.Option("--images-root", help="COCO 2017 images folder for FG-OVD cells.")]
+SweepRegionsOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--regions", help="Region masks of corrclip cells: DIR (DIR/<dataset>/ holds each dataset's), NAME=DIR for one, or sam2 (repeatable)."),
+]
+
+
+def _print_summary(summary, out: Path) -> None:
+    err_console.print(
+        f"sweep: {summary.total} cells: {summary.skipped} already done, {summary.ran} ran"
+        f"{f' ({summary.stale} of them recomputed: their data changed)' if summary.stale else ''}, "
+        f"{len(summary.failed)} failed ({summary.wall_s:.1f} s); results in {out}",
+        highlight=False,
+    )
+    for failure in summary.failed:
+        err_console.print(f"  [red]failed[/] {failure.cell.label}: {failure.error}  ({failure.cell.hash}.error.json)", highlight=False)
+
+
+def _run_grid(grid, paths, device: Device, metric: str | None = None, shard: str | None = None):
+    """Run the grid (under torchrun: this rank's share); returns (summary of all ranks, rank)."""
+    from ..runtime.distributed import init_from_env, parse_shard
+    from ..runtime.device import resolve_device
+    from ..sweeps.grid import check_fgovd_negatives
+    from ..sweeps.run import run_sweep
+
+    try:  # a missing GPU would otherwise fail every cell; a report metric no file can give, the report
+        part = parse_shard(shard) if shard is not None else None
+        rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
+        resolve_device(device.value)
+        notes = check_fgovd_negatives(grid, metric)
+    except ValueError as e:
+        fail(str(e))
+    for note in notes if rank == 0 else []:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    summary = run_sweep(grid, paths, device=device.value, part=part)
+    if rank == 0:
+        _print_summary(summary, paths.out)
+    return summary, rank
+
+
+@app.command("sweep", no_args_is_help=True)
+def sweep(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder of result files (one per cell, named by its config hash).")],
+    grid: Annotated[Optional[Path], typer.Option("--grid", help="TOML grid file with the keys below; flags given override it.")] = None,
+    datasets: Annotated[Optional[str], typer.Option("--datasets", help="Comma-separated dataset names, e.g. voc21,ade20k.")] = None,
+    fgovd: Annotated[Optional[list[Path]], typer.Option("--fgovd", help="FG-OVD benchmark JSON file (repeatable; one cell each).")] = None,
+    presets: Annotated[Optional[str], typer.Option("--presets", help="Presets giving the block edits, e.g. sclip,naclip (default: unmodified block).")] = None,
+    sources: Annotated[Optional[str], typer.Option("--sources", help="Score sources replacing each preset's, e.g. qk,qq,kk,vv,qq+kk.")] = None,
+    normalizers: Annotated[Optional[str], typer.Option("--normalizers", help="Normalizers, e.g. softmax,entmax:1.5,sparsemax.")] = None,
+    alphas: Annotated[Optional[str], typer.Option("--alphas", help="Shorthand: 1.25,1.5 adds entmax:1.25 and entmax:1.5.")] = None,
+    specs: Annotated[Optional[str], typer.Option("--specs", help="Extra full attention specs, e.g. qq/entmax:1.5/nores/noffn.")] = None,
+    resolutions: Annotated[Optional[str], typer.Option("--resolutions", help="Short-side resolutions, e.g. 224,336,448 (default: the protocol's).")] = None,
+    models: Annotated[Optional[str], typer.Option("--models", help="open_clip model names or model-config JSON files, e.g. ViT-B-16,ViT-L-14.")] = None,
+    pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Weights for every model: a tag, a checkpoint, or none.")] = None,
+    precision: Annotated[Optional[Precision], typer.Option("--precision", help="Model precision.")] = None,
+    protocol: Annotated[Optional[str], typer.Option("--protocol", help="Evaluation protocol (sclip, clearclip, ...).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N images / annotations per cell.")] = None,
+    templates: Annotated[Optional[str], typer.Option("--templates", help="Prompt templates: openai, single, none or a file (default: each runner's own).")] = None,
+    pamr: Annotated[Optional[bool], typer.Option("--pamr/--no-pamr", help=PAMR_HELP + " Default: the protocol's; added to the grid's overrides.", show_default=False)] = None,
+    root: RootOpt = None,
+    images_root: ImagesRootOpt = None,
+    regions: SweepRegionsOpt = None,
+    device: DeviceOpt = Device.auto,
+    shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: run only the I-th of N disjoint parts of the grid (every N-th cell), e.g. one per job of a job array.")] = None,
+) -> None:
+    """Run a grid of eval / FG-OVD runs; done cells are skipped, failures recorded, interruptions resumed.
+
+    Several processes: `torchrun --nproc-per-node N -m clipseg_sparse sweep ...` deals the cells out to them.
+    """
+    import dataclasses
+
+    from ..sweeps.grid import Grid, read_grid_file
+    from ..sweeps.run import SweepPaths, parse_roots
+
+    check_out(out, folder=True)
+    given = {
+        "datasets": _split(datasets), "fgovd": [str(f) for f in fgovd] if fgovd else None, "presets": _split(presets),
+        "sources": _split(sources), "normalizers": _split(normalizers), "alphas": _split(alphas), "specs": _split(specs),
+        "resolutions": _split(resolutions), "models": _split(models), "pretrained": pretrained,
+        "precision": precision.value if precision else None, "protocol": protocol, "limit": limit, "templates": templates,
+    }  # fmt: skip
+    given = {k: v for k, v in given.items() if v is not None}
+    note_softmax_aliases([*given.get("normalizers", []), *(f"entmax:{a}" for a in given.get("alphas", []))])
+    for key, kind in (("resolutions", int), ("alphas", float)):
+        try:
+            if key in given:
+                given[key] = [kind(v) for v in given[key]]
+        except ValueError:
+            fail(f"--{key} {','.join(given[key])}: expected comma-separated {'integers' if kind is int else 'numbers'}")
+    try:
+        if grid is not None:
+            grid_file_spec = read_grid_file(grid, overrides=given)
+            the_grid, roots, images = grid_file_spec.grid, dict(grid_file_spec.roots), grid_file_spec.images_root
+        else:
+            the_grid, roots, images = Grid.from_dict(given), {}, None
+        if pamr is not None:
+            the_grid = dataclasses.replace(the_grid, overrides={**the_grid.overrides, "pamr": pamr})
+    except ValueError as e:
+        fail(str(e))
+    roots.update(parse_roots(root or []))
+    paths = SweepPaths(out=out, roots=roots, images_root=images_root or images, regions=parse_roots(regions or []))
+    summary, _ = _run_grid(the_grid, paths, device, shard=shard)
+    if summary.failed:
+        raise typer.Exit(1)
+
+
+@app.command("report", no_args_is_help=True)
+def report(
+    results: Annotated[list[str], typer.Argument(help="Result files, folders (searched recursively) or globs.")],
+    rows: Annotated[str, typer.Option("--rows", help="Key on the table rows: source, normalizer, alpha, block, dataset, model, resolution, ...")] = "source",
+    cols: Annotated[str, typer.Option("--cols", help="Key on the table columns.")] = "normalizer",
+    metric: Annotated[Optional[str], typer.Option("--metric", help="Metric in the cells (default mIoU, or FG-OVD mean top-1).")] = None,
+    markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the tables as Markdown to this file.")] = None,
+    csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the tables as CSV to this file.")] = None,
+    plots: Annotated[Optional[Path], typer.Option("--plots", help="Write PNG plots (alpha, resolution, datasets) to this folder.")] = None,
+    diffusivity: Annotated[Optional[Path], typer.Option("--diffusivity", help="Also write gain-vs-diffusivity plots and tables to this folder (needs `analyze` results of the softmax specs among RESULTS).")] = None,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Instead: an HTML gallery of the RESULTS folders (segment outputs or eval --save-pred; NAME=DIR names a column) in this file.")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="With --html: the dataset of --save-pred folders (images, labels, per-image mIoU).")] = None,
+    root: Annotated[Optional[Path], typer.Option("--root", help="With --html --dataset: the dataset's folder.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot/HTML files.")] = False,
+) -> None:
+    """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots.
+
+    With --html: a static gallery page of prediction folders instead (images x specs, sortable by the
+    difference in per-image mIoU between two specs)."""
+    from ..sweeps.records import ReportError, collect
+
+    if html is not None:
+        return cli_analysis.gallery(results, html, dataset, root, overwrite)
+    try:
+        records = collect(results)
+        _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite)
+        if diffusivity is not None:
+            cli_analysis.gain_report(records, results, diffusivity, metric, overwrite)
+    except ReportError as e:
+        fail(str(e))
+
+
+def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite: bool) -> None:
+    """Tables to stdout, optional Markdown / CSV files and plots; raises ReportError on bad input."""
+    from ..sweeps.plots import PLOT_FILES, write_plots
+    from ..sweeps.records import ReportError, default_metric
+    from ..sweeps.report import pivot, to_csv, to_markdown, to_rich
+
+    for path in (markdown, csv, *(plots / n for n in PLOT_FILES if plots is not None)):
+        if path is not None and path.exists() and not overwrite:
+            raise ReportError(f"{path} exists; pass --overwrite to replace it")
+    metric = metric or (default_metric(records) if records else "mIoU")
+    tables = pivot(records, rows=rows, cols=cols, metric=metric)
+    console = out_console()
+    for table in tables:
+        console.print(to_rich(table))
+    for path, text in ((markdown, to_markdown(tables) if markdown else ""), (csv, to_csv(tables) if csv else "")):
+        if path is None:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        err_console.print(f"wrote {path}", highlight=False)
+    if plots is not None:
+        for path in write_plots(records, metric, plots, overwrite=overwrite):
+            err_console.print(f"wrote {path}", highlight=False)
+
+
+@app.command("reproduce")
+def reproduce(
+    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a \\[report] table (rows, cols, metric).")] = None,
+    list_: Annotated[bool, typer.Option("--list", help="List the shipped grids and exit.")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results folder (default results/TABLE).")] = None,
+    root: RootOpt = None,
+    images_root: ImagesRootOpt = None,
+    regions: SweepRegionsOpt = None,
+    benchmarks: Annotated[Optional[Path], typer.Option("--benchmarks", help="Folder of the FG-OVD benchmark JSON files.")] = None,
+    models: Annotated[Optional[str], typer.Option("--models", help="Replace the grid's models (e.g. a model-config JSON for a smoke run).")] = None,
+    pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Replace the grid's weights (tag, checkpoint or none).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N images / annotations per cell (smoke run).")] = None,
+    device: DeviceOpt = Device.auto,
+) -> None:
+    """Run a shipped grid (a published table) and render its report (OUT/report.md, report.csv, plots/)."""
+    from ..sweeps.grid import GRIDS, read_grid_file
+    from ..sweeps.records import ReportError, collect
+    from ..sweeps.run import SweepPaths, parse_roots
+    from ..registry import UnknownNameError
+
+    if list_ or table is None:
+        out_console().print(grids_table())
+        return
+    given = {k: v for k, v in {"models": _split(models), "pretrained": pretrained, "limit": limit}.items() if v is not None}
+    try:
+        grid_file = Path(table) if table.endswith(".toml") else GRIDS.get(table)
+        grid_file_spec = read_grid_file(grid_file, overrides=given, benchmarks_dir=benchmarks)
+    except (UnknownNameError, ValueError) as e:
+        fail(str(e))
+    missing = [f for f in grid_file_spec.grid.fgovd if not Path(f).is_file()]
+    if missing:
+        fail(f"{len(missing)} FG-OVD benchmark file(s) not found, e.g. {missing[0]}; pass --benchmarks DIR (the folder holding them)")
+    out = out or Path("results") / grid_file.stem
+    check_out(out, folder=True)
+    paths = SweepPaths(out=out, roots={**grid_file_spec.roots, **parse_roots(root or [])}, images_root=images_root or grid_file_spec.images_root,
+                       regions=parse_roots(regions or []))
+    report = grid_file_spec.report
+    summary, rank = _run_grid(grid_file_spec.grid, paths, device, report.get("metric"))
+    try:  # report files are derived from the results in OUT, so they are regenerated each time (by rank 0)
+        if rank == 0:
+            _render_report(collect(summary.results), report.get("rows", "source"), report.get("cols", "normalizer"),
+                           report.get("metric"), out / "report.md", out / "report.csv", out / "plots", overwrite=True)  # fmt: skip
+    except ReportError as e:
+        fail(f"no report: {e}")
+    if summary.failed:
+        raise typer.Exit(1)
