@@ -173,18 +173,16 @@ def test_missing_package_and_weights_are_one_line_errors(monkeypatch):
 
 
 def test_cli_loads_sam_before_any_image(tiny_clip, monkeypatch):
-    """eval's load_proxies loads SAM's predictor when a refine stage is on: bad weights fail before any work."""
-    import typer
-
+    """eval's load_proxies loads SAM's predictor when a refine stage is on: bad weights fail before any work,
+    with a UserError of one line (which the CLI's boundary prints as the one-line error, exit 2)."""
     from clipseg_sparse.cli import common as cli_common
     from clipseg_sparse.attention import resolve_spec
+    from clipseg_sparse.errors import UserError
 
-    printed = []
-    monkeypatch.setattr(cli_common.err_console, "print", lambda text, **kw: printed.append(text))
     monkeypatch.setattr(sr, "_PREDICTORS", {})
-    with pytest.raises(typer.Exit) as exit_:
+    with pytest.raises(UserError) as error:
         cli_common.load_proxies(resolve_spec("clip"), tiny_clip, "sam_vitb=hub", ["samrefine:0.2"])
-    assert exit_.value.exit_code == 2 and len(printed) == 1 and "sam_vitb=PATH" in printed[0] and "\n" not in printed[0]
+    assert "sam_vitb=PATH" in str(error.value) and "\n" not in str(error.value)
     cli_common.load_proxies(resolve_spec("clip"), tiny_clip, "none", ())  # no refine stage: SAM is not loaded
     assert sr._PREDICTORS == {}
 

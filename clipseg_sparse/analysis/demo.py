@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..errors import UserError
 from ..segment.segmenter import Segmenter
 from ..segment.settings import InferenceSettings
 from ..models.clip import DenseCLIP
@@ -27,7 +28,7 @@ RANDOM_WEIGHTS_NOTE = (
 )
 
 
-class DemoError(ValueError):
+class DemoError(UserError, ValueError):
     """Bad input in the demo form (shown to the user in the page)."""
 
 

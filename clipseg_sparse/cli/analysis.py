@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import Device, DeviceOpt, ModelOpt, Precision, PrecisionOpt, PretrainedOpt, check_out, fail, load_model, out_console
+from .common import Device, DeviceOpt, ModelOpt, Precision, PrecisionOpt, PretrainedOpt, check_out, fail, load_model, out_console, user_errors
 from ..runtime.progress import err_console
 
 PresetsOpt = Annotated[Optional[list[str]], typer.Option("--preset", help="Attention preset (repeat to compare several; see `ls presets`).")]
@@ -27,10 +27,7 @@ def resolve_specs(presets: list[str] | None, attns: list[str] | None, default: s
         if name not in PRESETS:
             fail(PRESETS.unknown_message(name))
     texts = [*(presets or []), *(attns or [])] or [default]
-    try:
-        specs = [AttentionSpec.parse(t) for t in texts]
-    except ValueError as e:
-        fail(str(e))
+    specs = [AttentionSpec.parse(t) for t in texts]
     return list(dict.fromkeys(specs))
 
 
@@ -41,6 +38,7 @@ def analysis_file(out: Path, dataset: str, spec, config_key: str) -> Path:
 
 
 @app.command("analyze", no_args_is_help=True)
+@user_errors(ValueError, FileNotFoundError)
 def analyze(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Labelled benchmark (see `ls datasets`).")],
     root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
@@ -67,16 +65,12 @@ def analyze(
     skipped), averaged over heads, then per image, per class and over the dataset. Default spec: sclip.
     """
     from ..analysis.statistics import analyze as run_analysis
-    from ..datasets import DATASETS, DatasetError
-    from ..registry import UnknownNameError
-    from ..files.results import ConfigMismatchError, config_hash
+    from ..datasets import DATASETS
+    from ..files.results import config_hash
 
     check_out(out, folder=True)
-    try:
-        bench = DATASETS.get(dataset)
-        bench.samples(root)  # a missing dataset fails before the model loads
-    except (UnknownNameError, KeyError, DatasetError) as e:
-        fail(str(e))
+    bench = DATASETS.get(dataset)
+    bench.samples(root)  # a missing dataset fails before the model loads
     stuff_ids = None
     if stuff is not None:
         names = [n.strip() for n in stuff.split(",") if n.strip()]
@@ -93,10 +87,7 @@ def analyze(
         key = config_hash({"model": clip.config(), "root": str(root.resolve()), "protocol": protocol, **overrides,
                            "limit": limit, "per_head": per_head, "stuff": stuff_ids})[:8]  # fmt: skip
         path = analysis_file(out, bench.name, spec, key) if out is not None else None
-        try:
-            records.append(run_analysis(clip, bench.name, root, spec, protocol, overrides, limit, path, per_head, stuff_ids, overwrite=overwrite))
-        except (DatasetError, ConfigMismatchError, ValueError, FileNotFoundError) as e:
-            fail(str(e))
+        records.append(run_analysis(clip, bench.name, root, spec, protocol, overrides, limit, path, per_head, stuff_ids, overwrite=overwrite))
         if path is not None:
             err_console.print(f"result: {path}", highlight=False)
     out_console().print(analysis_table(records))
@@ -118,6 +109,7 @@ def analysis_table(records: list[dict]):
 
 
 @app.command("explain", no_args_is_help=True)
+@user_errors(ValueError, FileNotFoundError)
 def explain(
     image: Annotated[Path, typer.Argument(help="The image to explain.", show_default=False)],
     point: Annotated[str, typer.Option("--point", help="X,Y pixel of the original image whose patch's attention is shown.")],
@@ -137,7 +129,6 @@ def explain(
     """One PNG: per spec, the attention of the patch under --point over the image (entmax's exact zeros
     in grey) beside the segmentation overlay, titled with the row's entropy and support size."""
     from ..analysis.explain import explain as run_explain, write_explain
-    from ..segment.images import ImageReadError
     from ..segment.segmenter import InferenceSettings
     from ..segment.vocabulary import Vocabulary
 
@@ -153,16 +144,10 @@ def explain(
     if not image.is_file():
         fail(f"{image}: image not found")
     specs = resolve_specs(preset, attn, default="sclip")
-    try:
-        vocabulary = Vocabulary.parse(classes)
-        settings = InferenceSettings().replace(resolution=resolution)
-    except ValueError as e:
-        fail(str(e))
+    vocabulary = Vocabulary.parse(classes)
+    settings = InferenceSettings().replace(resolution=resolution)
     clip = load_model(model, pretrained, device, precision)
-    try:
-        views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head)
-    except (ImageReadError, ValueError) as e:
-        fail(str(e))
+    views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head)
     note = " - RANDOM WEIGHTS: the maps show the mechanics only" if clip.pretrained == "none" else ""
     write_explain(views, out, caption=f"{image.name}, point ({x}, {y}), {clip.model_name} ({clip.pretrained}){note}")
     for view in views:
@@ -186,22 +171,18 @@ def gain_report(records, sources: list[str], out_dir: Path, metric: str | None, 
 
 def gallery(folders: list[str], out: Path, dataset: str | None, root: Path | None, overwrite: bool) -> None:
     """`report --html OUT FOLDER...`: the static gallery page."""
-    from ..datasets import DatasetError
     from ..analysis.gallery import write_gallery
-    from ..registry import UnknownNameError
 
     if (dataset is None) != (root is None):
         fail("--dataset and --root go together (the dataset whose images and labels the predictions are of)")
     if out.is_dir():
         fail(f"--html {out}: is a folder; give the .html file to write")
-    try:
-        path, page = write_gallery(folders, out, dataset, root, overwrite)
-    except (ValueError, UnknownNameError, DatasetError, KeyError) as e:
-        fail(str(e))
+    path, page = write_gallery(folders, out, dataset, root, overwrite)
     err_console.print(f"wrote {path}: {len(page.rows)} images x {len(page.columns)} columns ({', '.join(page.columns)})", highlight=False)
 
 
 @app.command("demo")
+@user_errors(ValueError, FileNotFoundError)
 def demo(
     model: ModelOpt = "ViT-B-16",
     pretrained: PretrainedOpt = "openai",
@@ -228,10 +209,7 @@ def demo(
     for name in preset or []:
         if name not in PRESETS:
             fail(PRESETS.unknown_message(name))
-    try:
-        settings = InferenceSettings().replace(resolution=resolution)
-    except ValueError as e:
-        fail(str(e))
+    settings = InferenceSettings().replace(resolution=resolution)
     clip = load_model(model, pretrained, device, precision)
     err_console.print(f"serving on http://{host}:{port} (Ctrl-C stops it)", highlight=False)
     launch(build_demo(clip, settings, templates, preset or DEFAULT_PRESETS), host, port)

@@ -6,12 +6,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import Device, DeviceOpt, Precision, PrecisionOpt, fail, out_console
+from .common import Device, DeviceOpt, Precision, PrecisionOpt, out_console, user_errors
 
 app = typer.Typer()
 
 
 @app.command("bench")
+@user_errors(ValueError, FileNotFoundError)
 def bench(
     quick: Annotated[bool, typer.Option("--quick", help="ViT-B/16 at 224 px only, without the slow package solvers (seconds).")] = False,
     device: DeviceOpt = Device.cpu,
@@ -23,11 +24,8 @@ def bench(
     from ..bench.run import run_all, rich_tables
     from ..runtime.device import resolve_device
 
-    try:
-        chosen = [s.strip() for s in suites.split(",") if s.strip()]
-        rows = run_all(quick=quick, device=str(resolve_device(device.value)), precision=precision.value, model=model, suites=chosen)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
+    chosen = [s.strip() for s in suites.split(",") if s.strip()]
+    rows = run_all(quick=quick, device=str(resolve_device(device.value)), precision=precision.value, model=model, suites=chosen)
     console = out_console()
     for table in rich_tables(rows):
         console.print(table)

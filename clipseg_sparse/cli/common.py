@@ -1,4 +1,4 @@
-"""Options and helpers shared by the commands that run a model (segment, eval, fgovd, sweep).
+"""Options and helpers shared by the commands, and the CLI's one error boundary (`user_errors`).
 
 The library owns defaults: an option left unset on the command line is None here and is dropped
 before the library is called, so precedence is command line > preset/protocol > library default.
@@ -6,13 +6,17 @@ before the library is called, so precedence is command line > preset/protocol > 
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional, Sequence
+from typing import Annotated, Callable, NoReturn, Optional, Sequence, TypeVar
 
 import typer
 
+from ..errors import UserError
 from ..runtime.progress import err_console
+
+Command = TypeVar("Command", bound=Callable)
 
 
 def flags_show_no_value_type() -> None:
@@ -103,6 +107,29 @@ def note_shown(out: Path | None, shown: bool) -> None:
         err_console.print(f"{out} holds this configuration's finished result: showing it, not recomputing (--overwrite recomputes)", highlight=False, soft_wrap=True)
 
 
+def user_errors(*builtins: type[Exception]) -> Callable[[Command], Command]:
+    """The CLI's one error boundary, put once on every command (under `@app.command`): a `UserError` raised
+    anywhere in the command ends as one stderr line and exit 2 (`fail`) instead of a traceback.
+
+    builtins: the plain exceptions that library code this command calls still raises for bad input (spec
+    parsing, inference settings, vocabulary and template files raise `ValueError` / `FileNotFoundError`),
+    read the same way until those sites raise `errors.UserValueError`."""
+    caught = (UserError, *builtins)
+
+    def wrap(command: Command) -> Command:
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            try:
+                return command(*args, **kwargs)
+            except caught as e:
+                fail(str(e))
+
+        run.user_errors = caught  # what `tests/test_user_errors.py` checks every command has
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
 def check_out(out: Path | None, folder: bool, option: str = "--out") -> None:
     """Fail early, before any model is loaded, when --out is the wrong kind of path (a file where a folder
     goes, or the reverse) or cannot be written (read-only place, a file in the way)."""
@@ -142,10 +169,7 @@ def resolve_attention(preset: str | None, attn: str | None, default: str = "scli
     if attn is None and preset is not None and preset not in PRESETS:
         fail(PRESETS.unknown_message(preset))
     text = attn or preset or default
-    try:
-        spec = AttentionSpec.parse(text)
-    except ValueError as e:
-        fail(str(e))
+    spec = AttentionSpec.parse(text)
     note_softmax_aliases(text.split("/"))
     return spec
 
@@ -164,43 +188,31 @@ def note_softmax_aliases(normalizers) -> None:
 
 
 def load_model(model: str, pretrained: str, device: Device, precision: Precision):
-    """load_clip with user errors turned into one-line messages."""
+    """load_clip behind a status line (its errors: `WeightsUnavailableError`, `ValueError`, `FileNotFoundError`)."""
     from ..models.clip import load_clip
-    from ..runtime.weights import WeightsUnavailableError
 
-    try:
-        with err_console.status(f"loading {model} ({pretrained})"):
-            return load_clip(model, pretrained=pretrained, device=device.value, precision=precision.value)
-    except (WeightsUnavailableError, ValueError, FileNotFoundError) as e:
-        fail(str(e))
-
-
+    with err_console.status(f"loading {model} ({pretrained})"):
+        return load_clip(model, pretrained=pretrained, device=device.value, precision=precision.value)
 
 
 def load_proxies(spec, clip, weights: str, stages: Sequence[str] = ()) -> None:
     """Load the external backbones a spec's ext: terms read, and SAM's predictor when a refine stage
-    (samrefine) is among `stages`, with one-line errors (before any work)."""
-    from ..runtime.weights import MissingExtraError
-    from ..runtime.weights import WeightsUnavailableError
+    (samrefine) is among `stages`, before any work."""
     from ..models.proxies import PROXIES, prepare_proxies
     from ..stages import resolve_stages
 
-    try:
-        with err_console.status("loading proxy backbones"):
-            prepare_proxies(spec, clip, weights)
-            if any(st.kind == "refine" for st in resolve_stages(stages)):
-                from ..methods.trident_refine import sam_predictor
+    with err_console.status("loading proxy backbones"):
+        prepare_proxies(spec, clip, weights)
+        if any(st.kind == "refine" for st in resolve_stages(stages)):
+            from ..methods.trident_refine import sam_predictor
 
-                PROXIES.configure(clip, weights)
-                sam_predictor(clip.device)
-    except (WeightsUnavailableError, MissingExtraError, ValueError) as e:
-        fail(str(e))
+            PROXIES.configure(clip, weights)
+            sam_predictor(clip.device)
 
 
 def load_regions(value: str | None, names: list[str], device: Device, reader: str | None):
-    """The --regions source (`regions.open_regions`), with one-line errors before any model loads; `reader`
-    (what needs regions, `regions.region_reader`) without --regions is an error."""
-    from ..runtime.weights import MissingExtraError
+    """The --regions source (`regions.open_regions`), opened before any model loads; `reader` (what needs
+    regions, `regions.region_reader`) without --regions is an error."""
     from ..runtime.device import resolve_device
     from ..segment.regions import open_regions
 
@@ -208,7 +220,4 @@ def load_regions(value: str | None, names: list[str], device: Device, reader: st
         if reader:
             fail(f"{reader} needs region masks for each image: give --regions FOLDER (png/npy/npz per image) or --regions sam2")
         return None
-    try:
-        return open_regions(value, str(resolve_device(device.value)), names)
-    except (ValueError, MissingExtraError) as e:
-        fail(str(e))
+    return open_regions(value, str(resolve_device(device.value)), names)

@@ -8,13 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import Device, DeviceOpt, ModelOpt, Precision, PretrainedOpt, TemplatesOpt, fail, load_model, out_console
+from .common import Device, DeviceOpt, ModelOpt, Precision, PretrainedOpt, TemplatesOpt, fail, load_model, out_console, user_errors
 from ..runtime.progress import err_console
 
 dna_app = typer.Typer(help="DnA (Denoising Attention): train its negative branch on a frozen CLIP; subspace statistics.", no_args_is_help=True)
 
 
 @dna_app.command("train", no_args_is_help=True)
+@user_errors(ValueError, FileNotFoundError)
 def train_cmd(
     out: Annotated[Path, typer.Option("--out", "-o", help="Run folder: checkpoint.pt (resume), adapter.safetensors, train.json.")],
     root: Annotated[Path, typer.Option("--root", help="Dataset folder (dense: the dataset's mmseg layout) or an ImageFolder (image: one sub-folder per class).")],
@@ -52,23 +53,17 @@ def train_cmd(
     Several processes: `torchrun --nproc-per-node N -m clipseg_sparse dna train ...`. Use the adapter with
     `--attn SPEC/dna:OUT/adapter.safetensors` in segment, eval and sweep.
     """
-    from ..datasets import DatasetError
-    from ..dna.train import TrainConfig, TrainError, train
-    from ..runtime.weights import WeightsUnavailableError
-    from ..registry import UnknownNameError
+    from ..dna.train import TrainConfig, train
 
     if out.exists() and not out.is_dir():
         fail(f"--out {out}: is a file; dna train writes a run folder there")
-    try:
-        config = TrainConfig(
-            objective=objective, data=str(root), dataset=dataset, split=split, class_names=class_names, model=model,
-            pretrained=pretrained, blocks=blocks, eps=eps, negative=negative, sign=sign, shared_values=shared_values,
-            steps=steps, batch_size=batch_size, lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=weight_decay,
-            resolution=resolution, templates=templates, logit_scale=logit_scale, amp=amp, seed=seed, limit=limit,
-        )
-        result = train(config, out, device=device.value, save_every=save_every, workers=workers, overwrite=overwrite)
-    except (TrainError, DatasetError, UnknownNameError, WeightsUnavailableError, ValueError, FileNotFoundError) as e:
-        fail(str(e))
+    config = TrainConfig(
+        objective=objective, data=str(root), dataset=dataset, split=split, class_names=class_names, model=model,
+        pretrained=pretrained, blocks=blocks, eps=eps, negative=negative, sign=sign, shared_values=shared_values,
+        steps=steps, batch_size=batch_size, lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=weight_decay,
+        resolution=resolution, templates=templates, logit_scale=logit_scale, amp=amp, seed=seed, limit=limit,
+    )
+    result = train(config, out, device=device.value, save_every=save_every, workers=workers, overwrite=overwrite)
     from ..runtime.distributed import rank_and_world
 
     if rank_and_world()[0] > 0:
@@ -86,6 +81,7 @@ def train_cmd(
 
 
 @dna_app.command("stats", no_args_is_help=True)
+@user_errors(ValueError, FileNotFoundError)
 def stats_cmd(
     adapter: Annotated[Path, typer.Argument(help="A DnA adapter (.safetensors) written by `dna train`.")],
     model: ModelOpt = "ViT-B-16",
@@ -101,27 +97,20 @@ def stats_cmd(
 ) -> None:
     """Principal angles between V+ and V- per block and head, their normalised Frobenius inner product,
     and (with --dataset) principal angles between class subspaces without and with DnA."""
-    from ..datasets import DATASETS, DatasetError
-    from ..dna.adapter import AdapterError, load_adapter
+    from ..datasets import DATASETS
+    from ..dna.adapter import load_adapter
     from ..dna.stats import adapter_stats
-    from ..registry import UnknownNameError
 
     if dataset is not None and root is None:
         fail("--dataset needs --root")
     if out is not None and out.exists():
         fail(f"--out {out}: exists; choose another file (results are never overwritten)")
-    try:
-        loaded = load_adapter(adapter)
-        if dataset is not None:
-            DATASETS.get(dataset).samples(root, split)  # fail on missing data before loading the model
-    except (AdapterError, DatasetError, UnknownNameError) as e:
-        fail(str(e))
+    loaded = load_adapter(adapter)
+    if dataset is not None:
+        DATASETS.get(dataset).samples(root, split)  # fail on missing data before loading the model
     clip = load_model(model, pretrained, device, Precision.fp32)
-    try:
-        with err_console.status("measuring subspaces"):
-            record = adapter_stats(clip, loaded, dataset, root, split, limit, rank, resolution)
-    except (AdapterError, DatasetError, ValueError) as e:
-        fail(str(e))
+    with err_console.status("measuring subspaces"):
+        record = adapter_stats(clip, loaded, dataset, root, split, limit, rank, resolution)
     out_console().print(_value_table(record))
     if "class_subspaces" in record:
         out_console().print(_class_table(record["class_subspaces"]))

@@ -30,6 +30,7 @@ from .common import (
     note_shown,
     out_console,
     resolve_attention,
+    user_errors,
 )
 from ..runtime.progress import err_console, progress_bar
 
@@ -37,6 +38,7 @@ app = typer.Typer()
 
 
 @app.command("eval")
+@user_errors(ValueError, FileNotFoundError)
 def eval_cmd(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Benchmark: voc21, voc20, context60, context59, ade20k, coco-stuff, coco-object, cityscapes (see `ls datasets`).")],
     root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
@@ -68,29 +70,22 @@ def eval_cmd(
 
     Several processes: `torchrun --nproc-per-node N -m clipseg_sparse eval ...` shards the images.
     """
-    from ..datasets import DATASETS, DatasetError, class_vocabulary
+    from ..datasets import DATASETS, class_vocabulary
     from ..runtime.distributed import init_from_env
     from ..evaluation.segmentation import evaluate
     from ..evaluation.protocols import PROTOCOLS
-    from ..files.results import ConfigMismatchError
 
     check_out(out, folder=False)
     check_out(save_pred, folder=True, option="--save-pred")
-    try:
-        bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
-        samples = bench.samples(root)[:limit]  # fail on a missing dataset or class-name file before loading the model
-        vocabulary, _ = class_vocabulary(bench.name, class_names or proto.class_names)
-    except (KeyError, DatasetError, ValueError) as e:
-        fail(str(e))
+    bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
+    samples = bench.samples(root)[:limit]  # fail on a missing dataset or class-name file before loading the model
+    vocabulary, _ = class_vocabulary(bench.name, class_names or proto.class_names)
     for repeated in vocabulary.repeated_names():  # published name sets are kept as published (SCLIP's COCO-Object)
         err_console.print(f"note: prompt names of {bench.name}: {repeated}; kept as given, the later class cannot win on that name", highlight=False, soft_wrap=True)
     spec = resolve_attention(preset, attn, default=proto.attention)
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
                      bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
-    try:
-        stages = proto.settings(bench.name, overrides).stage_texts()
-    except ValueError as e:
-        fail(str(e))
+    stages = proto.settings(bench.name, overrides).stage_texts()
     from ..segment.regions import region_reader
 
     region_src = load_regions(regions, [s.id for s in samples], device, region_reader(spec, stages))
@@ -98,11 +93,8 @@ def eval_cmd(
     clip = load_model(model, pretrained, device, precision)
     load_proxies(spec, clip, proxy_weights, stages)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
-    try:
-        record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
-                          limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, regions=region_src)
-    except (DatasetError, ConfigMismatchError, ValueError, FileNotFoundError) as e:
-        fail(str(e))
+    record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
+                      limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, regions=region_src)
     if rank > 0:
         return
     note_shown(out, shown)
@@ -137,6 +129,7 @@ class Region(str, Enum):
 
 
 @app.command("fgovd")
+@user_errors(ValueError, OSError)  # OSError: a benchmark, image or result file that cannot be read or written
 def fgovd(
     benchmark: Annotated[list[Path], typer.Option("--benchmark", "-b", help="FG-OVD benchmark JSON (repeat for several); the split comes from the file name.")],
     images: Annotated[Path, typer.Option("--images", help="COCO 2017 root holding val2017/ and train2017/.")],
@@ -171,25 +164,16 @@ def fgovd(
     for path in benchmark:  # before loading the model
         if not path.is_file():
             fail(f"{path}: benchmark file not found")
-        try:
-            split_name(path)
-        except KeyError as e:
-            fail(str(e))
+        split_name(path)
     spec = resolve_attention(preset, attn, default="clip" if region is Region.crop else "sclip")
-    try:
-        settings = InferenceSettings().replace(resolution=resolution, window=window, stride=stride)
-    except ValueError as e:
-        fail(str(e))
+    settings = InferenceSettings().replace(resolution=resolution, window=window, stride=stride)
     kwargs = {k: v for k, v in {"scale_factor": scale_factor, "negatives": negatives}.items() if v is not None}
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
-    try:
-        result = evaluate_fgovd(
-            clip, benchmark, images, spec, region=region.value, settings=settings, templates=templates, limit=limit, out=out, overwrite=overwrite, **kwargs
-        )
-    except (OSError, ValueError) as e:  # missing files, malformed benchmark, config mismatch, unreadable image
-        fail(str(e))
+    result = evaluate_fgovd(
+        clip, benchmark, images, spec, region=region.value, settings=settings, templates=templates, limit=limit, out=out, overwrite=overwrite, **kwargs
+    )
     if rank > 0:
         return
     note_shown(out, shown)
@@ -202,7 +186,6 @@ convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (
 
 
 def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: bool, instances: Path | None = None) -> None:
-    from ..datasets import DatasetError
     from ..datasets import convert as cv
 
     out = out or root
@@ -210,15 +193,12 @@ def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: boo
     with progress_bar("files") as bar:
         task = bar.add_task(f"{kind} {split}", total=None)
         step = lambda: bar.advance(task)  # noqa: E731
-        try:
-            if instances is not None:
-                written = cv.coco_object_from_instances(instances, dest, overwrite, step)
-            elif kind == "coco-object":
-                written = cv.convert_stuffthingmaps(root / "annotations" / split, dest, cv.object_lut(), cv.OBJECT_SUFFIX, overwrite, step)
-            else:
-                written = cv.convert_stuffthingmaps(root / "annotations" / split, dest, cv.stuff_lut(), cv.STUFF_SUFFIX, overwrite, step)
-        except DatasetError as e:
-            fail(str(e))
+        if instances is not None:
+            written = cv.coco_object_from_instances(instances, dest, overwrite, step)
+        elif kind == "coco-object":
+            written = cv.convert_stuffthingmaps(root / "annotations" / split, dest, cv.object_lut(), cv.OBJECT_SUFFIX, overwrite, step)
+        else:
+            written = cv.convert_stuffthingmaps(root / "annotations" / split, dest, cv.stuff_lut(), cv.STUFF_SUFFIX, overwrite, step)
     if out.resolve() != root.resolve() and (root / "images").is_dir() and not (out / "images").exists():
         (out / "images").symlink_to((root / "images").resolve(), target_is_directory=True)
     err_console.print(f"wrote {written} label files to {dest}", highlight=False)
@@ -231,12 +211,14 @@ ConvertOverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Rewrite 
 
 
 @convert_app.command("coco-stuff")
+@user_errors()
 def convert_coco_stuff(root: StuffRootArg, split: SplitOpt = "val2017", out: ConvertOutOpt = None, overwrite: ConvertOverwriteOpt = False) -> None:
     """COCO-Stuff labels (*_labelTrainIds.png, 0..170, 255 unlabeled), as mmseg's coco_stuff164k.py."""
     _convert("coco-stuff", root, split, out, overwrite)
 
 
 @convert_app.command("coco-object")
+@user_errors()
 def convert_coco_object(
     root: StuffRootArg,
     split: SplitOpt = "val2017",

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .common import out_console
+from .common import out_console, user_errors
 
 app = typer.Typer()
 
@@ -24,6 +24,7 @@ class Listable(str, Enum):
 
 
 @app.command("ls")
+@user_errors()
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
     """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages, proxy backbones."""
     out_console().print(TABLES[what]())

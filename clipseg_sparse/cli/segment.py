@@ -27,6 +27,7 @@ from .common import (
     load_regions,
     out_console,
     resolve_attention,
+    user_errors,
 )
 from ..runtime.progress import err_console, progress_bar
 
@@ -34,6 +35,7 @@ app = typer.Typer()
 
 
 @app.command("segment", no_args_is_help=True)
+@user_errors(ValueError, FileNotFoundError)
 def segment(
     inputs: Annotated[list[Path], typer.Argument(help="Image files and/or folders (searched recursively).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder; images keep their path relative to the folder given.")],
@@ -66,27 +68,23 @@ def segment(
     Default attention preset: sclip. Re-running the same command skips finished images.
     Several processes: `torchrun --nproc-per-node N -m clipseg_sparse segment ...` shards the images.
     """
-    from ..files.inputs import InputError, discover_images
+    from ..files.inputs import discover_images
     from ..files.outputs import ClaimConflictError, OutputOptions
-    from ..registry import UnknownNameError
     from ..segment.vocabulary import Vocabulary, resolve_templates
 
     if (classes is None) == (classes_file is None):
         fail("give exactly one of --classes and --classes-file")
     check_out(out, folder=True)
-    try:
-        vocabulary = Vocabulary.parse(classes) if classes is not None else Vocabulary.from_file(classes_file)
-        if background:
-            vocabulary = vocabulary.with_background(background.split(","))
-        elif bg_threshold:
-            raise ValueError("--bg-threshold needs --background (the class that low-confidence pixels become)")
-        vocabulary.check_unique()
-        prompt_templates = resolve_templates(templates)
-        options = OutputOptions(mask_format=mask_format, save_probs=save_probs, overwrite=overwrite)
-        options.check_classes(len(vocabulary))
-        found = discover_images(inputs, out)
-    except (ValueError, FileNotFoundError, InputError, UnknownNameError) as e:
-        fail(str(e))
+    vocabulary = Vocabulary.parse(classes) if classes is not None else Vocabulary.from_file(classes_file)
+    if background:
+        vocabulary = vocabulary.with_background(background.split(","))
+    elif bg_threshold:
+        fail("--bg-threshold needs --background (the class that low-confidence pixels become)")
+    vocabulary.check_unique()
+    prompt_templates = resolve_templates(templates)
+    options = OutputOptions(mask_format=mask_format, save_probs=save_probs, overwrite=overwrite)
+    options.check_classes(len(vocabulary))
+    found = discover_images(inputs, out)
     spec = resolve_attention(preset, attn, default="sclip")
     for skipped, what in ((found.not_images, "that are not images"), (found.special, "that are not regular files (FIFO, socket, device)")):
         if skipped:
@@ -99,27 +97,18 @@ def segment(
     from ..runtime.distributed import init_from_env
     from ..segment.segmenter import InferenceSettings, Segmenter
 
-    try:
-        settings = InferenceSettings().replace(
-            resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
-            bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr or None,
-        )
-    except ValueError as e:
-        fail(str(e))
+    settings = InferenceSettings().replace(
+        resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
+        bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr or None,
+    )
     from ..segment.regions import region_reader
 
     region_src = load_regions(regions, [str(job.rel) for job in found.jobs], device, region_reader(spec, settings.stage_texts()))
     rank, world = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     load_proxies(spec, clip, proxy_weights)
-    try:
-        segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0, regions=region_src)
-    except ValueError as e:  # a spec the model cannot run
-        fail(str(e))
-    try:
-        plan = plan_run(found.jobs, out, options, segmenter.config())
-    except InputError as e:
-        fail(str(e))
+    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0, regions=region_src)
+    plan = plan_run(found.jobs, out, options, segmenter.config())
     conflict = "{n} image(s) already have outputs this run would replace ({reason}); use --overwrite or another --out"
     if plan.conflicts:
         fail(conflict.format(n=len(plan.conflicts), reason=plan.conflicts[0][1]))

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import analysis as cli_analysis
-from .common import PAMR_HELP, Device, DeviceOpt, Precision, check_out, fail, note_softmax_aliases, out_console
+from .common import PAMR_HELP, Device, DeviceOpt, Precision, check_out, fail, note_softmax_aliases, out_console, user_errors
 from .ls import grids_table
 from ..runtime.progress import err_console
 
@@ -50,13 +50,10 @@ def _run_grid(grid, paths, device: Device, metric: str | None = None, shard: str
     from ..sweeps.grid import check_fgovd_negatives
     from ..sweeps.run import run_sweep
 
-    try:  # a missing GPU would otherwise fail every cell; a report metric no file can give, the report
-        part = parse_shard(shard) if shard is not None else None
-        rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
-        resolve_device(device.value)
-        notes = check_fgovd_negatives(grid, metric)
-    except ValueError as e:
-        fail(str(e))
+    part = parse_shard(shard) if shard is not None else None
+    rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
+    resolve_device(device.value)  # a missing GPU would otherwise fail every cell
+    notes = check_fgovd_negatives(grid, metric)  # a report metric no file can give would fail the report
     for note in notes if rank == 0 else []:
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
     summary = run_sweep(grid, paths, device=device.value, part=part)
@@ -66,6 +63,7 @@ def _run_grid(grid, paths, device: Device, metric: str | None = None, shard: str
 
 
 @app.command("sweep", no_args_is_help=True)
+@user_errors(ValueError)
 def sweep(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder of result files (one per cell, named by its config hash).")],
     grid: Annotated[Optional[Path], typer.Option("--grid", help="TOML grid file with the keys below; flags given override it.")] = None,
@@ -114,16 +112,13 @@ def sweep(
                 given[key] = [kind(v) for v in given[key]]
         except ValueError:
             fail(f"--{key} {','.join(given[key])}: expected comma-separated {'integers' if kind is int else 'numbers'}")
-    try:
-        if grid is not None:
-            grid_file_spec = read_grid_file(grid, overrides=given)
-            the_grid, roots, images = grid_file_spec.grid, dict(grid_file_spec.roots), grid_file_spec.images_root
-        else:
-            the_grid, roots, images = Grid.from_dict(given), {}, None
-        if pamr is not None:
-            the_grid = dataclasses.replace(the_grid, overrides={**the_grid.overrides, "pamr": pamr})
-    except ValueError as e:
-        fail(str(e))
+    if grid is not None:
+        grid_file_spec = read_grid_file(grid, overrides=given)
+        the_grid, roots, images = grid_file_spec.grid, dict(grid_file_spec.roots), grid_file_spec.images_root
+    else:
+        the_grid, roots, images = Grid.from_dict(given), {}, None
+    if pamr is not None:
+        the_grid = dataclasses.replace(the_grid, overrides={**the_grid.overrides, "pamr": pamr})
     roots.update(parse_roots(root or []))
     paths = SweepPaths(out=out, roots=roots, images_root=images_root or images, regions=parse_roots(regions or []))
     summary, _ = _run_grid(the_grid, paths, device, shard=shard)
@@ -132,6 +127,7 @@ def sweep(
 
 
 @app.command("report", no_args_is_help=True)
+@user_errors(ValueError)
 def report(
     results: Annotated[list[str], typer.Argument(help="Result files, folders (searched recursively) or globs.")],
     rows: Annotated[str, typer.Option("--rows", help="Key on the table rows: source, normalizer, alpha, block, dataset, model, resolution, ...")] = "source",
@@ -150,17 +146,14 @@ def report(
 
     With --html: a static gallery page of prediction folders instead (images x specs, sortable by the
     difference in per-image mIoU between two specs)."""
-    from ..sweeps.records import ReportError, collect
+    from ..sweeps.records import collect
 
     if html is not None:
         return cli_analysis.gallery(results, html, dataset, root, overwrite)
-    try:
-        records = collect(results)
-        _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite)
-        if diffusivity is not None:
-            cli_analysis.gain_report(records, results, diffusivity, metric, overwrite)
-    except ReportError as e:
-        fail(str(e))
+    records = collect(results)
+    _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite)
+    if diffusivity is not None:
+        cli_analysis.gain_report(records, results, diffusivity, metric, overwrite)
 
 
 def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite: bool) -> None:
@@ -189,6 +182,7 @@ def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite:
 
 
 @app.command("reproduce")
+@user_errors(ValueError)
 def reproduce(
     table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a \\[report] table (rows, cols, metric).")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the shipped grids and exit.")] = False,
@@ -206,17 +200,13 @@ def reproduce(
     from ..sweeps.grid import GRIDS, read_grid_file
     from ..sweeps.records import ReportError, collect
     from ..sweeps.run import SweepPaths, parse_roots
-    from ..registry import UnknownNameError
 
     if list_ or table is None:
         out_console().print(grids_table())
         return
     given = {k: v for k, v in {"models": _split(models), "pretrained": pretrained, "limit": limit}.items() if v is not None}
-    try:
-        grid_file = Path(table) if table.endswith(".toml") else GRIDS.get(table)
-        grid_file_spec = read_grid_file(grid_file, overrides=given, benchmarks_dir=benchmarks)
-    except (UnknownNameError, ValueError) as e:
-        fail(str(e))
+    grid_file = Path(table) if table.endswith(".toml") else GRIDS.get(table)
+    grid_file_spec = read_grid_file(grid_file, overrides=given, benchmarks_dir=benchmarks)
     missing = [f for f in grid_file_spec.grid.fgovd if not Path(f).is_file()]
     if missing:
         fail(f"{len(missing)} FG-OVD benchmark file(s) not found, e.g. {missing[0]}; pass --benchmarks DIR (the folder holding them)")

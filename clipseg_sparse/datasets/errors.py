@@ -1,7 +1,9 @@
 """The one error type for a missing or malformed dataset."""
 
+from ..errors import UserError
+
 DOCS = "datasets.md"
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset that is missing or not in the expected layout; the message names the path to fix."""

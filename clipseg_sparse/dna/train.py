@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import UserError
 from ..datasets import DATASETS, IGNORE_INDEX, class_vocabulary
 from ..runtime.distributed import init_from_env
 from ..runtime.atomic import atomic_path
@@ -40,7 +41,7 @@ OBJECTIVES = ("dense", "image")
 AMP = ("auto", "off", "bf16", "fp16")
 
 
-class TrainError(ValueError):
+class TrainError(UserError, ValueError):
     """A training setting or output folder that cannot be used; the message is one line."""
 
 

@@ -31,6 +31,7 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from ..errors import UserError
 from ..datasets.labels import MAX_PNG_CLASSES, PALETTE, voc_palette, write_label_png
 from ..segment.labels import SegmentationResult
 from ..registry import Registry
@@ -134,7 +135,7 @@ def prediction_key(settings: dict) -> str:
     return config_hash({k: v for k, v in settings.items() if k != "batch_size"})
 
 
-class ClaimConflictError(RuntimeError):
+class ClaimConflictError(UserError, RuntimeError):
     """Another run (another process) claimed an image's outputs with other settings after this run planned."""
 
 

@@ -20,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..errors import UserError
 from ..runtime.atomic import jsonable
 
 RESULT_SCHEMA = 1
@@ -56,7 +57,7 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-class ConfigMismatchError(ValueError):
+class ConfigMismatchError(UserError, ValueError):
     """An existing log or result was made with a different configuration."""
 
 

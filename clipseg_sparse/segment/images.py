@@ -7,10 +7,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
+from ..errors import UserError
+
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm")
 
 
-class ImageReadError(ValueError):
+class ImageReadError(UserError, ValueError):
     """An image file that cannot be decoded; the message names the file and the reason."""
 
 

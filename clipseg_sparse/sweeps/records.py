@@ -18,6 +18,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..errors import UserError
+
 # Knobs that do not change a number: ignored when grouping records and when matching the softmax run.
 NEUTRAL_KEYS = frozenset({"device", "batch_size", "num_workers"})
 # Keys that name a group first (the rest follow alphabetically, the full attention string last), so a
@@ -30,7 +32,7 @@ DERIVED_KEYS = ("source", "normalizer", "alpha", "block")
 NORMALIZER_ORDER = ("softmax", "entmax", "sparsemax", "randmask")
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """Bad input to the reporter: no results, an unknown metric or key."""
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, NoReturn
 
+from ...errors import UserError
 from ...registry import Registry
 
 SPLITS: Registry[str] = Registry("FG-OVD benchmark file")
@@ -39,11 +40,11 @@ for _stem, _name, _help in (
 DIFFICULTY_SPLITS = ("hard", "medium", "easy")
 
 
-class BenchmarkFormatError(ValueError):
+class BenchmarkFormatError(UserError, ValueError):
     """A benchmark file that is not valid FG-OVD JSON; the message names the first bad entry and field."""
 
 
-class MissingImageError(FileNotFoundError):
+class MissingImageError(UserError, FileNotFoundError):
     """A COCO image named by a benchmark file is not under the given images root."""
 
 
