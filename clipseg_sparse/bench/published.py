@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .timing import BenchRow, best_ms
 from ..segment.labels import class_probabilities, probabilities_to_labels
-from ..segment.preprocess import resized_shape, to_pixels, window_boxes
+from ..segment.preprocess import prepare, window_boxes
 from ..segment.segmenter import Segmenter
 
 
@@ -26,8 +26,8 @@ def published_slide_labels(seg: Segmenter, rgb: np.ndarray) -> np.ndarray:
     """H x W labels computed the published way (see the module doc) with `seg`'s model, text and settings."""
     clip, s = seg.clip, seg.settings
     height, width = rgb.shape[:2]
-    size = resized_shape(height, width, s.resolution, s.max_long_side)
-    pixels = to_pixels(rgb, clip, size)
+    pixels = prepare(rgb, clip, s, resize="torch", multiple=0)  # the loop as it was always timed: float resize, unrounded
+    size = tuple(pixels.shape[-2:])
     text = seg.text.to(clip.device, clip.dtype)
     ps = clip.patch_size
     preds = torch.zeros(1, text.shape[0], *size, device=clip.device)

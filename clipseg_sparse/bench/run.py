@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..runtime.accel import adasplash_installed, attention_backend
 from ..segment.images import load_image
-from ..segment.preprocess import resized_shape, to_pixels, window_boxes
+from ..segment.preprocess import window_boxes
 from ..segment.segmenter import Segmenter
 from ..segment.settings import InferenceSettings
 from ..models.clip import DenseCLIP, load_clip
@@ -157,10 +157,8 @@ def bench_segment(
     seg = Segmenter(clip, [f"class {i}" for i in range(classes)], spec=spec, settings=settings, templates="single")
     batches = []
     for path in image_paths:
-        rgb = load_image(path)
-        size = resized_shape(*rgb.shape[:2], settings.resolution, settings.max_long_side)
-        pixels = to_pixels(rgb, clip, size)
-        boxes = window_boxes(*size, settings.window, settings.stride)
+        pixels = seg.pixels(load_image(path))
+        boxes = window_boxes(*pixels.shape[-2:], settings.window, settings.stride)
         for i in range(0, len(boxes), settings.batch_size):
             batches.append(torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in boxes[i : i + settings.batch_size]]))
     runs = {

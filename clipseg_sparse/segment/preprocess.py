@@ -1,4 +1,8 @@
-"""An image as the network sees it: resize, CLIP's normalisation, rounding, and each window's geometry."""
+"""An image as the network sees it: resize, CLIP's normalisation, rounding, and each window's geometry.
+
+`prepare` is the one way every caller (segmentation, analysis, explain, FG-OVD, the benchmarks) turns an
+image into network pixels, so that what is analysed is what is evaluated.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.clip import DenseCLIP
-from .settings import REMAINDER_RULES, RESIZE_METHODS
+from .settings import REMAINDER_RULES, RESIZE_METHODS, InferenceSettings
 
 
 def resized_shape(height: int, width: int, short_side: int, long_cap: int = 2048) -> tuple[int, int]:
@@ -84,3 +88,36 @@ def window_geometry(side: int, patch: int, rule: str = "pad", whole_image: bool 
         return side // patch, 0, -(side % patch), side
     before = extra // 2 if rule == "centre" else 0
     return (side + extra) // patch, before, extra - before, side + extra
+
+def window_padding(box: tuple[int, int, int, int], patch: int, rule: str = "pad", whole_image: bool = False) -> tuple[int, int, int, int]:
+    """`F.pad` widths (left, right, top, bottom) that turn the pixels of a window `box` = (y1, y2, x1, x2)
+    into what the model encodes (`window_geometry` per side; negative widths drop pixels). Every window
+    of an image has the same size, so one box gives the padding of all (crops of labels and regions too)."""
+    y1, y2, x1, x2 = box
+    _, top, bottom, _ = window_geometry(y2 - y1, patch, rule, whole_image)
+    _, left, right, _ = window_geometry(x2 - x1, patch, rule, whole_image)
+    return left, right, top, bottom
+
+
+def prepare(
+    image: np.ndarray,
+    clip: DenseCLIP,
+    settings: InferenceSettings,
+    splices: bool = False,
+    resize: str | None = None,
+    multiple: int | None = None,
+) -> torch.Tensor:
+    """uint8 H x W x 3 -> the 1 x 3 x H' x W' CLIP-normalised pixels the windows are cut from: the keep-ratio
+    resize (`resolution`, `max_long_side`) by `settings.resize`, then sides rounded up to
+    `settings.size_multiple` (and to at least the window), as `Segmenter` does.
+
+    splices: a global stage splices the windows (`Segmenter.global_stage`), which needs whole patches:
+    without a size multiple, sides are rounded up to the patch size. resize / multiple replace
+    `settings.resize` / the rounding multiple (0: none) for callers whose arithmetic is fixed otherwise
+    (FG-OVD's region maps, the published-loop benchmark: the float resize, unrounded).
+    """
+    size = resized_shape(*image.shape[:2], settings.resolution, settings.max_long_side)
+    pixels = to_pixels(image, clip, size, settings.resize if resize is None else resize)
+    if multiple is None:
+        multiple = settings.size_multiple or (clip.patch_size if splices else 0)
+    return round_up_pixels(pixels, multiple, settings.window) if multiple else pixels

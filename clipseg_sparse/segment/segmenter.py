@@ -24,7 +24,7 @@ from ..models.proxies import PROXIES, proxy_config, spec_backbones
 from ..stages import Stage, resolve_stages
 from .images import load_image
 from .labels import ClassMaps, SegmentationResult
-from .preprocess import resized_shape, round_up_pixels, to_pixels
+from .preprocess import prepare
 from .regions import region_reader
 from .settings import InferenceSettings
 from .vocabulary import Vocabulary, embed_names, resolve_templates, templates_id
@@ -128,6 +128,11 @@ class Segmenter:
             return None
         return self.regions(image, name if name is not None else "image")
 
+    def pixels(self, image: np.ndarray) -> torch.Tensor:
+        """The 1 x 3 x H' x W' network input of an RGB uint8 image, by `preprocess.prepare` (whole patches
+        when the global stage splices the windows)."""
+        return prepare(image, self.clip, self.settings, splices=self.global_stage is not None)
+
     def cosine(self, image: np.ndarray, regions: np.ndarray | None = None) -> CosineMap | DenseMap:
         """N_names x H x W cosine at the original image size, for an RGB uint8 image: factored (see
         CosineMap), or whole after the post stages (PAMR), which run on the whole full-size map (their
@@ -135,11 +140,7 @@ class Segmenter:
         nearest with the image (CorrCLIP), for specs that read them."""
         s = self.settings
         height, width = image.shape[:2]
-        size = resized_shape(height, width, s.resolution, s.max_long_side)
-        pixels = to_pixels(image, self.clip, size, s.resize)
-        multiple = s.size_multiple or (self.clip.patch_size if self.global_stage else 0)  # splicing needs whole patches
-        if multiple:
-            pixels = round_up_pixels(pixels, multiple, s.window)
+        pixels = self.pixels(image)
         scaled = None if regions is None else resize_regions(torch.from_numpy(np.asarray(regions, dtype=np.int64)), tuple(pixels.shape[-2:]))
         if self.global_stage is not None:  # splice the windows, then one stage over the whole image
             tokens = spliced_tokens(self.clip, pixels, self.spec, s.window, s.stride, s.batch_size, self._stages("token"), s.pos_interp)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..attention import AttentionSpec
 from ..models.clip import DenseCLIP
 from ..stages import Stage, resolve_stages
-from .preprocess import window_boxes, window_geometry
+from .preprocess import window_boxes, window_geometry, window_padding
 
 
 def iter_window_features(
@@ -49,9 +49,7 @@ def iter_window_features(
     """
     _, _, H, W = pixels.shape
     boxes = window_boxes(H, W, window, stride)
-    wh, ww = boxes[0][1] - boxes[0][0], boxes[0][3] - boxes[0][2]
-    _, top, bottom, _ = window_geometry(wh, clip.patch_size, remainder, not window)
-    _, left, right, _ = window_geometry(ww, clip.patch_size, remainder, not window)
+    left, right, top, bottom = window_padding(boxes[0], clip.patch_size, remainder, not window)
     for i in range(0, len(boxes), batch_size):
         chunk = boxes[i : i + batch_size]
         windows = torch.cat([pixels[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])

@@ -22,7 +22,7 @@ from ...attention import AttentionSpec, resolve_spec
 from ...runtime.distributed import gather, rank_and_world, shard
 from ...runtime.progress import progress_bar
 from ...segment.images import load_image
-from ...segment.preprocess import resized_shape, to_pixels
+from ...segment.preprocess import prepare
 from ...segment.settings import InferenceSettings
 from ...models.clip import DenseCLIP
 from ...registry import Registry
@@ -79,9 +79,10 @@ def region_embeddings(
     if region == "crop":
         return encode_crops(clip, rgb, [a.box for a in annotations], spec, scale_factor, settings.batch_size)
     height, width = rgb.shape[:2]
-    size = resized_shape(height, width, settings.resolution, settings.max_long_side)
+    pixels = prepare(rgb, clip, settings, resize="torch", multiple=0)  # as FG-OVD was always measured: float resize, unrounded
+    size = tuple(pixels.shape[-2:])
     scale = (size[0] / height, size[1] / width)
-    feats = WindowFeatures.compute(clip, to_pixels(rgb, clip, size), spec, settings)
+    feats = WindowFeatures.compute(clip, pixels, spec, settings)
     if region == "pool":
         maps = torch.stack([box_map(a.box, scale, size) for a in annotations])
     else:
