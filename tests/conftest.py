@@ -32,6 +32,22 @@ def vit_b16():
     return load_clip("ViT-B-16", pretrained=None, device="cpu")
 
 
+@pytest.fixture
+def forward_inputs(monkeypatch):
+    """A list of (pixels, pos_interp) that every image forward of DenseCLIP then receives (`_embed` is
+    where encode_dense, dense_tokens and attention_maps all start)."""
+    from clipseg_sparse.models.clip import DenseCLIP
+
+    seen, real = [], DenseCLIP._embed
+
+    def spy(self, pixels, pos_interp="size"):
+        seen.append((pixels.clone(), pos_interp))
+        return real(self, pixels, pos_interp)
+
+    monkeypatch.setattr(DenseCLIP, "_embed", spy)
+    return seen
+
+
 def tiny_sam(img_size: int, window_size: int):
     """A 2-block, width-32 timm SAM image encoder (the second block global, relative positions drawn at
     random so they matter), random weights from the current RNG state, in eval mode."""

@@ -22,7 +22,9 @@ from clipseg_sparse.analysis.statistics import (
 )
 from clipseg_sparse.cli.app import app
 from clipseg_sparse.datasets import DATASETS
+from clipseg_sparse.evaluation.protocols import PROTOCOLS
 from clipseg_sparse.files.results import progress_path
+from clipseg_sparse.segment.segmenter import Segmenter
 from conftest import TINY_CONFIG
 
 ADE_ROOT = Path(__file__).parent / "data" / "ade20k"
@@ -150,22 +152,29 @@ def test_stuff_classes_of_the_datasets():
 
 
 # -- end to end on the ADE20K fixtures -----------------------------------------------------------------
-def _loop_statistics(clip, sample, spec, resolution: int) -> tuple[int, dict]:
-    """Whole-image statistics by plain loops over the attention map of one forward."""
-    from clipseg_sparse.attention import attention_maps
+def _loop_statistics(clip, sample, spec, resolution: int, protocol: str) -> tuple[int, dict]:
+    """Whole-image statistics by plain loops over the attention map of one forward, on the image as the
+    protocol prepares it: its resize method and positional embeddings, the last partial patch padded
+    (remainder pad) or cut (drop; centre cuts too on a whole image), the labels with it."""
     from clipseg_sparse.segment.images import load_image
     from clipseg_sparse.segment.preprocess import resized_shape, to_pixels
 
+    settings = PROTOCOLS.get(protocol).settings("ade20k")
     bench = DATASETS.get("ade20k")
     rgb, labels = load_image(sample.image), bench.load_label(sample.label)
     size = resized_shape(*labels.shape, resolution)
     ps = clip.patch_size
-    pad = (-size[0] % ps, -size[1] % ps)
-    pixels = torch.nn.functional.pad(to_pixels(rgb, clip, size), (0, pad[1], 0, pad[0]))
-    maps = attention_maps(clip, pixels, spec)[0].double().numpy()
+    pixels = to_pixels(rgb, clip, size, settings.resize)
     ys = (np.arange(size[0]) * labels.shape[0] / size[0]).astype(int)  # nearest (torch's floor rule)
     xs = (np.arange(size[1]) * labels.shape[1] / size[1]).astype(int)
-    grid = _loop_majority(labels[ys][:, xs], ps)
+    resized = labels[ys][:, xs]
+    if settings.remainder == "pad":
+        pixels = torch.nn.functional.pad(pixels, (0, -size[1] % ps, 0, -size[0] % ps))
+    else:
+        whole = (size[0] // ps * ps, size[1] // ps * ps)
+        pixels, resized = pixels[..., : whole[0], : whole[1]], resized[: whole[0], : whole[1]]
+    maps = clip.attention_maps(pixels, spec, pos_interp=settings.pos_interp)[0].double().numpy()
+    grid = _loop_majority(resized, ps)
     stuff = set(stuff_classes("ade20k"))
     sums, n = Counter(), 0
     for h in range(maps.shape[0]):
@@ -183,12 +192,13 @@ def _loop_statistics(clip, sample, spec, resolution: int) -> tuple[int, dict]:
     return n, sums
 
 
-@pytest.mark.parametrize("spec", ["qq/softmax", "kk/entmax:1.5/gauss:5"])
-def test_whole_image_statistics_equal_plain_loops(tiny_clip, spec):
+@pytest.mark.parametrize("spec,protocol", [("qq/softmax", "sclip"), ("kk/entmax:1.5/gauss:5", "sclip"), ("qq/softmax", "proxyclip")])
+def test_whole_image_statistics_equal_plain_loops(tiny_clip, spec, protocol):
     bench = DATASETS.get("ade20k")
     sample = bench.samples(ADE_ROOT)[2]
-    record = analyze(tiny_clip, "ade20k", ADE_ROOT, spec, overrides=dict(resolution=64, window=0), limit=3, progress=False)
-    n, sums = _loop_statistics(tiny_clip, sample, spec, 64)
+    record = analyze(tiny_clip, "ade20k", ADE_ROOT, spec, protocol, overrides=dict(resolution=64, window=0), limit=3, progress=False)
+    assert PROTOCOLS.get(protocol).settings("ade20k").remainder == ("drop" if protocol == "sclip" else "pad")
+    n, sums = _loop_statistics(tiny_clip, sample, spec, 64, protocol)
     got = record["per_image"][sample.id]
     assert got["patches"] == n
     for stat in ("entropy", "own_mass", "stuff_mass", "nonzero"):
@@ -257,3 +267,18 @@ def test_analyze_cli_writes_one_result_per_spec_and_refuses_bad_stuff(tmp_path, 
     assert "qq/entmax:1.5/nores/noffn" in result.stdout and "diffusivity" in result.stdout
     bad = runner.invoke(app, [*args, "--stuff", "wall,unicorn"])
     assert bad.exit_code == 2 and "unicorn" in bad.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS.names())
+def test_analyze_measures_the_pixels_eval_scores(tiny_clip, protocol, forward_inputs):
+    """The protocol's resize, positional-embedding rule, remainder rule and rounding reach analyze as they
+    reach eval: every window's pixels equal (40-px windows: not whole 16-px patches)."""
+    overrides = dict(resolution=56, window=40, stride=24)
+    analyze(tiny_clip, "ade20k", ADE_ROOT, "qq/softmax", protocol=protocol, overrides=overrides, limit=1, progress=False)
+    analysed = forward_inputs[:]
+    forward_inputs.clear()
+    settings = PROTOCOLS.get(protocol).settings("ade20k", overrides).replace(stages=())  # stages need SAM or regions, not other pixels
+    Segmenter(tiny_clip, "a,b", "qq/softmax", settings, templates="single").predict(DATASETS.get("ade20k").samples(ADE_ROOT)[0].image)
+    assert len(analysed) == len(forward_inputs) > 0
+    for (pixels, rule), (evaluated, eval_rule) in zip(analysed, forward_inputs):
+        assert rule == eval_rule and torch.equal(pixels, evaluated)

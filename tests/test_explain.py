@@ -10,6 +10,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from clipseg_sparse.cli.app import app
+from clipseg_sparse.evaluation.protocols import PROTOCOLS
+from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.analysis.explain import attention_image, explain, query_patch, render_explain, write_explain
 from clipseg_sparse.segment.preprocess import to_pixels
 from clipseg_sparse.segment.settings import InferenceSettings
@@ -103,3 +105,18 @@ def test_explain_cli_writes_the_png_and_refuses_bad_input(tmp_path, image, monke
     for point, message in (("10", "expected X,Y"), ("500,5", "outside")):
         bad = runner.invoke(app, [*args, "--point", point, "--out", str(tmp_path / "f.png")])
         assert bad.exit_code == 2 and message in bad.stderr.strip().splitlines()[-1], bad.stderr
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS.names())
+def test_explain_attends_over_the_pixels_eval_scores(tiny_clip, image, protocol, forward_inputs):
+    """explain's whole-image forward sees what eval's whole-image forward sees under every protocol
+    (its resize, positional-embedding rule, remainder rule and rounding)."""
+    settings = PROTOCOLS.get(protocol).settings("ade20k", dict(resolution=56, window=0)).replace(stages=())
+    explain(tiny_clip, image, "a,b", ["qq/softmax"], (60, 30), settings, templates="single")
+    explained = forward_inputs[:]
+    forward_inputs.clear()
+    Segmenter(tiny_clip, "a,b", "qq/softmax", settings, templates="single").predict(image)
+    ((evaluated, eval_rule),) = forward_inputs
+    assert len(explained) == 2  # the attention, then the segmentation
+    for pixels, rule in explained:
+        assert rule == eval_rule and torch.equal(pixels, evaluated)

@@ -4,11 +4,12 @@
     figure = render_explain(views)            # one row per spec: attention map | overlay
     views[0].attention                         # h x w, the query patch's attention over the patches
 
-The attention is that of the last edited block over the whole image (one forward at the settings'
-resolution, no windows), so the map covers the image. Entries that entmax sets to exactly zero stay
-zero: they are drawn as the plain greyscale image, everything else on a colour scale. The row's
-statistics are those of `analysis` (entropy in nats, support = exp(entropy), exact non-zero count),
-averaged over heads unless one head is chosen.
+The attention is that of the last edited block over the whole image (one forward, no windows), so the
+map covers the image; its input is what `eval` cuts its windows from under the same settings (the
+protocol's resize, rounding, positional-embedding and remainder rules, `segment.preprocess.prepare`).
+Entries that entmax sets to exactly zero stay zero: they are drawn as the plain greyscale image,
+everything else on a colour scale. The row's statistics are those of `analysis` (entropy in nats,
+support = exp(entropy), exact non-zero count), averaged over heads unless one head is chosen.
 """
 
 from __future__ import annotations
@@ -18,16 +19,15 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 from .statistics import check_tokens, normalize_rows, row_entropy
-from ..attention import AttentionSpec, resolve_spec
+from ..attention import AttentionSpec
 from ..segment.images import load_image
-from ..segment.preprocess import resized_shape, to_pixels
+from ..segment.preprocess import window_geometry
 from ..segment.segmenter import Segmenter
 from ..segment.settings import InferenceSettings
+from ..segment.windows import iter_window_features
 from ..models.clip import DenseCLIP
 from ..files.outputs import overlay_image
 
@@ -65,13 +65,17 @@ class ExplainView:
         )
 
 
-def query_patch(point: tuple[int, int], image_size: tuple[int, int], resized: tuple[int, int], patch: int) -> tuple[int, int]:
-    """(row, col) of the patch under pixel `point` = (x, y) of the original image (H, W)."""
+def query_patch(
+    point: tuple[int, int], image_size: tuple[int, int], resized: tuple[int, int], patch: int, grid: tuple[int, int] | None = None
+) -> tuple[int, int]:
+    """(row, col) of the patch under pixel `point` = (x, y) of the original image (H, W). grid: the patches
+    encoded per side; a pixel past the last one (remainder rule drop) gets the last."""
     x, y = point
     height, width = image_size
     if not (0 <= x < width and 0 <= y < height):
         raise ValueError(f"point ({x}, {y}) is outside the {width} x {height} image")
-    return int(y * resized[0] / height) // patch, int(x * resized[1] / width) // patch
+    row, col = int(y * resized[0] / height) // patch, int(x * resized[1] / width) // patch
+    return (row, col) if grid is None else (min(row, grid[0] - 1), min(col, grid[1] - 1))
 
 
 def explain(
@@ -86,22 +90,24 @@ def explain(
 ) -> list[ExplainView]:
     """One ExplainView per spec for the pixel `point` = (x, y) of `image` (a path, PIL image or array).
 
-    The segmentation uses `settings` (windows included); the attention one whole-image forward at
-    `settings.resolution`. head: one attention head (0-based) instead of the mean over heads.
+    The segmentation uses `settings` (windows included); the attention one whole-image forward of the
+    pixels the windows are cut from (`Segmenter.pixels`), with the settings' `pos_interp` and `remainder`.
+    head: one attention head (0-based) instead of the mean over heads.
     """
 
     rgb = load_image(image)
     settings = settings or InferenceSettings()
     height, width = rgb.shape[:2]
-    size = resized_shape(height, width, settings.resolution, settings.max_long_side)
     ps = clip.patch_size
-    grid = (-(-size[0] // ps), -(-size[1] // ps))
-    row, col = query_patch(point, (height, width), size, ps)
-    pixels = F.pad(to_pixels(rgb, clip, size), (0, grid[1] * ps - size[1], 0, grid[0] * ps - size[0]))
     views = []
     for spec in specs:
-        spec = resolve_spec(spec)
-        maps = clip.attention_maps(pixels, spec)[0]  # heads x N x N (attention.attention_maps)
+        seg = Segmenter(clip, vocabulary, spec, settings, templates)
+        spec, pixels = seg.spec, seg.pixels(rgb)
+        size = tuple(pixels.shape[-2:])
+        grid = tuple(window_geometry(side, ps, settings.remainder, whole_image=True)[0] for side in size)
+        row, col = query_patch(point, (height, width), size, ps, grid)
+        whole = iter_window_features(clip, pixels, spec, window=0, pos_interp=settings.pos_interp, remainder=settings.remainder, encode=clip.attention_maps)
+        maps = next(whole)[1][0]  # heads x N x N (attention.attention_maps)
         check_tokens(maps.shape[-1], grid[0] * grid[1], spec)
         cls = int(maps.shape[-1] == grid[0] * grid[1] + 1)  # CLS first, unless the spec drops it (cls:C)
         if head is not None and not 0 <= head < maps.shape[0]:
@@ -109,7 +115,7 @@ def explain(
         rows = normalize_rows(maps[:, cls + row * grid[1] + col])  # heads x N
         rows = rows[head : head + 1] if head is not None else rows
         entropy = row_entropy(rows)
-        result = Segmenter(clip, vocabulary, spec, settings, templates).predict(rgb)
+        result = seg.predict(rgb)
         views.append(
             ExplainView(
                 spec=str(spec),

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..attention import AttentionSpec, resolve_spec
 from ..datasets import DATASETS, Benchmark, Sample
 from ..datasets.classnames import DATA_DIR
-from ..datasets.labels import patch_labels
+from ..datasets.labels import IGNORE_INDEX, patch_labels
 from ..models.clip import DenseCLIP
 
 STATS = ("entropy", "support", "nonzero", "own_mass", "stuff_mass", "cls_mass", "diffusivity")
@@ -199,18 +199,25 @@ def image_statistics(
 ) -> dict:
     """The summed statistics of one labelled image over all its sliding windows (each window's rows
     are those the model computes for that window, `attention.attention_maps`; overlapping windows
-    count a patch once per window)."""
-    from ..segment.preprocess import resized_shape, to_pixels
+    count a patch once per window). Pixels, windows and positional embeddings are those `eval` scores
+    under the same settings (`segment.preprocess.prepare`, the protocol's `resize`, `pos_interp` and
+    `remainder`); the labels are resized and cut with them (pixels a window drops count for no patch)."""
+    from ..segment.preprocess import prepare, window_padding
+    from ..segment.segmenter import global_stage
     from ..segment.windows import iter_window_features
+    from ..stages import resolve_stages
 
-    size = resized_shape(*rgb.shape[:2], settings.resolution, settings.max_long_side)
-    pixels = to_pixels(rgb, clip, size)
-    resized = nearest_labels(labels, size)
+    s, patch = settings, clip.patch_size
+    pixels = prepare(rgb, clip, s, splices=global_stage(spec, resolve_stages(s.stage_texts())) is not None)
+    resized = nearest_labels(labels, tuple(pixels.shape[-2:]))
     total = None
-    windows = iter_window_features(clip, pixels, spec, settings.window, settings.stride, settings.batch_size, encode=clip.attention_maps)
+    windows = iter_window_features(
+        clip, pixels, spec, s.window, s.stride, s.batch_size, pos_interp=s.pos_interp, remainder=s.remainder, encode=clip.attention_maps
+    )
     for boxes, maps in windows:
         for (y1, y2, x1, x2), window_maps in zip(boxes, maps):
-            grid = patch_labels(resized[y1:y2, x1:x2], clip.patch_size)
+            pads = window_padding((y1, y2, x1, x2), patch, s.remainder, not s.window)
+            grid = patch_labels(F.pad(resized[y1:y2, x1:x2], pads, value=IGNORE_INDEX), patch)
             check_tokens(window_maps.shape[-1], grid.numel(), spec)
             stats, classes = attention_statistics(window_maps, grid, stuff, has_cls=window_maps.shape[-1] == grid.numel() + 1)
             total = add_sums(total, image_sums(stats, classes, per_head))
@@ -237,7 +244,10 @@ def analyze(
     """Attention statistics of `spec` on a labelled benchmark; returns the result record (kind "analysis").
 
     The protocol gives resolution and windows (`overrides`: resolution, window, stride, max_long_side,
-    batch_size). stuff: class indices counted as background / stuff (default `stuff_classes(dataset)`).
+    batch_size) and the preprocessing `eval` uses (`resize`, `pos_interp`, `remainder`, `size_multiple`):
+    analyze measures the pixels eval scores. Before, it ignored those four, so under the protocols that set
+    them (every protocol but proxyclip and corrclip) its numbers differ from older runs.
+    stuff: class indices counted as background / stuff (default `stuff_classes(dataset)`).
     out: result JSON, resumable through `<out>.progress.jsonl` exactly as `evaluate` (see results.py);
     a finished result of the same configuration is returned, not recomputed, unless `overwrite`.
     Raises DatasetError, ConfigMismatchError or ValueError as `evaluate` does.

@@ -396,10 +396,13 @@ class DenseCLIP:
         return x, attention_grid(spec, tuple(pixels.shape[-2:]), grid)
 
     @torch.inference_mode()
-    def attention_maps(self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, regions: torch.Tensor | None = None) -> torch.Tensor:
-        """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`."""
+    def attention_maps(
+        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, regions: torch.Tensor | None = None, pos_interp: str = "size"
+    ) -> torch.Tensor:
+        """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`.
+        pos_interp: the positional-embedding rule, as in `encode_dense`."""
         spec = resolve_spec(spec)
-        x, grid = self._embed(pixels)
+        x, grid = self._embed(pixels, pos_interp)
         return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels, regions).float()
 
     def _tower(self, spec: AttentionSpec):

@@ -30,7 +30,7 @@ def iter_window_features(
     token_stages: Sequence[Stage] = (),
     pos_interp: str = "size",
     remainder: str = "pad",
-    encode: Callable[[torch.Tensor, AttentionSpec], torch.Tensor] | None = None,
+    encode: Callable[..., torch.Tensor] | None = None,
     with_cls: bool = False,
     context: dict | None = None,
     regions: torch.Tensor | None = None,
@@ -42,7 +42,8 @@ def iter_window_features(
     `remainder` (see `window_geometry`); with the default, pad, they are zero-padded at the bottom and
     right, so patch (i, j) of a window covers pixels
     y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
-    encode(crops, spec) replaces `clip.encode_dense` (e.g. attention maps for the analysis). context:
+    encode(crops, spec, pos_interp=...) replaces `clip.encode_dense` (e.g. `clip.attention_maps` for the
+    analysis, which then sees the windows and positional embeddings `encode_dense` would). context:
     passed to `clip.encode_dense` (the text a `feedback` term's first pass reads).
     regions: H x W integer region ids of `pixels` (-1 unsegmented), cropped like each window; padded
     pixels form one more region (CorrCLIP pads its masks with 10000), for specs that read regions.
@@ -59,7 +60,7 @@ def iter_window_features(
             crop_regions = torch.stack([regions[y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
             crop_regions = F.pad(crop_regions, (left, right, top, bottom), value=int(regions.max()) + 1)
         if encode is not None:
-            yield chunk, encode(crops, spec)
+            yield chunk, encode(crops, spec, pos_interp=pos_interp)
         else:
             # ResCLIP's first pass upsamples to the whole window, also where `drop` cuts it to whole patches
             ctx = dict(context, windows=windows) if context and min(right, bottom) < 0 else context
@@ -242,9 +243,9 @@ def spliced_tokens(
     every corner on a cell boundary (for CLIP's grid: image sides, window and stride multiples of the
     patch size; `InferenceSettings.size_multiple`)."""
     _, _, H, W = pixels.shape
-    encode = lambda crops, spec: clip.dense_tokens(crops, spec, token_stages, pos_interp)  # noqa: E731
+    encode = lambda crops, spec, pos_interp: clip.dense_tokens(crops, spec, token_stages, pos_interp)  # noqa: E731
     boxes, feats = [], []
-    for chunk, f in iter_window_features(clip, pixels, spec, window, stride, batch_size, encode=encode):
+    for chunk, f in iter_window_features(clip, pixels, spec, window, stride, batch_size, pos_interp=pos_interp, encode=encode):
         boxes += chunk
         feats.append(f)
     feats = torch.cat(feats)
