@@ -13,7 +13,7 @@ import importlib
 
 _NAMES = {
     "settings": ("InferenceSettings", "RESIZE_METHODS", "REMAINDER_RULES"),
-    "preprocess": ("resized_shape", "window_boxes", "round_up_pixels", "to_pixels", "window_geometry"),
+    "preprocess": ("prepare", "resized_shape", "window_boxes", "round_up_pixels", "to_pixels", "window_geometry", "window_padding"),
     "windows": (
         "iter_window_features", "BAND_ELEMENTS", "ROW_BLOCK", "CosineMap", "DenseMap", "row_bands", "dense_cosine",
         "spliced_tokens", "splice_windows", "grid_cosine",
