@@ -129,7 +129,7 @@ def explain(
     """One PNG: per spec, the attention of the patch under --point over the image (entmax's exact zeros
     in grey) beside the segmentation overlay, titled with the row's entropy and support size."""
     from ..analysis.explain import explain as run_explain, write_explain
-    from ..segment.segmenter import InferenceSettings
+    from ..segment.settings import InferenceSettings
     from ..segment.vocabulary import Vocabulary
 
     out = out or Path(f"{image.stem}.explain.png")
@@ -204,7 +204,7 @@ def demo(
         fail('the demo needs Gradio: pip install -e ".[demo]" (or pip install "clipseg-sparse[demo]")')
     from ..attention import PRESETS
     from ..analysis.demo import DEFAULT_PRESETS, build_demo, launch
-    from ..segment.segmenter import InferenceSettings
+    from ..segment.settings import InferenceSettings
 
     for name in preset or []:
         if name not in PRESETS:

@@ -158,7 +158,7 @@ def fgovd(
     from ..runtime.distributed import init_from_env
     from ..evaluation.fgovd import evaluate_fgovd, split_name
     from ..evaluation.fgovd.report import metrics_table
-    from ..segment.segmenter import InferenceSettings
+    from ..segment.settings import InferenceSettings
 
     check_out(out, folder=False)
     for path in benchmark:  # before loading the model

@@ -95,7 +95,7 @@ def segment(
 
     from ..files.folder import plan_run, run_plan
     from ..runtime.distributed import init_from_env
-    from ..segment.segmenter import InferenceSettings, Segmenter
+    from ..segment import InferenceSettings, Segmenter
 
     settings = InferenceSettings().replace(
         resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
