@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import sys
 import threading
 from importlib import metadata
 from typing import Callable, Generic, Iterator, Sequence, TypeVar
@@ -35,6 +36,12 @@ class UnknownNameError(UserError, KeyError, ValueError):
         return str(self.args[0])
 
 
+def caller_module(depth: int = 1) -> str:
+    """The `__name__` of the module `depth` calls above the function calling this one: what `register`
+    records as an entry's home (read once, at registration; a dataclass instance has no module of its own)."""
+    return sys._getframe(depth + 1).f_globals.get("__name__", "")
+
+
 class Registry(Generic[T]):
     """A name -> object table that refuses collisions, explains misses and records where each entry lives.
 
@@ -50,36 +57,41 @@ class Registry(Generic[T]):
         self._help: dict[str, str] = {}
         self._where: dict[str, str] = {}
         self._loaded = not (self.locations or group)
+        self._loading = False
         self._lock = threading.RLock()
 
     def _load(self) -> None:
-        """Import `locations` and the entry-point group once. The flag is set first, so a module that looks
-        this registry up while it is being imported (a method reading another's protocol) does not recurse."""
+        """Import `locations` and the entry-point group once. `_loading` is set first, under a re-entrant
+        lock: a module that looks this registry up while it is being imported (a method reading another's
+        protocol) does not recurse, and another thread waits until every entry is in."""
         if self._loaded:
             return
         with self._lock:
-            if self._loaded:
+            if self._loaded or self._loading:
                 return
-            self._loaded = True
-            for module in self.locations:
-                importlib.import_module(module)
-            if self.group:
-                for entry in metadata.entry_points(group=self.group):
-                    importlib.import_module(entry.value.split(":")[0])
+            self._loading = True
+            try:
+                for module in self.locations:
+                    importlib.import_module(module)
+                if self.group:
+                    for entry in metadata.entry_points(group=self.group):
+                        importlib.import_module(entry.value.split(":")[0])
+            finally:
+                self._loaded = True
 
     def register(self, name: str, obj: T, help: str = "", module: str | None = None) -> T:
-        """Add `obj` under `name`; `module` is where it is implemented (default: the module of `obj` when it
-        has one, as functions and classes do; shown by `where` and `ls`)."""
+        """Add `obj` under `name`. `module`: where it is implemented, shown by `where` and `ls` (default: the
+        module calling `register`; a helper that registers for its caller passes `caller_module()`)."""
         if name in self._items:
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._items[name] = obj
         self._help[name] = help
-        self._where[name] = module or getattr(obj, "__module__", None) or ""
+        self._where[name] = module or caller_module()
         return obj
 
     def decorator(self, name: str, help: str = "") -> Callable[[T], T]:
         def wrap(obj: T) -> T:
-            return self.register(name, obj, help)
+            return self.register(name, obj, help, module=obj.__module__)
 
         return wrap
 
