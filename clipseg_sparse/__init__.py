@@ -25,6 +25,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
 __version__ = "0.1.0"
@@ -80,14 +81,15 @@ _EXPORTS = {
 
 # Module paths of the previous release -> where the code lives now. Served for one release, with a
 # DeprecationWarning, by the finder below (detectron2's `_D2ProjectsFinder` mechanism). Modules that became
-# packages of the same name (`analysis`, `bench`, `cli`) re-export their old names themselves.
+# packages of the same name (`analysis`, `bench`, `cli`) re-export their old names themselves; a module split
+# between rooms maps to a tuple, and its old path holds the public names of all of them.
 _MOVED = {
     "accel": "runtime.accel",
     "allocator": "runtime.allocator",
     "distributed": "runtime.distributed",
     "progress": "runtime.progress",
     "normalizers": "attention.normalizers",
-    "proxy": "attention.grid",
+    "proxy": ("attention.grid", "methods.corrclip", "methods.trident", "segment.windows"),
     "model": "models.clip",
     "text_tower": "models.text_tower",
     "backbones": "models.backbones",
@@ -101,7 +103,7 @@ _MOVED = {
     "outputs": "files.outputs",
     "results": "files.results",
     "evaluate": "evaluation.segmentation",
-    "protocols": "evaluation.protocols",
+    "protocols": ("evaluation.protocols", "methods.resclip", "methods.trident_refine"),
     "metrics": "evaluation.metrics",
     "fgovd": "evaluation.fgovd",
     "fgovd.regions": "evaluation.fgovd.pooling",
@@ -131,12 +133,14 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def moved_target(old: str) -> str | None:
-    """The module that replaced `clipseg_sparse.<old>` (a dotted path below the package), or None."""
+def moved_target(old: str) -> str | tuple[str, ...] | None:
+    """The module (or, for a split module, the modules) that replaced `clipseg_sparse.<old>` (a dotted path
+    below the package), or None."""
     head = old
     while head:
         if head in _MOVED:
-            return _MOVED[head] + old[len(head):]
+            new = _MOVED[head]
+            return new if isinstance(new, tuple) else new + old[len(head):]
         head = head.rpartition(".")[0]
     return None
 
@@ -150,9 +154,15 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):  # noqa: ANN001
-        new = f"{__name__}.{moved_target(spec.name[len(__name__) + 1 :])}"
-        warnings.warn(f"{spec.name} moved to {new}; the old path goes away in the next release", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(new)
+        target = moved_target(spec.name[len(__name__) + 1 :])
+        new = [f"{__name__}.{t}" for t in (target if isinstance(target, tuple) else (target,))]
+        warnings.warn(f"{spec.name} moved to {', '.join(new)}; the old path goes away in the next release", DeprecationWarning, stacklevel=2)
+        if len(new) == 1:
+            return importlib.import_module(new[0])
+        merged = types.ModuleType(spec.name, f"Moved to {', '.join(new)}.")
+        for module in map(importlib.import_module, reversed(new)):  # the first target's names win
+            merged.__dict__.update((k, v) for k, v in vars(module).items() if not k.startswith("_"))
+        return merged
 
     def exec_module(self, module) -> None:  # noqa: ANN001  (the module is already loaded)
         pass

@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .registry import Registry
+from .registry import ENTRY_POINT_GROUP, Registry, caller_module
 
 KINDS = ("token", "text", "match", "post", "global", "labels", "refine")
 
@@ -69,13 +69,30 @@ class Stage:
 
 
 # name -> factory: the text after "NAME:" (empty when absent) -> Stage; ValueError for bad arguments.
-STAGES: Registry[Callable[[str], Stage]] = Registry("stage")
+# The published methods' stages register in their rooms (`clipseg_sparse.methods`); PAMR is here, below the
+# engine, because ResCLIP's first pass (attention/feedback.py) runs it inside the attention.
+STAGES: Registry[Callable[[str], Stage]] = Registry("stage", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP)
 
 
 def parse_stage(text: str) -> Stage:
     """`NAME[:ARGS]` -> the configured Stage (UnknownNameError / ValueError name the problem)."""
     name, _, args = text.strip().partition(":")
     return STAGES.get(name)(args)
+
+
+def check_hook(text: str) -> str:
+    """The canonical text of a token, match or global stage named by a spec's `hook:`; ValueError naming them."""
+    try:
+        stage = parse_stage(text)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_hook_stages()}") from None
+    if stage.kind not in ("token", "match", "global"):
+        raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_hook_stages()} (post stages run with --pamr or InferenceSettings.stages)")
+    return stage.name
+
+
+def _hook_stages() -> str:
+    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith(("token", "match", "global")))
 
 
 def resolve_stages(texts: Sequence[str]) -> tuple[Stage, ...]:
@@ -174,90 +191,7 @@ STAGES.register(
 )
 
 
-# --- SC-CLIP's outlier repair ---------------------------------------------------------------------
-
-def lof_outliers(x: torch.Tensor, n_neighbors: int = 30, contamination: float = 0.05, chunk: int = 64) -> torch.Tensor:
-    """SC-CLIP's `lof_pytorch` on N x C tokens: a boolean mask of the outliers (N).
-
-    As published (`SuleBai/SC-CLIP@0417ba9:clip/model.py`): squared Euclidean distances, the k nearest
-    after dropping the first (itself), reach distance max(d(p, o), k-distance of p) (the query's own
-    k-distance, a simplification of LOF), LRD = k / mean reach, LOF = mean over neighbours of
-    LRD(o) / LRD(p); outliers: LOF > the 0.95 quantile (float32). Distances are computed in row chunks
-    (the same values, bounded memory).
-    """
-    dist = torch.cat([torch.norm(x[i : i + chunk, None] - x[None], dim=2, p=2) ** 2 for i in range(0, len(x), chunk)])
-    knn_d, knn_i = torch.topk(dist, k=n_neighbors + 1, largest=False)
-    knn_d, knn_i = knn_d[:, 1:], knn_i[:, 1:]
-    reach = torch.max(knn_d, knn_d[:, -1:].expand_as(knn_d))
-    lrd = n_neighbors / torch.nan_to_num(reach.mean(dim=1), nan=1e-6)
-    lof = (lrd[knn_i] / lrd.unsqueeze(1)).mean(dim=1)
-    return lof > torch.quantile(lof.to(torch.float32), 1 - contamination)
-
-
-def neighbour_repair(tokens: torch.Tensor, outliers: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """SC-CLIP's `mean_interpolation`: each outlier token (N x C, row-major h x w grid) becomes the mean
-    of its non-outlier 3 x 3 neighbours (zero padding counts as invalid); kept if it has none."""
-    h, w = grid
-    C = tokens.shape[-1]
-    fmap = tokens.T.reshape(1, C, h, w)
-    keep = (~outliers).to(tokens.dtype).view(1, 1, h, w)
-    kernel = torch.ones(C, 1, 3, 3, dtype=tokens.dtype, device=tokens.device)
-    kernel[:, 0, 1, 1] = 0
-    sums = F.conv2d(F.pad(fmap * keep, (1, 1, 1, 1)), kernel, groups=C)
-    count = F.conv2d(F.pad(keep, (1, 1, 1, 1)), kernel[:1])
-    update = outliers.to(tokens.dtype).view(1, 1, h, w) * (count > 0).to(tokens.dtype)
-    mean = sums / count.clamp_min(1)  # SC-CLIP sets zero counts to 1
-    return (fmap * (1 - update) + mean * update).reshape(C, h * w).T
-
-
-def lof_repair(x: torch.Tensor, grid: tuple[int, int], taps: dict | None = None) -> torch.Tensor:
-    """Outliers of the patch tokens of x (B x (1 + h*w) x C), per image (the published code runs one
-    window at a time), repaired in x and in every hidden state of `taps` at the same positions."""
-    x = x.clone()
-    taps = taps if taps is not None else {}
-    repaired = {layer: h.clone() for layer, h in taps.items()}
-    for b in range(x.shape[0]):
-        outliers = lof_outliers(x[b, 1:])
-        if outliers.any():
-            x[b, 1:] = neighbour_repair(x[b, 1:], outliers, grid)
-            for h in repaired.values():
-                h[b, 1:] = neighbour_repair(h[b, 1:], outliers, grid)
-    taps.update(repaired)
-    return x
-
-
-def _lof_stage(args: str) -> Stage:
-    if args:
-        raise ValueError(f"bad stage 'lof:{args}': lof takes no arguments (SC-CLIP's k 30, contamination 0.05)")
-    return Stage("token", "lof", lof_repair, taps=True)
-
-
-STAGES.register(
-    "lof",
-    _lof_stage,
-    help="token: SC-CLIP's outlier repair (LOF k 30, top 5 %, mean of the 3x3 non-outlier neighbours)",
-)
-
-
-# --- CLIP Surgery's feature surgery -----------------------------------------------------------------
-
-def feature_surgery(cosine: torch.Tensor, cls: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """`xmed-lab/CLIP_Surgery@d4696d4:clip/clip.py clip_feature_surgery` on cosine maps.
-
-    Published: p = softmax(2 cos(CLS, t)) over the names, w = p / mean(p); e_ic = f_i * t_c * w_c (element-
-    wise), r_i = mean_c e_ic, similarity = sum over dims of (e_ic - r_i). Summed over dims this is
-    w_c cos_ic - mean_c(w_c cos_ic), computed here on the cosine directly (same value, no B x N x T x D
-    tensor). Per window (the published reshape of w only works for batch 1). Its `t` argument is unused
-    there (2 is hard-coded); copied.
-    cosine: B x T x h x w; cls: B x D; text: T x D (all L2-normalised).
-    """
-    prob = torch.softmax(2 * cls.float() @ text.float().T, dim=-1)  # B x T
-    w = (prob / prob.mean(-1, keepdim=True)).to(cosine.dtype)[:, :, None, None]
-    weighted = cosine * w
-    return weighted - weighted.mean(1, keepdim=True)
-
-
-def register_plain_stage(name: str, kind: str, fn: Callable[..., torch.Tensor], help: str) -> None:
+def register_plain_stage(name: str, kind: str, fn: Callable[..., torch.Tensor], help: str, module: str | None = None) -> None:
     """Register a stage that takes no arguments (`NAME` only)."""
 
     def factory(args: str) -> Stage:
@@ -265,10 +199,4 @@ def register_plain_stage(name: str, kind: str, fn: Callable[..., torch.Tensor], 
             raise ValueError(f"bad stage '{name}:{args}': {name} takes no arguments")
         return Stage(kind, name, fn)
 
-    STAGES.register(name, factory, help=help)
-
-
-register_plain_stage(
-    "surgery", "match", feature_surgery,
-    help="match: CLIP Surgery's feature surgery (class weights from softmax(2 cos(CLS, t)), redundant mean removed)",
-)  # fmt: skip
+    STAGES.register(name, factory, help=help, module=module or caller_module())

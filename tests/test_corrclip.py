@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from conftest import TINY_CONFIG
 from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.segment.settings import InferenceSettings
-from clipseg_sparse.attention.grid import region_vote
+from clipseg_sparse.methods.corrclip import region_vote
 from clipseg_sparse.segment.regions import RegionFolder
 
 TINY = "ext:dino_vitb8.qk[cos,scale:4,region:{eps}]/{norm}/cls:0/noffn/in:mean@1-2/mct:0.5"

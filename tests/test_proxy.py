@@ -8,14 +8,9 @@ import math
 import pytest
 import torch
 
-from clipseg_sparse.attention.grid import (
-    corrclip_attention,
-    merge_regions,
-    region_support,
-    region_vote,
-    sam_filtered_attention,
-    values_to_grid,
-)
+from clipseg_sparse.attention.grid import merge_regions, region_support, values_to_grid
+from clipseg_sparse.methods.corrclip import corrclip_attention, region_vote
+from clipseg_sparse.methods.trident import sam_filtered_attention
 from clipseg_sparse.segment.windows import splice_windows
 
 

@@ -152,3 +152,30 @@ def test_entry_point_modules_load_with_the_locations(tmp_path, monkeypatch):
     home = importlib.import_module(names["home"])
     assert home.REG.names() == ["builtin", "mine"] and asked == [ENTRY_POINT_GROUP]
     assert home.REG.where("mine") == names["third"]
+
+
+def test_the_package_registries_name_where_their_entries_live():
+    from clipseg_sparse.attention.spec import OPTIONS, PRESETS
+    from clipseg_sparse.attention.taps import TAPS
+    from clipseg_sparse.evaluation.protocols import PROTOCOLS
+    from clipseg_sparse.stages import STAGES
+
+    assert PRESETS.where("sclip") == PRESETS.where("sclip-entmax") == "clipseg_sparse.methods.sclip"
+    assert PROTOCOLS.where("gem") == "clipseg_sparse.methods.gem"
+    assert STAGES.where("pamr") == "clipseg_sparse.stages" and STAGES.where("lof") == "clipseg_sparse.methods.scclip"
+    assert TAPS.where("ext") == "clipseg_sparse.models.proxies" and TAPS.where("feedback") == "clipseg_sparse.attention.feedback"
+    assert OPTIONS.where("dna") == "clipseg_sparse.dna.spec_option"
+    for name in PRESETS:
+        assert PRESETS.where(name).startswith("clipseg_sparse.methods."), name
+    for name in PROTOCOLS:
+        assert PROTOCOLS.where(name).startswith("clipseg_sparse.methods."), name
+
+
+def test_the_engine_imports_no_method_model_or_dna():
+    code = (
+        "import sys, clipseg_sparse.attention\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('clipseg_sparse.methods', 'clipseg_sparse.dna', "
+        "'clipseg_sparse.models'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

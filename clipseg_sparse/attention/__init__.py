@@ -3,7 +3,7 @@
 A spec has score terms (which features are compared, how, and how the normalised maps are mixed), a row
 *normalizer*, an optional neighbourhood *prior*, a temperature, the block mode (residual, FFN, how many
 final blocks, parallel path, aggregation, extra inputs), an optional negative (DnA-style) branch and
-the token stages it needs (`hook:`). Published methods are named presets (`presets.py`).
+the token stages it needs (`hook:`). Published methods are named presets (`clipseg_sparse.methods`).
 
 Compact text form, used on the command line, in sweep grids, result files and table rows:
 
@@ -57,8 +57,8 @@ from __future__ import annotations
 
 from .blocks import EncoderState, edited_block_forward, encode_tokens
 from .combine import _attend, aggregate, attention_weights
-from .presets import PRESETS, Preset, list_presets, register_entmax_variant, register_preset, resolve_spec
-from .spec import OPTIONS, SOURCES, AttentionSpec, BlockInput, Group, Term, register_option
+from .presets import list_presets, register_entmax_variant, register_preset, resolve_spec
+from .spec import OPTIONS, PRESETS, SOURCES, AttentionSpec, BlockInput, Group, Preset, Term, register_option
 from .taps import TAPS, BlockContext, Tap
 from .transforms import gaussian_prior
 

@@ -1,36 +1,27 @@
-"""Proxy attention pieces: CLIP's values on a proxy grid, and CorrCLIP's and Trident's own steps.
+"""Grid and region maths the engine uses: feature cosine, CorrCLIP's region scope and region merging, CLIP's
+values on a proxy grid, and the splice of window features.
 
 ProxyCLIP (research/peers-sota.md 2.1) runs through the attention engine: `ext:NAME` features
-(proxy_source.py), the term's cos metric, shift:1.2, scale:3 and pos support, any normalizer, and
-`values_to_grid` below. The CorrCLIP and Trident steps the engine does not have yet are pure tensor
-functions here, each split into the engine's axes (a score term, a support, a normalizer slot, values
-shared across heads). Shapes: B images, M = I*J proxy tokens, N = h*w CLIP patch tokens, C channels.
+(models/proxies.py), the term's cos metric, shift:1.2, scale:3 and pos support, any normalizer, and
+`values_to_grid` below. The methods' own steps are in their rooms: CorrCLIP's whole attention and map
+correction in `methods/corrclip.py`, Trident's SAM map in `methods/trident.py`. Shapes: B images, M = I*J
+proxy tokens, N = h*w CLIP patch tokens, C channels.
 
 Published arithmetic (quirks documented):
-- CorrCLIP: S = cos(q + k) of DINO's last block; allowed(i, j) = same region, or (i or j unsegmented and
-  S_ij > mean(S)); A = softmax(tau S) on the allowed set (tau = 4, no shift); regions merged by DBSCAN
-  (eps 0.2, min_samples 1) on max(sim) - sim of region-mean features; a post vote gives every original
-  region the most frequent label inside it.
-- Trident: ProxyCLIP attention per window on DINO ViT-B/16 (its code batches the windows and takes one
-  `torch.mean` over the whole batch, i.e. one mean for all windows of an image); windows' block
-  outputs spliced onto the image grid (overlaps averaged); then SAM's last-block attention filtered by
-  the cosine of SAM's values (kept where cos > min(0.9, cos_fac x row mean), heads averaged, rows
-  re-normalised by their sum) smooths the spliced features.
-The CorrCLIP and Trident details follow research/peers-sota.md (read from zdk258/CorrCLIP@103bc18 and
-YuHengsss/Trident@a93b346 there); CorrCLIP's were re-read in CorrCLIPv2/open_clip/transformer.py and
-CorrCLIPv2/corrclip_segmentor.py (the engine's `corrclip` presets use these functions, attention/scope.py).
+- CorrCLIP's scope (the `region:EPS` support, attention/scope.py): allowed(i, j) = same region, or (i or j
+  unsegmented and S_ij > mean(S)); regions merged by DBSCAN (eps 0.2, min_samples 1) on max(sim) - sim of
+  region-mean features (zdk258/CorrCLIP@103bc18 via research/peers-sota.md, re-read in
+  CorrCLIPv2/open_clip/transformer.py and CorrCLIPv2/corrclip_segmentor.py).
+- Trident's splice: the windows' block outputs placed on the image grid, overlaps averaged
+  (YuHengsss/Trident@a93b346).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 import torch.nn.functional as F
 
-from .normalizers import Normalizer, normalize
-
-CORRCLIP_TAU, CORRCLIP_EPS = 4.0, 0.2
+CORRCLIP_EPS = 0.2
 
 
 # -- score term and support ---------------------------------------------------------------------------
@@ -47,43 +38,6 @@ def region_support(scores: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
     unsegmented = (regions[:, :, None] < 0) | (regions[:, None, :] < 0)
     above = scores > scores.mean(dim=(-2, -1), keepdim=True)
     return same | (unsegmented & above)
-
-
-def restrict(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Scores with -inf outside `allowed`, so every normalizer gives those entries exactly 0."""
-    return scores.masked_fill(~allowed, float("-inf"))
-
-
-# -- whole attention maps ----------------------------------------------------------------------------
-def corrclip_attention(
-    q: torch.Tensor, k: torch.Tensor, regions: torch.Tensor, tau: float = CORRCLIP_TAU, normalizer: str | Normalizer = "softmax"
-) -> torch.Tensor:
-    """CorrCLIP's B x M x M attention. q, k: B x M x C (heads concatenated, patch tokens) of DINO's
-    last block; regions: B x M ids on the same grid (< 0 unsegmented)."""
-    s = feature_cosine(q + k)
-    return normalize(restrict(tau * s, region_support(s, regions)), normalizer)
-
-
-def sam_filtered_attention(
-    attn: torch.Tensor | Iterable[torch.Tensor], v: torch.Tensor, cos_fac: float = 1.2, refine_neg_cos: bool = True
-) -> torch.Tensor:
-    """Trident's SAM stage map, B x N x N from SAM's last-block attention and values: keep attn where
-    cos(v_i, v_j) > thr(i) = min(0.9, cos_fac * mean over heads and j of cos), average heads, divide rows
-    by their sum. refine_neg_cos False: negative thresholds become 0.6 (its Cityscapes/ADE configs).
-    attn: B x heads x N x N, or the heads' B x N x N maps one at a time (an iterable, so only one head's
-    map need exist: 12 x 4096^2 floats is 0.8 GB at SAM's 64 x 64 grid); v: B x heads x N x d. The row
-    mean of the cosine is v_i . mean_j(v_j) (unit vectors), so no N x N map is kept for it."""
-    vn = F.normalize(v.float(), dim=-1)
-    row_mean = (vn @ vn.mean(dim=2, keepdim=True).transpose(-2, -1))[..., 0]  # B x heads x N
-    thr = (cos_fac * row_mean.mean(dim=1)).clamp(max=0.9)[:, :, None]  # B x N x 1
-    if not refine_neg_cos:
-        thr = torch.where(thr < 0, torch.full_like(thr, 0.6), thr)
-    heads = attn.unbind(1) if isinstance(attn, torch.Tensor) else attn
-    kept = None
-    for h, a in enumerate(heads):
-        term = a.float() * (vn[:, h] @ vn[:, h].transpose(-2, -1) > thr)
-        kept = term if kept is None else kept.add_(term)
-    return kept / kept.sum(-1, keepdim=True)
 
 
 # -- values and windows -------------------------------------------------------------------------------
@@ -120,16 +74,6 @@ def merge_regions(regions: torch.Tensor, feats: torch.Tensor, eps: float = CORRC
     lookup[ids] = torch.unique(cluster, return_inverse=True)[1]
     out = regions.clone()
     out[regions >= 0] = lookup[regions[regions >= 0]].to(regions.dtype)
-    return out
-
-
-def region_vote(labels: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
-    """CorrCLIP's map correction: every region (id >= 0) of an H x W map gets the most frequent label
-    inside it (ties: the smaller label); unsegmented pixels keep theirs."""
-    out = labels.clone()
-    for r in torch.unique(regions[regions >= 0]):
-        inside = regions == r
-        out[inside] = torch.bincount(labels[inside].flatten()).argmax()
     return out
 
 

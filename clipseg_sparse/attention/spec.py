@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
+from ..registry import ENTRY_POINT_GROUP, Registry, caller_module
+from ..stages import check_hook
 from .normalizers import NORMALIZER_KINDS, Normalizer
-from ..registry import Registry
 
 SOURCES = ("qk", "qq", "kk", "vv", "id")  # the v1 sources; `id` is the value path alone (MaskCLIP)
 SUPPORTS = ("all", "pos", "thresh", "topk", "topp", "region")
@@ -260,13 +261,13 @@ class ExtraOption:
 
 
 OPTIONS: Registry[ExtraOption] = Registry(
-    "attention spec option", locations=("clipseg_sparse.attention.scope", "clipseg_sparse.dna.spec_option")
+    "attention spec option", locations=("clipseg_sparse.attention.scope", "clipseg_sparse.dna.spec_option"), group=ENTRY_POINT_GROUP
 )
 
 
 def register_option(name: str, check: Callable[[str], str], help: str, rest_of_spec: bool = False) -> None:
     """Add a spec option `NAME:ARG` (see ExtraOption); it round-trips through the text form."""
-    OPTIONS.register(name, ExtraOption(check, rest_of_spec), help=help)
+    OPTIONS.register(name, ExtraOption(check, rest_of_spec), help=help, module=caller_module())
 
 
 BUILTIN_OPTIONS = (
@@ -344,7 +345,7 @@ class AttentionSpec:
         object.__setattr__(self, "inputs", tuple(str(BlockInput.parse(i)) for i in self.inputs))
         if self.inputs and (self.parallel or self.layers != 1):
             raise ValueError("extra block inputs (in:...) need one edited block in replace mode (layers:1, no parallel)")
-        object.__setattr__(self, "hooks", tuple(_check_hook(h) for h in self.hooks))
+        object.__setattr__(self, "hooks", tuple(check_hook(h) for h in self.hooks))
         extras = []
         for name, arg in self.extras:
             extras.append((name, OPTIONS.get(name).check(arg)))
@@ -377,8 +378,6 @@ class AttentionSpec:
     def parse(cls, text: str) -> "AttentionSpec":
         """Parse a preset name (`sclip`), a preset with more options (`sclip/entmax:1.5/neg:0.2`) or the
         compact form (`qq+kk/entmax:1.5/nores`)."""
-        from .presets import PRESETS
-
         text = text.strip()
         if text in PRESETS:
             return PRESETS.get(text).spec
@@ -479,20 +478,12 @@ def _taps_help() -> str:
     return ", ".join(TAPS.help(n) for n in TAPS.names())
 
 
-def _check_hook(text: str) -> str:
-    """The canonical text of a token or match stage named by `hook:`; ValueError naming them."""
-    from ..stages import STAGES, parse_stage
-
-    try:
-        stage = parse_stage(text)
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_token_stages()}") from None
-    if stage.kind not in ("token", "match", "global"):
-        raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_token_stages()} (post stages run with --pamr or InferenceSettings.stages)")
-    return stage.name
+# -- named specs: the published methods register theirs (clipseg_sparse.methods, `presets.register_preset`) --
+@dataclass(frozen=True)
+class Preset:
+    spec: AttentionSpec
+    reference: str
+    notes: str = ""  # quirks of the published code copied or fixed
 
 
-def _token_stages() -> str:
-    from ..stages import STAGES
-
-    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith(("token", "match", "global")))
+PRESETS: Registry[Preset] = Registry("attention preset", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from ..registry import Registry
+from ..registry import ENTRY_POINT_GROUP, Registry
 
 
 @runtime_checkable
@@ -87,7 +87,10 @@ class Tap:
     grid: Callable[[str, tuple[int, int]], tuple[int, int]] | None = None
 
 
-TAPS: Registry[Tap] = Registry("score tap")
+# Built here: the q/k/v pairs, x@L, attn@A-B; elsewhere: ResCLIP's feedback (an engine axis) and `ext:` (models).
+TAPS: Registry[Tap] = Registry(
+    "score tap", locations=("clipseg_sparse.attention.feedback", "clipseg_sparse.models.proxies"), group=ENTRY_POINT_GROUP
+)
 
 
 def tap_kind(tap: str) -> tuple[str, str]:

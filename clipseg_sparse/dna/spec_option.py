@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch.nn as nn
 
 from ..attention.spec import register_option
+from .adapter import AdapterError, build_modules, load_adapter
 
 _HASH = re.compile(r"^(?P<path>.+)@(?P<hash>[0-9a-f]{12})$")
 _DIGESTS: dict[tuple[str, int, int], str] = {}
@@ -69,7 +70,6 @@ def dna_visual(clip, arg: str) -> SimpleNamespace:
     """What the block runner reads of the image tower (`transformer.resblocks`), with the adapter's blocks
     running DenoisingAttention on `clip`'s own weights (cached per model and adapter content; the model
     itself is not changed). AdapterError when the file is missing, changed, or made for another model."""
-    from .adapter import AdapterError, build_modules, load_adapter  # TEMP(step 1): lazy until presets stop parsing at engine import
     path, recorded = split_arg(arg)
     if not path.is_file():
         raise AdapterError(f"{path}: DnA adapter file not found")

@@ -1,3 +1,28 @@
 """Published methods, one room each: presets, stages, protocol, constants and notes (see README.md).
 
-May import `evaluation` and below; nothing below imports a method (the registries name this package)."""
+This package is the catalog: `PRESETS`, `STAGES` and `PROTOCOLS` name it in their `locations`, so their first
+lookup imports it, and it imports every method module below. May import `evaluation` and below; nothing
+below imports a method.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# In dependency order: a method that reuses another's protocol or constants comes after it.
+METHODS = (
+    "baselines",  # clip, maskclip
+    "sclip",  # SCLIP (ECCV 2024): qq+kk
+    "clearclip",  # ClearCLIP (ECCV 2024): qq without residual and FFN; its protocol serves gem and clipsurgery
+    "naclip",  # NACLIP (WACV 2025): kk + Gaussian prior; protocols naclip, naclip-v1
+    "scclip",  # SC-CLIP: mid map, aggregation, multi-level sum; the lof stage
+    "gem",  # GEM (CVPR 2024): self-self attention on a parallel path, under ClearCLIP's protocol
+    "clipsurgery",  # CLIP Surgery: v-v parallel path; the surgery stage; under ClearCLIP's protocol
+    "resclip",  # ResCLIP (CVPR 2025) on NACLIP: the RCS map tap and SFR feedback
+    "proxyclip",  # ProxyCLIP (ECCV 2024): a proxy backbone's feature cosine (ext:)
+    "corrclip",  # CorrCLIP (ICCV 2025) on ProxyCLIP: region scope, mask class tokens; the regionvote stage
+    "trident",  # Trident (ICCV 2025): DINO proxy per window, splice; the sam stage
+    "trident_refine",  # Trident's SAM prompt refinement: the samrefine stage, protocol trident-samrefine
+)
+for _name in METHODS:
+    importlib.import_module(f"{__name__}.{_name}")

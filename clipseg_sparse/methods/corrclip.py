@@ -7,14 +7,51 @@ merged by DBSCAN eps 0.2), one map for all heads, softmax; `cls:0/noffn` the red
 the DINO grid; `in:mean@6-10` the spatial branch (mean of the outputs of blocks 6..10 through the same
 attention, weight 1.0); `mct:0.5` the semantic branch (mask class tokens, weight 0.5; with it every
 branch passes ln_post on its own). The map correction is the `regionvote` labels stage, which the
-`corrclip` protocol turns on. Region maps come from a folder or SAM2 (`regions.py`).
+`corrclip` protocol turns on. Region maps come from a folder or SAM2 (`segment/regions.py`); the region
+scope and merging are engine maths (`attention/grid.py`). `corrclip_attention` is the whole published map in
+one function (the engine's reference in the tests). Quirks copied, fixed and not copied: `CORRCLIP_NOTES`
+(datasets.md, Presets). Grids: `sweeps/grids/corrclip.toml` (ViT-B/16), `corrclip-l14.toml`.
 """
 
 from __future__ import annotations
 
-from ..attention.grid import region_vote
+import dataclasses
+
+import torch
+
+from ..attention.grid import feature_cosine, region_support
+from ..attention.normalizers import Normalizer, normalize
 from ..attention.presets import register_entmax_variant, register_preset
+from ..evaluation.protocols import PROTOCOLS
 from ..stages import register_plain_stage
+from . import proxyclip
+
+CORRCLIP_TAU = 4.0
+
+
+def restrict(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Scores with -inf outside `allowed`, so every normalizer gives those entries exactly 0."""
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def corrclip_attention(
+    q: torch.Tensor, k: torch.Tensor, regions: torch.Tensor, tau: float = CORRCLIP_TAU, normalizer: str | Normalizer = "softmax"
+) -> torch.Tensor:
+    """CorrCLIP's B x M x M attention. q, k: B x M x C (heads concatenated, patch tokens) of DINO's
+    last block; regions: B x M ids on the same grid (< 0 unsegmented)."""
+    s = feature_cosine(q + k)
+    return normalize(restrict(tau * s, region_support(s, regions)), normalizer)
+
+
+def region_vote(labels: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
+    """CorrCLIP's map correction: every region (id >= 0) of an H x W map gets the most frequent label
+    inside it (ties: the smaller label); unsegmented pixels keep theirs."""
+    out = labels.clone()
+    for r in torch.unique(regions[regions >= 0]):
+        inside = regions == r
+        out[inside] = torch.bincount(labels[inside].flatten()).argmax()
+    return out
+
 
 CORRCLIP = "ext:dino_vitb8.qk[cos,scale:4,region:0.2]/softmax/cls:0/noffn/in:mean@{first}-{last}/mct:0.5"
 
@@ -57,3 +94,20 @@ register_plain_stage(
     "regionvote", "labels", region_vote,
     help="labels: CorrCLIP's map correction, every region of the image's region map takes its most frequent label",
 )  # fmt: skip
+
+# CorrCLIP's v1 configs are ProxyCLIP's (short side 336, Cityscapes 448, 336/112 windows, Cityscapes 224/112,
+# logit scale 40, prob_thd 0.2 / 0.15 / 0.25; read for VOC21, Context60/59, COCO-Object and Cityscapes, the
+# others not in the index: ADE20K 448 as research/peers-sota.md 2.8) with its map correction after the
+# labels; it needs region masks (--regions). Its class files are `; `-separated with `people` in VOC21.
+PROTOCOL = PROTOCOLS.register(
+    "corrclip",
+    dataclasses.replace(
+        proxyclip.PROTOCOL,
+        name="corrclip",
+        attention="corrclip",
+        source="zdk258/CorrCLIP@103bc18 CorrCLIPv1/configs/cfg_*.py (voc21, context59, context60, coco_object, "
+        "city_scapes), CorrCLIPv2/corrclip_segmentor.py postprocess_result, CorrCLIPv1/demo_colab.py",
+        defaults={**proxyclip.PROTOCOL.defaults, "stages": ("regionvote",)},
+    ),
+    help="CorrCLIP (ICCV 2025): ProxyCLIP's settings plus the map correction (stage regionvote); needs --regions",
+)

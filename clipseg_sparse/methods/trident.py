@@ -10,29 +10,31 @@ index, so their arithmetic rests on those notes). Steps and where they live:
    below 0), CLS dropped before the last block, reduced output W_o(A V) kept before ln_post: the
    engine's spec (preset `trident` below);
 3. splice: the windows' outputs placed on the image's patch grid, overlaps averaged
-   (`inference.spliced_tokens`);
+   (`spliced_tokens`, segment/);
 4. SAM ViT-B on the whole image (SAM's preprocessing: longest side 1024, padded), its last block's
-   attention and values on the valid grid, filtered by value cosine (`proxy.sam_filtered_attention`);
+   attention and values on the valid grid, filtered by value cosine (`sam_filtered_attention` below);
 5. spliced tokens resized bilinearly to the SAM grid, F <- A F, then ln_post, proj; logits on the SAM
    grid resized to the original size (steps 4-5: the global stage `sam` here, and `grid_cosine`).
 6. the optional SAM prompt refinement (`--sam_refine`; off in the published config, on in the
    published README's evaluation command): the refine stage `samrefine[:COARSE[:IOU]]`
-   (`sam_refine.py`, segment_anything's prompt encoder and mask decoder; `--protocol trident-samrefine`
-   adds it with the per-dataset coarse_thresh).
+   (`methods/trident_refine.py`, segment_anything's prompt encoder and mask decoder; `--protocol
+   trident-samrefine` adds it with the per-dataset coarse_thresh).
+Quirks copied and fixed: `TRIDENT_NOTES` (datasets.md, Presets). Grid: `sweeps/grids/trident.toml`.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..attention.presets import register_preset
-from ..models.backbones import Backbone, sam_scores
 from ..attention.normalizers import Normalizer, normalize
-from ..attention.grid import sam_filtered_attention
+from ..attention.presets import register_preset
+from ..evaluation.protocols import PROTOCOLS, Protocol
+from ..models.backbones import Backbone, sam_scores
+from ..models.proxies import PROXIES
 from ..stages import STAGES, Stage
 
 SAM_BACKBONE = "sam_vitb"
@@ -75,6 +77,28 @@ def sam_maps(image: np.ndarray, backbone: Backbone) -> tuple[torch.Tensor, Itera
     attn = backbone.model.blocks[-1].attn
     heads = (sam_scores(attn, feats.q[:, h : h + 1], feats.k[:, h : h + 1], (gh, gw))[:, 0].float() for h in range(feats.q.shape[1]))
     return feats.v[:, :, keep], heads, keep, valid
+
+
+def sam_filtered_attention(
+    attn: torch.Tensor | Iterable[torch.Tensor], v: torch.Tensor, cos_fac: float = 1.2, refine_neg_cos: bool = True
+) -> torch.Tensor:
+    """Trident's SAM stage map, B x N x N from SAM's last-block attention and values: keep attn where
+    cos(v_i, v_j) > thr(i) = min(0.9, cos_fac * mean over heads and j of cos), average heads, divide rows
+    by their sum. refine_neg_cos False: negative thresholds become 0.6 (its Cityscapes/ADE configs).
+    attn: B x heads x N x N, or the heads' B x N x N maps one at a time (an iterable, so only one head's
+    map need exist: 12 x 4096^2 floats is 0.8 GB at SAM's 64 x 64 grid); v: B x heads x N x d. The row
+    mean of the cosine is v_i . mean_j(v_j) (unit vectors), so no N x N map is kept for it."""
+    vn = F.normalize(v.float(), dim=-1)
+    row_mean = (vn @ vn.mean(dim=2, keepdim=True).transpose(-2, -1))[..., 0]  # B x heads x N
+    thr = (cos_fac * row_mean.mean(dim=1)).clamp(max=0.9)[:, :, None]  # B x N x 1
+    if not refine_neg_cos:
+        thr = torch.where(thr < 0, torch.full_like(thr, 0.6), thr)
+    heads = attn.unbind(1) if isinstance(attn, torch.Tensor) else attn
+    kept = None
+    for h, a in enumerate(heads):
+        term = a.float() * (vn[:, h] @ vn[:, h].transpose(-2, -1) > thr)
+        kept = term if kept is None else kept.add_(term)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def sam_attention(image: np.ndarray, backbone: Backbone, cos_fac: float, refine_neg_cos: bool, normalizer: str) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -135,8 +159,6 @@ def _sam_stage(args: str) -> Stage:
     name = f"sam:{cos_fac:g}" + ("" if refine_neg_cos else ":neg0.6") + (":halves" if halves else "")
 
     def run(tokens: torch.Tensor, image: np.ndarray, normalizer: str) -> torch.Tensor:
-        from ..models.proxies import PROXIES
-
         backbone = PROXIES.get(SAM_BACKBONE, tokens.device)
         return sam_smooth(tokens, image, backbone, normalizer, cos_fac, refine_neg_cos, halves)
 
@@ -150,34 +172,7 @@ STAGES.register(
     "COS_FAC x mean), default 1.2; neg0.6: negative thresholds -> 0.6; halves: left/right halves), smooths the spliced tokens",
 )
 
-# -- the refine stage `samrefine[:COARSE[:IOU]]` (step 6) ---------------------------------------------------
-def _samrefine_stage(args: str) -> Stage:
-    from .trident_refine import sam_refine
-
-    usage = "expected samrefine[:COARSE[:IOU]], e.g. samrefine:0.2:0.8 (thresholds in [0, 1])"
-    parts = args.split(":") if args else []
-    try:
-        coarse, iou = (float(parts[0]) if parts else 0.2), (float(parts[1]) if len(parts) > 1 else 0.8)
-    except ValueError:
-        raise ValueError(f"bad stage 'samrefine:{args}': {usage}") from None
-    if len(parts) > 2 or not (0 <= coarse <= 1 and 0 <= iou <= 1):
-        raise ValueError(f"bad stage 'samrefine:{args}': {usage}")
-
-    def run(labels: torch.Tensor, maps, image: np.ndarray) -> torch.Tensor:
-        return sam_refine(labels, maps, image, coarse, iou)
-
-    return Stage("refine", f"samrefine:{coarse:g}:{iou:g}", run, backbones=(SAM_BACKBONE,))  # its weights: --proxy-weights
-
-
-STAGES.register(
-    "samrefine",
-    _samrefine_stage,
-    help="refine: Trident's SAM prompt refinement (--sam_refine): components of the coarse map (top prob >= COARSE, "
-    "default 0.2) prompt SAM ViT-B (box, point, probabilities); masks with predicted IoU > IOU (0.8) rescore their "
-    "class by sigmoid(logit) x prob (needs segment_anything and --proxy-weights sam_vitb=sam_vit_b_01ec64.pth)",
-)
-
-_TRIDENT_NOTES = (
+TRIDENT_NOTES = (
     "copied: ProxyCLIP's attention per 336-px window with DINO ViT-B/16 on CLIP's 21 x 21 grid (shift 1.2 x mean, "
     "scale 3, -inf below 0, one map for all heads), CLS dropped before the last block, W_o(A V) before ln_post "
     "spliced on the image's patch grid with overlaps averaged; the image resized so both sides are multiples of 16 "
@@ -193,18 +188,44 @@ _TRIDENT_NOTES = (
     "concatenated (the code doubles the left half's), fp32 unless --precision fp16; "
     "the optional SAM prompt refinement (--sam_refine, step 6) is the stage samrefine (--protocol trident-samrefine)"
 )
-_TRIDENT = "ext:dino_vitb16[cos,shift:1.2,scale:3,pos]/{}/cls:0/noffn/hook:sam"
+TRIDENT = "ext:dino_vitb16[cos,shift:1.2,scale:3,pos]/{}/cls:0/noffn/hook:sam"
 register_preset(
     "trident",
-    _TRIDENT.format("softmax"),
+    TRIDENT.format("softmax"),
     "Trident (Shi et al., ICCV 2025): ProxyCLIP attention with DINO ViT-B/16 per window, windows spliced before "
     "ln_post, SAM ViT-B attention filtered by value cosine smooths the spliced features over the whole image",
-    _TRIDENT_NOTES,
+    TRIDENT_NOTES,
 )
 register_preset(
     "trident-entmax",
-    _TRIDENT.format("entmax:1.5"),
+    TRIDENT.format("entmax:1.5"),
     "trident with alpha-entmax (alpha 1.5) in the DINO proxy attention and, in the SAM stage, on SAM's own "
     "logits in place of the value-cosine threshold and sum normalisation (this project)",
-    _TRIDENT_NOTES,
+    TRIDENT_NOTES,
+)
+
+# Trident's configs (research/peers-sota.md 2.7): short side per dataset, 336-px windows with stride 224
+# (VOC20 112), sides rounded up to multiples of 16 (`preprocess_image`), logit scale 40, `prob_thd`, and the
+# SAM stage's cos_fac / refine_neg_cos (Cityscapes: SAM on the image's halves). Its `coarse_thresh` only
+# serves the optional SAM prompt refinement (`--sam_refine`): protocol `trident-samrefine` below.
+PROTOCOL = PROTOCOLS.register(
+    "trident",
+    Protocol(
+        name="trident",
+        attention="trident",
+        class_names="sclip",
+        source="YuHengsss/Trident@a93b346 configs/, trident.py (research/peers-sota.md 2.7)",
+        defaults=dict(resolution=448, window=336, stride=224, logit_scale=40.0, size_multiple=16, stages=("sam:1.2",)),
+        per_dataset={
+            "voc21": dict(bg_threshold=0.2),
+            "voc20": dict(resolution=336, stride=112, stages=("sam:0",)),
+            "context60": dict(resolution=576, bg_threshold=0.15),
+            "context59": dict(resolution=576),
+            "coco-object": dict(bg_threshold=0.25),
+            "cityscapes": dict(resolution=688, stages=("sam:3:neg0.6:halves",)),
+            "ade20k": dict(resolution=576, stages=("sam:1.2:neg0.6",)),
+        },
+    ),
+    help="Trident (ICCV 2025): short side 448 (VOC20 336, Context 576, ADE20K 576, Cityscapes 688), 336/224 windows "
+    "(VOC20 112), sides multiples of 16, SAM stage constants per dataset",
 )

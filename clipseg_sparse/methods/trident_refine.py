@@ -10,16 +10,24 @@ a class's refined score is the max over its kept masks of sigmoid(SAM logit) x i
 the notes leave details open (ours): components whose mask is dropped keep the class probability inside
 them; classes without a kept mask keep their probabilities; only pixels inside a kept mask (logit > 0)
 change label, to the arg-max of the refined scores over the classes of the coarse map; elsewhere the
-labels (background rules included) stay.
+labels (background rules included) stay. `--protocol trident-samrefine` adds the stage with the config's
+coarse_thresh per dataset (`TRIDENT_COARSE`). Grid: none of its own (`sweeps/grids/trident.toml` runs without it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
+
+from ..evaluation.protocols import PROTOCOLS
+from ..models.proxies import PROXIES
+from ..runtime.weights import WeightsUnavailableError, require_extra
+from ..stages import STAGES, Stage
+from . import trident
 
 HALF_AREA = 225  # minimum component area at half resolution
 MASK_SCALE = 0.005  # the class probabilities' scale as SAM's mask input
@@ -150,9 +158,6 @@ def load_sam_predictor(weights: str, device: torch.device):
     """segment_anything's ViT-B SamPredictor: weights a local `sam_vit_b_01ec64.pth` (the file holds the
     encoder, prompt encoder and mask decoder), or "none" for seeded random weights. The Hub tag the `sam`
     stage reads holds the image encoder only, so "hub" is refused with a one-line error."""
-    from ..runtime.weights import require_extra
-    from ..runtime.weights import WeightsUnavailableError
-
     sa = require_extra("segment_anything", "stage samrefine (SAM's prompt encoder and mask decoder)")
     if weights == "hub":
         raise WeightsUnavailableError(
@@ -175,8 +180,6 @@ _PREDICTORS: dict = {}
 
 def sam_predictor(device: torch.device | str):
     """The SamPredictor of `--proxy-weights`'s sam_vitb weights on `device`, loaded once per weights and device."""
-    from ..models.proxies import PROXIES
-
     key = (PROXIES.resolved_weights("sam_vitb"), str(torch.device(device)))
     if key not in _PREDICTORS:
         _PREDICTORS[key] = load_sam_predictor(key[0], torch.device(device))
@@ -193,3 +196,47 @@ def sam_refine(labels: torch.Tensor, maps, image: np.ndarray, coarse_thresh: flo
     predictor = predictor or sam_predictor(maps.rows(0, 1).device)
     with torch.inference_mode():
         return refine_labels(labels, probs, classes, prompts, sam_predict(predictor, image), coarse_thresh, iou_thresh)
+
+
+# -- the refine stage `samrefine[:COARSE[:IOU]]` (step 6) ---------------------------------------------------
+def _samrefine_stage(args: str) -> Stage:
+    usage = "expected samrefine[:COARSE[:IOU]], e.g. samrefine:0.2:0.8 (thresholds in [0, 1])"
+    parts = args.split(":") if args else []
+    try:
+        coarse, iou = (float(parts[0]) if parts else 0.2), (float(parts[1]) if len(parts) > 1 else 0.8)
+    except ValueError:
+        raise ValueError(f"bad stage 'samrefine:{args}': {usage}") from None
+    if len(parts) > 2 or not (0 <= coarse <= 1 and 0 <= iou <= 1):
+        raise ValueError(f"bad stage 'samrefine:{args}': {usage}")
+
+    def run(labels: torch.Tensor, maps, image: np.ndarray) -> torch.Tensor:
+        return sam_refine(labels, maps, image, coarse, iou)
+
+    return Stage("refine", f"samrefine:{coarse:g}:{iou:g}", run, backbones=(trident.SAM_BACKBONE,))  # its weights: --proxy-weights
+
+
+STAGES.register(
+    "samrefine",
+    _samrefine_stage,
+    help="refine: Trident's SAM prompt refinement (--sam_refine): components of the coarse map (top prob >= COARSE, "
+    "default 0.2) prompt SAM ViT-B (box, point, probabilities); masks with predicted IoU > IOU (0.8) rescore their "
+    "class by sigmoid(logit) x prob (needs segment_anything and --proxy-weights sam_vitb=sam_vit_b_01ec64.pth)",
+)
+
+# `--sam_refine` (off in the published config, passed by the published README's evaluation command): the
+# refine stage samrefine with the config's `coarse_thresh` per dataset and `sam_iou_thresh` 0.8
+TRIDENT_COARSE = {"voc21": 0.2, "voc20": 0.2, "context60": 0.15, "context59": 0.15, "coco-object": 0.25, "coco-stuff": 0.05, "cityscapes": 0.10, "ade20k": 0.05}
+_TRIDENT = trident.PROTOCOL
+PROTOCOL = PROTOCOLS.register(
+    "trident-samrefine",
+    dataclasses.replace(
+        _TRIDENT,
+        name="trident-samrefine",
+        per_dataset={
+            d: {**_TRIDENT.per_dataset.get(d, {}), "stages": (*_TRIDENT.per_dataset.get(d, {}).get("stages", _TRIDENT.defaults["stages"]), f"samrefine:{c:g}:0.8")}
+            for d, c in TRIDENT_COARSE.items()
+        },
+    ),
+    help="trident plus the SAM prompt refinement (--sam_refine, stage samrefine:COARSE:0.8, coarse_thresh per dataset); "
+    "needs segment_anything and --proxy-weights sam_vitb=sam_vit_b_01ec64.pth",
+)

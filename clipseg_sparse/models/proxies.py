@@ -9,10 +9,7 @@ are bilinearly resized to it and the block's output lives on it (`grid` of the t
 
 Backbones are loaded once per process and device, with the weights chosen by `use_proxy_weights`
 (default: the Hub tag, or random weights when the CLIP model itself has none); `use_backbone`
-installs one you loaded yourself.
-
-Presets (registered here): `proxyclip` (DINO ViT-B/8) and its `-dinov2` / `-sam` proxy options, each
-with an `-entmax` variant (entmax:1.5 in the normalizer slot, the positive support kept).
+installs one you loaded yourself. ProxyCLIP's presets, which use this tap, are in `methods/proxyclip.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.presets import register_entmax_variant, register_preset
 from ..attention.taps import TAPS, Tap, tap_kind
 from .backbones import BACKBONES, Backbone, load_backbone
 
@@ -184,29 +180,3 @@ TAPS.register(
     Tap(features=_ext_tap, check=lambda arg: split_ext(arg) and None, grid=proxy_grid),
     help="ext:NAME[.qk] (an external backbone's last tokens or last-block q+k, `ls backbones`)",
 )
-
-_PROXYCLIP = "ext:{}[cos,shift:1.2,scale:3,pos]/softmax/cls:0/noffn"
-_PROXYCLIP_NOTES = (
-    "copied: cosine of the backbone's last normed patch tokens on its own grid; (S - 1.2 mean(S)) x 3 with the "
-    "mean over each window's whole map; -inf below 0; one softmax map for all heads; the last block's values "
-    "bilinearly resized to the backbone grid; W_o(A V) without residual, FFN or CLS; logits on the backbone grid "
-    "resized to the window; the backbone sees the CLIP crop re-normalised with ImageNet mean/std at the crop's "
-    "size (SAM: 1024 x 1024); DINO's own position-embedding interpolation; "
-    "fixed: non-square crops use (H/p, W/p) (the code assumes square windows and transposes CLIP's grid); crops "
-    "smaller than the window are padded bottom/right to CLIP's patch (the code pads centred to 56); "
-    "not copied: CLIP's own positional embedding resized DINO-style, fp16, its ';'-separated class files; "
-    "a window whose mean similarity exceeds 1/1.2 gives NaN, as in the published code"
-)
-for _name, _backbone, _what in (
-    ("proxyclip", "dino_vitb8", "DINO ViT-B/8"),
-    ("proxyclip-dinov2", "dinov2_vitb14_reg", "DINOv2 ViT-B/14 with registers"),
-    ("proxyclip-sam", "sam_vitb", "SAM ViT-B image encoder (1024 x 1024 input, 256-d neck features)"),
-):
-    register_preset(
-        _name,
-        _PROXYCLIP.format(_backbone),
-        f"ProxyCLIP (Lan et al., ECCV 2024) with {_what} as the proxy: its feature cosine, shifted by 1.2 x mean, "
-        f"scaled by 3, positive support, as the last block's attention; reduced block",
-        _PROXYCLIP_NOTES,
-    )
-    register_entmax_variant(_name)
