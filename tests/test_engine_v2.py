@@ -178,6 +178,33 @@ def test_extension_points_round_trip_and_run(block_input):
         assert torch.allclose(edited_block_forward(blk, x, spec, (4, 4)), ref, atol=1e-5)
 
 
+def test_an_option_tower_gives_the_blocks_the_model_runs(tiny_clip):
+    """`ExtraOption.tower(clip, arg)`: DenseCLIP runs the blocks an option gives (how `dna:PATH` runs its
+    adapter's blocks) without knowing the option."""
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+
+    seen = []
+
+    def tower(clip, arg):
+        seen.append(arg)
+        blocks = list(clip.visual.transformer.resblocks)
+        return clip.visual if arg == "same" else SimpleNamespace(
+            transformer=SimpleNamespace(resblocks=nn.ModuleList(blocks[:-1] + blocks[:1]), batch_first=clip.visual.transformer.batch_first)
+        )
+
+    if "testtower" not in OPTIONS:
+        register_option("testtower", lambda arg: arg, help="blocks from elsewhere (test)", tower=tower)
+    torch.manual_seed(6)
+    pixels = torch.randn(1, 3, 64, 48)
+    with torch.no_grad():
+        plain = tiny_clip.encode_dense(pixels, "sclip")
+        assert torch.equal(tiny_clip.encode_dense(pixels, "sclip/testtower:same"), plain)
+        assert not torch.allclose(tiny_clip.encode_dense(pixels, "sclip/testtower:swapped"), plain, atol=1e-3)
+    assert seen == ["same", "swapped"]
+
+
 def test_attention_maps_reproduce_the_forward(tiny_clip):
     """maps @ v through out_proj gives the forward's block output for a fused-kernel spec."""
     torch.manual_seed(5)

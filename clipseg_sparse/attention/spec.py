@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Any, Callable
 
 from ..registry import ENTRY_POINT_GROUP, Registry, caller_module
 from ..stages import check_hook
@@ -254,10 +254,13 @@ class ExtraOption:
 
     check(arg) validates the argument and returns its canonical text (raise ValueError when bad);
     `rest_of_spec`: the argument runs to the end of the spec text, so it may contain '/' (paths); such an
-    option is written last. The parsed value is `spec.extra(name)` (the canonical text)."""
+    option is written last. The parsed value is `spec.extra(name)` (the canonical text). tower(clip, arg):
+    what the edited blocks run from instead of `clip.visual` (its `transformer.resblocks`; DnA's adapter
+    blocks), so the model runs an option's blocks without knowing the option."""
 
     check: Callable[[str], str]
     rest_of_spec: bool = False
+    tower: Callable[[Any, str], Any] | None = None
 
 
 OPTIONS: Registry[ExtraOption] = Registry(
@@ -265,9 +268,11 @@ OPTIONS: Registry[ExtraOption] = Registry(
 )
 
 
-def register_option(name: str, check: Callable[[str], str], help: str, rest_of_spec: bool = False) -> None:
+def register_option(
+    name: str, check: Callable[[str], str], help: str, rest_of_spec: bool = False, tower: Callable[[Any, str], Any] | None = None
+) -> None:
     """Add a spec option `NAME:ARG` (see ExtraOption); it round-trips through the text form."""
-    OPTIONS.register(name, ExtraOption(check, rest_of_spec), help=help, module=caller_module())
+    OPTIONS.register(name, ExtraOption(check, rest_of_spec, tower), help=help, module=caller_module())
 
 
 BUILTIN_OPTIONS = (

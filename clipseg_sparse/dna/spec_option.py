@@ -86,6 +86,6 @@ def dna_visual(clip, arg: str) -> SimpleNamespace:
 
 
 register_option(
-    "dna", check_arg, rest_of_spec=True,
+    "dna", check_arg, rest_of_spec=True, tower=dna_visual,
     help="dna:PATH  add a trained DnA adapter's negative branch to its blocks (last option; see `dna train`)",
 )

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionSpec, resolve_spec
+from ..attention import OPTIONS, AttentionSpec, resolve_spec
 from ..attention import blocks as attention_blocks
 from ..attention.taps import attention_grid
 from ..runtime.device import PRECISIONS, resolve_device
@@ -406,11 +406,10 @@ class DenseCLIP:
         return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels, regions).float()
 
     def _tower(self, spec: AttentionSpec):
-        """What the blocks run from: the image tower, or with `dna:PATH` a view of it whose adapter blocks
-        run DnA on these same weights (nothing is patched in place)."""
-        adapter = spec.extra("dna")
-        if adapter is None:
-            return self.visual
-        from ..dna.spec_option import dna_visual
-
-        return dna_visual(self, adapter)
+        """What the blocks run from: the image tower, or the view of it a spec option's `tower` hook gives
+        (`dna:PATH`: its adapter blocks run DnA on these same weights; nothing is patched in place)."""
+        for name, arg in spec.extras:
+            tower = OPTIONS.get(name).tower
+            if tower is not None:
+                return tower(self, arg)
+        return self.visual
