@@ -24,8 +24,8 @@ def test_no_exported_name_is_shadowed_by_a_submodule():
 
 
 def test_a_split_module_keeps_every_public_name_at_its_old_path(monkeypatch):
-    """`clipseg_sparse.proxy` went to attention/grid.py and the CorrCLIP and Trident rooms, `protocols` to
-    evaluation/ and the ResCLIP and Trident rooms: the old paths warn and still hold every name."""
+    """`clipseg_sparse.proxy` went to attention/grid.py, segment/windows.py and the CorrCLIP and Trident rooms,
+    `protocols` to evaluation/ and the ResCLIP and Trident rooms: the old paths warn and still hold every name."""
     import importlib
     import sys
 

@@ -1,19 +1,18 @@
 """Grid and region maths the engine uses: feature cosine, CorrCLIP's region scope and region merging, CLIP's
-values on a proxy grid, and the splice of window features.
+values on a proxy grid.
 
 ProxyCLIP (research/peers-sota.md 2.1) runs through the attention engine: `ext:NAME` features
 (models/proxies.py), the term's cos metric, shift:1.2, scale:3 and pos support, any normalizer, and
 `values_to_grid` below. The methods' own steps are in their rooms: CorrCLIP's whole attention and map
-correction in `methods/corrclip.py`, Trident's SAM map in `methods/trident.py`. Shapes: B images, M = I*J
-proxy tokens, N = h*w CLIP patch tokens, C channels.
+correction in `methods/corrclip.py`, Trident's SAM map in `methods/trident.py` (its splice of the windows'
+features is `segment/windows.py`). Shapes: B images, M = I*J proxy tokens, N = h*w CLIP patch tokens, C
+channels.
 
 Published arithmetic (quirks documented):
 - CorrCLIP's scope (the `region:EPS` support, attention/scope.py): allowed(i, j) = same region, or (i or j
   unsegmented and S_ij > mean(S)); regions merged by DBSCAN (eps 0.2, min_samples 1) on max(sim) - sim of
   region-mean features (zdk258/CorrCLIP@103bc18 via research/peers-sota.md, re-read in
   CorrCLIPv2/open_clip/transformer.py and CorrCLIPv2/corrclip_segmentor.py).
-- Trident's splice: the windows' block outputs placed on the image grid, overlaps averaged
-  (YuHengsss/Trident@a93b346).
 """
 
 from __future__ import annotations

@@ -119,7 +119,6 @@ def stages_table():
     """`ls stages`: each pipeline stage with its kind and meaning."""
     from rich.table import Table
 
-    from ..attention import presets  # noqa: F401  (the preset modules register their stages: sam, samrefine)
     from ..stages import STAGES
 
     table = Table("stage", "kind and meaning")
