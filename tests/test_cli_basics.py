@@ -16,6 +16,8 @@ def test_ls_presets_lists_every_registered_preset():
     for name in PRESETS:
         assert name in result.output
     assert "qq+kk/softmax" in result.output
+    rows = [line for line in result.output.splitlines() if " sclip-entmax " in line]
+    assert rows and "methods.sclip" in rows[0]  # the "defined in" column
 
 
 def test_version_and_help_are_fast_and_do_not_import_torch():

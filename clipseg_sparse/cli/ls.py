@@ -31,17 +31,21 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
 
 
 def presets_table():
-    """`ls presets`: each preset's canonical spec and the method it follows."""
+    """`ls presets`: each preset's canonical spec, the module defining it (`methods.<name>`, or a plug-in's) and
+    the method it follows."""
     from rich.markup import escape
     from rich.table import Table
 
     from ..attention import PRESETS
 
-    table = Table("preset")
+    table = Table()
+    table.add_column("preset", no_wrap=True)
+    table.add_column("defined in", no_wrap=True)
     table.add_column("spec", no_wrap=True)
     table.add_column("follows")
     for name in PRESETS:
-        table.add_row(name, escape(str(PRESETS.get(name).spec)), PRESETS.help(name))  # [..] is not markup
+        where = PRESETS.where(name).removeprefix("clipseg_sparse.")
+        table.add_row(name, where, escape(str(PRESETS.get(name).spec)), PRESETS.help(name))  # [..] is not markup
     return table
 
 
