@@ -282,3 +282,20 @@ def test_analyze_measures_the_pixels_eval_scores(tiny_clip, protocol, forward_in
     assert len(analysed) == len(forward_inputs) > 0
     for (pixels, rule), (evaluated, eval_rule) in zip(analysed, forward_inputs):
         assert rule == eval_rule and torch.equal(pixels, evaluated)
+
+
+def test_an_analysis_made_before_analyze_followed_the_protocols_preprocessing_is_refused(tiny_clip, tmp_path):
+    """Older analyze ignored the protocol's resize / pos_interp / remainder: its result file, which does not
+    record them, must not be shown as the finished result of today's (different) measurement."""
+    from clipseg_sparse.files.results import ConfigMismatchError
+
+    out = tmp_path / "old.json"
+    record = analyze(tiny_clip, "ade20k", ADE_ROOT, "sclip", overrides=FAST, out=out, progress=False)
+    assert record["config"]["preprocess"] == {"resize": "opencv", "pos_interp": "scale", "remainder": "drop", "size_multiple": 0}
+    old = json.loads(out.read_text())
+    del old["config"]["preprocess"]
+    out.write_text(json.dumps(old))
+    with pytest.raises(ConfigMismatchError, match="preprocess"):
+        analyze(tiny_clip, "ade20k", ADE_ROOT, "sclip", overrides=FAST, out=out, progress=False)
+    again = analyze(tiny_clip, "ade20k", ADE_ROOT, "sclip", overrides=FAST, out=out, progress=False, overwrite=True)
+    assert again["metrics"] == pytest.approx(record["metrics"])

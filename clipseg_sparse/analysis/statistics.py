@@ -42,6 +42,7 @@ from ..models.clip import DenseCLIP
 
 STATS = ("entropy", "support", "nonzero", "own_mass", "stuff_mass", "cls_mass", "diffusivity")
 ANALYSIS_SETTINGS = ("resolution", "max_long_side", "window", "stride", "batch_size")
+PREPROCESS_SETTINGS = ("resize", "pos_interp", "remainder", "size_multiple")  # from the protocol, as eval
 
 
 # -- stuff classes (data) ----------------------------------------------------------------------------
@@ -277,6 +278,9 @@ def analyze(
         "root": str(Path(root).resolve()),
         "protocol": protocol,
         **{k: getattr(settings, k) for k in ANALYSIS_SETTINGS},
+        # the preprocessing eval uses (recorded since analyze follows it: older results, made without it,
+        # are refused as of another configuration instead of being shown as finished)
+        "preprocess": {k: getattr(settings, k) for k in PREPROCESS_SETTINGS},
         "per_head": per_head,
         "stuff_classes": list(stuff) if stuff is not None else None,
         "patch_labels": "majority over each patch's pixels (nearest-resized labels); void-majority patches skipped",
