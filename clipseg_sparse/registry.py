@@ -47,12 +47,24 @@ class Registry(Generic[T]):
 
     locations: modules imported on the first lookup (their import registers the built-in entries);
     group: an entry-point group whose modules are imported with them (plug-ins of other packages).
+    help_column: what an entry's help text says, the column `ls` shows it under ("": not shown); describe: the `ls` row of
+    an entry whose type has no `describe()` of its own (default: just the help).
     """
 
-    def __init__(self, kind: str, *, locations: Sequence[str] = (), group: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        *,
+        locations: Sequence[str] = (),
+        group: str | None = None,
+        help_column: str = "meaning",
+        describe: Callable[[T], dict[str, str]] | None = None,
+    ) -> None:
         self.kind = kind
         self.locations = tuple(locations)
         self.group = group
+        self.help_column = help_column
+        self._describe = describe
         self._items: dict[str, T] = {}
         self._help: dict[str, str] = {}
         self._where: dict[str, str] = {}
@@ -115,6 +127,13 @@ class Registry(Generic[T]):
         """The module that registered `name` (timm's `_model_to_module`), e.g. `clipseg_sparse.methods.sclip`."""
         self.get(name)
         return self._where[name]
+
+    def describe(self, name: str) -> dict[str, str]:
+        """The row `ls` prints for `name`: column -> text, the entry's own `describe()` (or the registry's
+        `describe`) followed by its help under `help_column`."""
+        entry = self.get(name)
+        own = self._describe(entry) if self._describe else getattr(entry, "describe", dict)()
+        return {**own, self.help_column: self._help[name]} if self.help_column else own
 
     def names(self) -> list[str]:
         self._load()

@@ -71,7 +71,9 @@ class Stage:
 # name -> factory: the text after "NAME:" (empty when absent) -> Stage; ValueError for bad arguments.
 # The published methods' stages register in their rooms (`clipseg_sparse.methods`); PAMR is here, below the
 # engine, because ResCLIP's first pass (attention/feedback.py) runs it inside the attention.
-STAGES: Registry[Callable[[str], Stage]] = Registry("stage", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP)
+STAGES: Registry[Callable[[str], Stage]] = Registry(
+    "stage", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP, help_column="kind and meaning"
+)
 
 
 def parse_stage(text: str) -> Stage:

@@ -23,7 +23,20 @@ from dataclasses import dataclass
 
 import torch
 
-NORMALIZER_KINDS = ("softmax", "entmax", "sparsemax", "randmask")
+from ..registry import Registry
+
+#: kind -> its written form (`ls normalizers`, the spec grammar's help and the parse errors read this one list)
+NORMALIZERS: Registry[str] = Registry("normalizer", help_column="meaning")
+NORMALIZERS.register("softmax", "softmax", help="standard attention (alpha = 1)")
+NORMALIZERS.register("entmax", "entmax:ALPHA", help="alpha-entmax, 1 < ALPHA <= 2: exact zeros below a data-dependent threshold")
+NORMALIZERS.register("sparsemax", "sparsemax", help="entmax:2, Euclidean projection onto the simplex")
+NORMALIZERS.register("randmask", "randmask:ALPHA", help="control: softmax on a random subset as large as entmax:ALPHA's support")
+NORMALIZER_KINDS = tuple(NORMALIZERS.names())
+
+
+def normalizer_forms() -> str:
+    """'softmax, entmax:ALPHA, sparsemax, randmask:ALPHA': the written forms, for help and errors."""
+    return ", ".join(NORMALIZERS.get(kind) for kind in NORMALIZERS)
 BLOCK_ELEMENTS = 1 << 19  # rows per block x row length: 2 MiB of fp32 per buffer, a core's L2 here
 RANDMASK_SEED = 0
 
@@ -40,10 +53,7 @@ class Normalizer:
         name, _, arg = text.strip().partition(":")
         name = name.lower()
         if name not in NORMALIZER_KINDS:
-            raise ValueError(
-                f"unknown normalizer {text!r}; choose softmax, entmax:ALPHA (1 < ALPHA <= 2), sparsemax "
-                f"or randmask:ALPHA"
-            )
+            raise ValueError(f"unknown normalizer {text!r}; choose {normalizer_forms()} (1 < ALPHA <= 2)")
         if name in ("softmax", "sparsemax"):
             if arg:
                 raise ValueError(f"normalizer {name!r} takes no argument (got {text!r})")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ..registry import ENTRY_POINT_GROUP, Registry, caller_module
 from ..stages import check_hook
-from .normalizers import NORMALIZER_KINDS, Normalizer
+from .normalizers import NORMALIZER_KINDS, Normalizer, normalizer_forms
 
 SOURCES = ("qk", "qq", "kk", "vv", "id")  # the v1 sources; `id` is the value path alone (MaskCLIP)
 SUPPORTS = ("all", "pos", "thresh", "topk", "topp", "region")
@@ -283,7 +283,7 @@ BUILTIN_OPTIONS = (
 
 def _options_help() -> str:
     extra = "".join(f", {n}:ARG" for n in OPTIONS.names())
-    return f"options: {BUILTIN_OPTIONS}{extra}; normalizers: softmax, entmax:ALPHA, sparsemax, randmask:ALPHA"
+    return f"options: {BUILTIN_OPTIONS}{extra}; normalizers: {normalizer_forms()}"
 
 
 # -- the spec -------------------------------------------------------------------------------------------
@@ -490,5 +490,10 @@ class Preset:
     reference: str
     notes: str = ""  # quirks of the published code copied or fixed
 
+    def describe(self) -> dict[str, str]:
+        return {"spec": str(self.spec)}
 
-PRESETS: Registry[Preset] = Registry("attention preset", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP)
+
+PRESETS: Registry[Preset] = Registry(
+    "attention preset", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP, help_column="follows"
+)

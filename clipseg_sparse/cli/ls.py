@@ -1,9 +1,16 @@
-"""`clipseg-sparse ls`: the registered names of each kind, one table builder per kind."""
+"""`clipseg-sparse ls`: the entries of each registry, printed by one loop over `Registry.describe` rows.
+
+Every kind but `models` is a registry of the package (defined next to its entries' type, `registry.py`);
+a row is the entry's own description plus its help, and a "defined in" column names the module that
+registered it wherever a kind's entries come from more than one module (presets, stages, protocols, taps).
+"""
 
 from __future__ import annotations
 
+import importlib
 from enum import Enum
-from typing import Annotated
+from functools import partial
+from typing import Annotated, Callable
 
 import typer
 
@@ -21,48 +28,59 @@ class Listable(str, Enum):
     grids = "grids"
     stages = "stages"
     backbones = "backbones"
+    taps = "taps"
+    options = "options"
+    formats = "formats"
+
+
+# ls KIND -> (module, registry, first column's title)
+REGISTRIES: dict[Listable, tuple[str, str, str]] = {
+    Listable.presets: ("clipseg_sparse.attention.spec", "PRESETS", "preset"),
+    Listable.normalizers: ("clipseg_sparse.attention.normalizers", "NORMALIZERS", "normalizer"),
+    Listable.datasets: ("clipseg_sparse.datasets", "DATASETS", "dataset"),
+    Listable.protocols: ("clipseg_sparse.evaluation.protocols", "PROTOCOLS", "protocol"),
+    Listable.grids: ("clipseg_sparse.sweeps.grid", "GRIDS", "grid"),
+    Listable.stages: ("clipseg_sparse.stages", "STAGES", "stage"),
+    Listable.backbones: ("clipseg_sparse.models.backbones", "BACKBONES", "backbone"),
+    Listable.taps: ("clipseg_sparse.attention.taps", "TAPS", "tap"),
+    Listable.options: ("clipseg_sparse.attention.spec", "OPTIONS", "spec option"),
+    Listable.formats: ("clipseg_sparse.files.outputs", "MASK_FORMATS", "mask format"),
+}
 
 
 @app.command("ls")
 @user_errors()
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
-    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages, proxy backbones."""
+    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages,
+    proxy backbones, score taps, spec options, mask formats."""
     out_console().print(TABLES[what]())
 
 
-def presets_table():
-    """`ls presets`: each preset's canonical spec, the module defining it (`methods.<name>`, or a plug-in's) and
-    the method it follows."""
+def registry_table(what: Listable):
+    """The table of one registry: a row per entry (`Registry.describe`), "defined in" where its entries come
+    from several modules (`Registry.where`: `methods.<name>`, or a plug-in's)."""
     from rich.markup import escape
     from rich.table import Table
 
-    from ..attention import PRESETS
-
+    module, attr, title = REGISTRIES[what]
+    registry = getattr(importlib.import_module(module), attr)
+    rows = {name: registry.describe(name) for name in registry}
+    where = {name: registry.where(name).removeprefix("clipseg_sparse.") for name in registry}
+    columns = [c for c in dict.fromkeys(k for row in rows.values() for k in row) if any(row.get(c) for row in rows.values())]
     table = Table()
-    table.add_column("preset", no_wrap=True)
-    table.add_column("defined in", no_wrap=True)
-    table.add_column("spec", no_wrap=True)
-    table.add_column("follows")
-    for name in PRESETS:
-        where = PRESETS.where(name).removeprefix("clipseg_sparse.")
-        table.add_row(name, where, escape(str(PRESETS.get(name).spec)), PRESETS.help(name))  # [..] is not markup
-    return table
-
-
-def normalizers_table():
-    """`ls normalizers`: the normalizer kinds a spec accepts."""
-    from rich.table import Table
-
-    table = Table("normalizer", "meaning")
-    table.add_row("softmax", "standard attention (alpha = 1)")
-    table.add_row("entmax:ALPHA", "alpha-entmax, 1 < ALPHA <= 2: exact zeros below a data-dependent threshold")
-    table.add_row("sparsemax", "entmax:2, Euclidean projection onto the simplex")
-    table.add_row("randmask:ALPHA", "control: softmax on a random subset as large as entmax:ALPHA's support")
+    table.add_column(title, no_wrap=True)
+    if len(set(where.values())) > 1:
+        table.add_column("defined in", no_wrap=True)
+    for column in columns:
+        table.add_column(column, no_wrap=column == "spec")
+    for name, row in rows.items():
+        cells = [name] + ([where[name]] if len(set(where.values())) > 1 else []) + [row.get(c, "") for c in columns]
+        table.add_row(*(escape(c) for c in cells))  # spec text such as [cos] is not markup
     return table
 
 
 def models_table():
-    """`ls models`: open_clip's model names and their pretrained tags."""
+    """`ls models`: open_clip's model names and their pretrained tags (open_clip's list, not a registry here)."""
     import open_clip
     from rich.table import Table
 
@@ -74,83 +92,4 @@ def models_table():
     return table
 
 
-def datasets_table():
-    """`ls datasets`: each benchmark's classes, label encoding and layout under --root."""
-    from rich.table import Table
-
-    from ..datasets import DATASETS
-
-    table = Table("dataset", "classes", "background", "reduce_zero_label", "val images", "layout under --root", "what")
-    for name in DATASETS:
-        b = DATASETS.get(name)
-        layout = "/".join(p for p in (b.layout, b.img_dir) if p) + f"/*{b.img_suffix}"
-        table.add_row(name, str(b.num_classes), "class 0" if b.background else "-", "yes" if b.reduce_zero_label else "no",
-                      str(b.num_images), layout, DATASETS.help(name))
-    return table
-
-
-def protocols_table():
-    """`ls protocols`: each protocol's attention, class names and settings (all datasets, then per dataset)."""
-    from rich.table import Table
-
-    from ..evaluation.protocols import PROTOCOLS
-
-    table = Table("protocol", "attention", "class names", "all datasets", "per dataset", "follows (source)")
-    fmt = lambda d: ", ".join(  # noqa: E731
-        f"{k}={','.join(v)}" if isinstance(v, tuple) else f"{k}={v}" if isinstance(v, (bool, str)) else f"{k}={v:g}" for k, v in d.items()
-    )
-    for name in PROTOCOLS:
-        p = PROTOCOLS.get(name)
-        per = "\n".join(f"{ds}: {fmt(d)}" for ds, d in p.per_dataset.items())
-        table.add_row(name, p.attention, p.class_names, fmt(p.defaults), per, f"{PROTOCOLS.help(name)}\n{p.source}")
-    return table
-
-
-def grids_table():
-    """`ls grids` (and `reproduce --list`): each shipped grid, its number of cells and what it reproduces."""
-    from rich.table import Table
-
-    from ..sweeps.grid import GRIDS, read_grid_file
-
-    table = Table("grid", "cells", "what")
-    for name in GRIDS:
-        cells = len(read_grid_file(GRIDS.get(name), benchmarks_dir=".").grid.cells())
-        table.add_row(name, str(cells), GRIDS.help(name))
-    return table
-
-
-def stages_table():
-    """`ls stages`: each pipeline stage with its kind and meaning."""
-    from rich.table import Table
-
-    from ..stages import STAGES
-
-    table = Table("stage", "kind and meaning")
-    for name in STAGES:
-        table.add_row(name, STAGES.help(name))
-    return table
-
-
-def backbones_table():
-    """`ls backbones`: each registered backbone with its timm tag, patch, features and published loader."""
-    from rich.table import Table
-
-    from ..models.backbones import BACKBONES
-
-    table = Table("backbone", "kind", "timm / hub id", "patch", "features", "positions", "published loader")
-    for name in BACKBONES:
-        b = BACKBONES.get(name)
-        table.add_row(name, b.kind, b.timm_name, str(b.patch_size), ", ".join(b.features) or "region masks", b.pos_rule, b.published)
-    return table
-
-
-TABLES = {
-    Listable.presets: presets_table,
-    Listable.normalizers: normalizers_table,
-    Listable.models: models_table,
-    Listable.datasets: datasets_table,
-    Listable.protocols: protocols_table,
-    Listable.grids: grids_table,
-    Listable.stages: stages_table,
-    Listable.backbones: backbones_table,
-}
+TABLES: dict[Listable, Callable] = {what: partial(registry_table, what) for what in REGISTRIES} | {Listable.models: models_table}

@@ -10,7 +10,7 @@ import typer
 
 from . import analysis as cli_analysis
 from .common import PAMR_HELP, Device, DeviceOpt, Precision, check_out, fail, note_softmax_aliases, out_console, user_errors
-from .ls import grids_table
+from .ls import Listable, registry_table
 from ..runtime.progress import err_console
 
 app = typer.Typer()
@@ -202,7 +202,7 @@ def reproduce(
     from ..sweeps.run import SweepPaths, parse_roots
 
     if list_ or table is None:
-        out_console().print(grids_table())
+        out_console().print(registry_table(Listable.grids))
         return
     given = {k: v for k, v in {"models": _split(models), "pretrained": pretrained, "limit": limit}.items() if v is not None}
     grid_file = Path(table) if table.endswith(".toml") else GRIDS.get(table)

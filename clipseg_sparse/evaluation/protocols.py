@@ -26,6 +26,13 @@ from ..segment.settings import InferenceSettings
 from ..registry import ENTRY_POINT_GROUP, Registry
 
 
+def _settings_text(settings: Mapping[str, Any]) -> str:
+    """`resolution=336, stages=pamr`: settings as `ls protocols` prints them."""
+    return ", ".join(
+        f"{k}={','.join(v)}" if isinstance(v, tuple) else f"{k}={v}" if isinstance(v, (bool, str)) else f"{k}={v:g}" for k, v in settings.items()
+    )
+
+
 @dataclass(frozen=True)
 class Protocol:
     """Per-dataset inference settings of one published evaluation, plus its default pairings."""
@@ -38,6 +45,13 @@ class Protocol:
     per_dataset: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # dataset -> the text of `attention` with that dataset's published constants (ResCLIP's lambda, tau, temp_thd)
     attention_per_dataset: Mapping[str, str] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, str]:
+        """`ls protocols`: attention, class names and settings (all datasets, then per dataset)."""
+        return {
+            "attention": self.attention, "class names": self.class_names, "all datasets": _settings_text(self.defaults),
+            "per dataset": "\n".join(f"{ds}: {_settings_text(d)}" for ds, d in self.per_dataset.items()), "source": self.source,
+        }
 
     def settings(self, dataset: str, overrides: Mapping[str, Any] | None = None) -> InferenceSettings:
         """InferenceSettings for `dataset`; `overrides` entries that are None are ignored, unknown ones
@@ -64,7 +78,9 @@ class Protocol:
 
 
 # Each method registers its protocol(s) in its own module (`clipseg_sparse.methods.<name>`, `PROTOCOL`).
-PROTOCOLS: Registry[Protocol] = Registry("protocol", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP)
+PROTOCOLS: Registry[Protocol] = Registry(
+    "protocol", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP, help_column="follows"
+)
 
 # The mmseg line several methods share.
 # What every published pipeline does below the configs (mmcv / mmseg, the repos' CLIP code): mmcv's

@@ -125,7 +125,7 @@ class MaskFormat:
     write: Callable[[Path, SegmentationResult], None]
 
 
-MASK_FORMATS: Registry[MaskFormat] = Registry("mask format")
+MASK_FORMATS: Registry[MaskFormat] = Registry("mask format", describe=lambda fmt: {"suffix": fmt.suffix})
 MASK_FORMATS.register("png", MaskFormat(".png", _write_png), "palette PNG, pixel value = class index")
 MASK_FORMATS.register("coco-rle", MaskFormat(".rle.json", _write_rle), "COCO RLE masks (pycocotools), one JSON per image")
 

@@ -240,6 +240,6 @@ def read_grid_file(
     return GridFile(grid, description, roots, path.parent / images_root if images_root else None, report)
 
 
-GRIDS: Registry[Path] = Registry("grid")
+GRIDS: Registry[Path] = Registry("grid", help_column="what", describe=lambda path: {"cells": str(len(read_grid_file(path, benchmarks_dir=".").grid.cells()))})
 for _path in sorted(GRID_DIR.glob("*.toml")):
     GRIDS.register(_path.stem, _path, help=tomllib.loads(_path.read_text(encoding="utf-8")).get("description", ""))
