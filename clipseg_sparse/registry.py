@@ -47,8 +47,8 @@ class Registry(Generic[T]):
 
     locations: modules imported on the first lookup (their import registers the built-in entries);
     group: an entry-point group whose modules are imported with them (plug-ins of other packages).
-    help_column: what an entry's help text says, the column `ls` shows it under ("": not shown); describe: the `ls` row of
-    an entry whose type has no `describe()` of its own (default: just the help).
+    An entry's `ls` row is its type's `describe(help) -> dict[str, str]` where it has one; otherwise the
+    registry's `describe(entry)` (default: nothing) followed by the help under `help_column`.
     """
 
     def __init__(
@@ -129,11 +129,12 @@ class Registry(Generic[T]):
         return self._where[name]
 
     def describe(self, name: str) -> dict[str, str]:
-        """The row `ls` prints for `name`: column -> text, the entry's own `describe()` (or the registry's
-        `describe`) followed by its help under `help_column`."""
+        """The row `ls` prints for `name`, column -> text (see the class docstring)."""
         entry = self.get(name)
-        own = self._describe(entry) if self._describe else getattr(entry, "describe", dict)()
-        return {**own, self.help_column: self._help[name]} if self.help_column else own
+        own = getattr(entry, "describe", None)
+        if self._describe is None and callable(own):
+            return own(self._help[name])
+        return {**(self._describe(entry) if self._describe else {}), self.help_column: self._help[name]}
 
     def names(self) -> list[str]:
         self._load()

@@ -36,7 +36,7 @@ def test_ctrl_c_says_how_to_resume(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("clipseg_sparse.attention.PRESETS.help", interrupted)
+    monkeypatch.setattr("clipseg_sparse.attention.PRESETS.describe", interrupted)
     monkeypatch.setattr(sys, "argv", ["clipseg-sparse", "ls", "presets"])
     with pytest.raises(SystemExit) as exit_info:
         cli.main()

@@ -490,10 +490,8 @@ class Preset:
     reference: str
     notes: str = ""  # quirks of the published code copied or fixed
 
-    def describe(self) -> dict[str, str]:
-        return {"spec": str(self.spec)}
+    def describe(self, help: str) -> dict[str, str]:
+        return {"spec": str(self.spec), "follows": help}
 
 
-PRESETS: Registry[Preset] = Registry(
-    "attention preset", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP, help_column="follows"
-)
+PRESETS: Registry[Preset] = Registry("attention preset", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP)

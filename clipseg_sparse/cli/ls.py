@@ -1,8 +1,8 @@
 """`clipseg-sparse ls`: the entries of each registry, printed by one loop over `Registry.describe` rows.
 
 Every kind but `models` is a registry of the package (defined next to its entries' type, `registry.py`);
-a row is the entry's own description plus its help, and a "defined in" column names the module that
-registered it wherever a kind's entries come from more than one module (presets, stages, protocols, taps).
+a row is the entry's own description plus its help, and for the plug-in kinds (presets, stages, taps, spec
+options) a "defined in" column names the module that registered each entry.
 """
 
 from __future__ import annotations
@@ -33,18 +33,18 @@ class Listable(str, Enum):
     formats = "formats"
 
 
-# ls KIND -> (module, registry, first column's title)
-REGISTRIES: dict[Listable, tuple[str, str, str]] = {
-    Listable.presets: ("clipseg_sparse.attention.spec", "PRESETS", "preset"),
-    Listable.normalizers: ("clipseg_sparse.attention.normalizers", "NORMALIZERS", "normalizer"),
-    Listable.datasets: ("clipseg_sparse.datasets", "DATASETS", "dataset"),
-    Listable.protocols: ("clipseg_sparse.evaluation.protocols", "PROTOCOLS", "protocol"),
-    Listable.grids: ("clipseg_sparse.sweeps.grid", "GRIDS", "grid"),
-    Listable.stages: ("clipseg_sparse.stages", "STAGES", "stage"),
-    Listable.backbones: ("clipseg_sparse.models.backbones", "BACKBONES", "backbone"),
-    Listable.taps: ("clipseg_sparse.attention.taps", "TAPS", "tap"),
-    Listable.options: ("clipseg_sparse.attention.spec", "OPTIONS", "spec option"),
-    Listable.formats: ("clipseg_sparse.files.outputs", "MASK_FORMATS", "mask format"),
+# ls KIND -> (module, registry, first column's title, whether to show where each entry is defined)
+REGISTRIES: dict[Listable, tuple[str, str, str, bool]] = {
+    Listable.presets: ("clipseg_sparse.attention.spec", "PRESETS", "preset", True),
+    Listable.normalizers: ("clipseg_sparse.attention.normalizers", "NORMALIZERS", "normalizer", False),
+    Listable.datasets: ("clipseg_sparse.datasets", "DATASETS", "dataset", False),
+    Listable.protocols: ("clipseg_sparse.evaluation.protocols", "PROTOCOLS", "protocol", False),
+    Listable.grids: ("clipseg_sparse.sweeps.grid", "GRIDS", "grid", False),
+    Listable.stages: ("clipseg_sparse.stages", "STAGES", "stage", True),
+    Listable.backbones: ("clipseg_sparse.models.backbones", "BACKBONES", "backbone", False),
+    Listable.taps: ("clipseg_sparse.attention.taps", "TAPS", "tap", True),
+    Listable.options: ("clipseg_sparse.attention.spec", "OPTIONS", "spec option", True),
+    Listable.formats: ("clipseg_sparse.files.outputs", "MASK_FORMATS", "mask format", False),
 }
 
 
@@ -57,24 +57,24 @@ def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
 
 
 def registry_table(what: Listable):
-    """The table of one registry: a row per entry (`Registry.describe`), "defined in" where its entries come
-    from several modules (`Registry.where`: `methods.<name>`, or a plug-in's)."""
+    """The table of one registry: a row per entry (`Registry.describe`), and for plug-in kinds the module
+    that defined it (`Registry.where`: `methods.<name>`, or a plug-in's)."""
     from rich.markup import escape
     from rich.table import Table
 
-    module, attr, title = REGISTRIES[what]
+    module, attr, title, show_where = REGISTRIES[what]
     registry = getattr(importlib.import_module(module), attr)
     rows = {name: registry.describe(name) for name in registry}
     where = {name: registry.where(name).removeprefix("clipseg_sparse.") for name in registry}
     columns = [c for c in dict.fromkeys(k for row in rows.values() for k in row) if any(row.get(c) for row in rows.values())]
     table = Table()
     table.add_column(title, no_wrap=True)
-    if len(set(where.values())) > 1:
+    if show_where:
         table.add_column("defined in", no_wrap=True)
     for column in columns:
         table.add_column(column, no_wrap=column == "spec")
     for name, row in rows.items():
-        cells = [name] + ([where[name]] if len(set(where.values())) > 1 else []) + [row.get(c, "") for c in columns]
+        cells = [name] + ([where[name]] if show_where else []) + [row.get(c, "") for c in columns]
         table.add_row(*(escape(c) for c in cells))  # spec text such as [cos] is not markup
     return table
 

@@ -65,14 +65,15 @@ class Benchmark:
     def num_classes(self) -> int:
         return len(self.classes)
 
-    def describe(self) -> dict[str, str]:
-        """`ls datasets`: classes, label encoding and the layout under --root (the title is the registry's help)."""
+    def describe(self, help: str) -> dict[str, str]:
+        """`ls datasets`: classes, label encoding, the layout under --root and what it is."""
         return {
             "classes": str(self.num_classes),
             "background": "class 0" if self.background else "-",
             "reduce_zero_label": "yes" if self.reduce_zero_label else "no",
             "val images": str(self.num_images),
             "layout under --root": "/".join(p for p in (self.layout, self.img_dir) if p) + f"/*{self.img_suffix}",
+            "what": help,
         }
 
     def _error(self, message: str) -> DatasetError:
@@ -165,7 +166,7 @@ class Benchmark:
         return labels
 
 
-DATASETS: Registry[Benchmark] = Registry("dataset", help_column="what")
+DATASETS: Registry[Benchmark] = Registry("dataset")
 
 
 def _register(bench: Benchmark, help: str) -> None:

@@ -46,11 +46,12 @@ class Protocol:
     # dataset -> the text of `attention` with that dataset's published constants (ResCLIP's lambda, tau, temp_thd)
     attention_per_dataset: Mapping[str, str] = field(default_factory=dict)
 
-    def describe(self) -> dict[str, str]:
+    def describe(self, help: str) -> dict[str, str]:
         """`ls protocols`: attention, class names and settings (all datasets, then per dataset)."""
         return {
             "attention": self.attention, "class names": self.class_names, "all datasets": _settings_text(self.defaults),
-            "per dataset": "\n".join(f"{ds}: {_settings_text(d)}" for ds, d in self.per_dataset.items()), "source": self.source,
+            "per dataset": "\n".join(f"{ds}: {_settings_text(d)}" for ds, d in self.per_dataset.items()),
+            "follows (source)": f"{help}\n{self.source}",
         }
 
     def settings(self, dataset: str, overrides: Mapping[str, Any] | None = None) -> InferenceSettings:
@@ -78,9 +79,7 @@ class Protocol:
 
 
 # Each method registers its protocol(s) in its own module (`clipseg_sparse.methods.<name>`, `PROTOCOL`).
-PROTOCOLS: Registry[Protocol] = Registry(
-    "protocol", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP, help_column="follows"
-)
+PROTOCOLS: Registry[Protocol] = Registry("protocol", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP)
 
 # The mmseg line several methods share.
 # What every published pipeline does below the configs (mmcv / mmseg, the repos' CLIP code): mmcv's

@@ -58,15 +58,16 @@ class BackboneInfo:
     published: str  # how the published methods load it
     input_size: int | None = None  # fixed square input (SAM: 1024)
 
-    def describe(self) -> dict[str, str]:
-        """`ls backbones`: timm tag, patch, features, positional rule and the published loader."""
+    def describe(self, help: str) -> dict[str, str]:
+        """`ls backbones`: timm tag, patch, features, positional rule and the published loader (which the
+        help repeats)."""
         return {
             "kind": self.kind, "timm / hub id": self.timm_name, "patch": str(self.patch_size),
             "features": ", ".join(self.features) or "region masks", "positions": self.pos_rule, "published loader": self.published,
         }
 
 
-BACKBONES: Registry[BackboneInfo] = Registry("backbone", help_column="")  # its help repeats timm tag and loader
+BACKBONES: Registry[BackboneInfo] = Registry("backbone")
 
 
 def _register(info: BackboneInfo) -> None:
