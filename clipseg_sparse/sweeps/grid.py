@@ -50,7 +50,7 @@ class Grid:
     def __post_init__(self) -> None:
         from ..attention import PRESETS, AttentionSpec
         from ..datasets import DATASETS
-        from ..segment.segmenter import InferenceSettings
+        from ..segment.settings import InferenceSettings
         from ..attention.normalizers import Normalizer
         from ..evaluation.protocols import PROTOCOLS
 

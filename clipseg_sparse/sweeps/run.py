@@ -129,7 +129,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths, progress: bool = False, overwr
                  regions=paths.region_source(cell.data, str(clip.device)), **templates)  # fmt: skip
     else:
         from ..evaluation.fgovd import evaluate_fgovd
-        from ..segment.segmenter import InferenceSettings
+        from ..segment.settings import InferenceSettings
 
         if paths.images_root is None:
             raise ValueError("FG-OVD cells need the COCO images folder (--images-root)")
