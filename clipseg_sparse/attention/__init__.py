@@ -63,7 +63,7 @@ from .taps import TAPS, BlockContext, Tap
 from .transforms import gaussian_prior
 
 
-def attention_maps(clip, pixels, spec, regions=None) -> "torch.Tensor":  # noqa: F821
+def attention_maps(clip, pixels, spec, regions=None, pos_interp: str = "size") -> "torch.Tensor":  # noqa: F821
     """B x H x N x N: the normalised attention that multiplies the values in the last edited block
     (main path), per head, computed by the forward's own score and normalize functions.
 
@@ -71,9 +71,10 @@ def attention_maps(clip, pixels, spec, regions=None) -> "torch.Tensor":  # noqa:
     spec: a spec, its text or a preset name. N = 1 + h*w tokens (CLS first, then the patch grid
     row-major), or h*w with `cls:C`. Rows sum to 1 (to the sum of group weights with weights, plus W
     with `neg:W`); for source `id` the identity. regions: B x H x W region ids of the pixels, for specs
-    with the `region:EPS` support (CorrCLIP).
+    with the `region:EPS` support (CorrCLIP). pos_interp: the positional-embedding rule ("size", or the
+    published repositories' "scale"), as the protocol `eval` runs under gives it.
     """
-    return clip.attention_maps(pixels, spec, regions)
+    return clip.attention_maps(pixels, spec, regions, pos_interp)
 
 
 __all__ = [
