@@ -18,14 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from . import feedback
 from .combine import _attend, aggregate, attended_values, attention_weights
 from .grid import resize_regions
 from .scope import mask_class_tokens, mct_step, needs_regions, prepare_regions, semantic_tokens, semantic_weight
 from .spec import AttentionSpec
-from .taps import TAPS, BlockContext, clip_attention, positive_attention, tap_kind
+from .taps import TAPS, BlockContext, block_qkv, clip_attention, positive_attention, run_block, tap_kind
 
 
 @dataclass
@@ -63,12 +62,9 @@ def _tap_needs(spec: AttentionSpec) -> tuple[set[int], set[int], set[int]]:
 
 
 def _context(state: EncoderState, reads: torch.Tensor, block: torch.nn.Module, offset: int, hidden) -> BlockContext:
-    """ln_1 and q/k/v (B x H x N x d) of `reads` (B x N x C) for `block`."""
-    attn = positive_attention(block.attn)
-    B, N, C = reads.shape
-    H = attn.num_heads
+    """ln_1 and q/k/v (B x H x N x d) of `reads` (B x N x C) for `block` (`taps.block_qkv`)."""
     u = block.ln_1(reads)
-    q, k, v = F.linear(u, attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
+    q, k, v = block_qkv(block, u, state.grid)
     return BlockContext(
         q=q, k=k, v=v, u=u, grid=state.grid, offset=offset, hidden=hidden, maps=state.maps, pixels=state.pixels, extra=state.extra
     )
@@ -84,22 +80,26 @@ def edited_block_forward(
     main: bool = True,
     sink: list | None = None,
 ) -> torch.Tensor:
-    """Run one open_clip `ResidualAttentionBlock` with the attention described by `spec`.
+    """Run one open_clip `ResidualAttentionBlock` (or an adapted timm block, `models/towers.py`) with the
+    attention described by `spec`.
 
-    x: B x N x C tokens (batch first, CLS at index 0, then the h x w patch grid row-major).
+    x: B x N x C tokens (batch first, the prefix tokens (CLS; none in SigLIP) first, then the h x w patch
+    grid row-major).
     reads: the tokens whose ln_1 gives q, k, v (parallel mode: the original path); default x.
     main: False for an extra input (no input aggregation). sink: if a list, the B x H x N x N attention
     that multiplies the values is appended to it (analysis). Uses the block's own weights (`attn.in_proj_*`,
     `attn.out_proj`, `ln_1`, `ln_2`, `mlp`, `ls_*`) and changes none of them.
     """
     attn = positive_attention(block.attn)  # a DnA block (dna:PATH) adds its negative branch below
-    if not isinstance(attn, torch.nn.MultiheadAttention):
+    if not isinstance(attn, torch.nn.MultiheadAttention) and not hasattr(block, "project_qkv"):
         raise TypeError(
-            f"attention edits need open_clip's default ResidualAttentionBlock (nn.MultiheadAttention), "
-            f"got {type(attn).__name__}"
+            f"attention edits need open_clip's default ResidualAttentionBlock (nn.MultiheadAttention) or an "
+            f"adapted timm block, got {type(attn).__name__}"
         )
     state = state or EncoderState(x, grid)
     off = 0 if spec.cls_residual is None else 1  # cls:C attends over the patch tokens only
+    if off and x.shape[1] == grid[0] * grid[1]:
+        raise ValueError(f"spec {spec}: cls:C keeps a CLS token, and this model's tokens have none (SigLIP)")
     tokens = x[:, off:] if off else x
     if main and spec.aggregate_in:
         tokens = aggregate(tokens, spec.aggregation_in, BlockContext(grid=grid, offset=off, hidden=state.main))
@@ -158,7 +158,7 @@ def encode_tokens(
         raise ValueError(f"spec edits {spec.layers} blocks but the model has {len(blocks)}")
     if spec.is_identity and sink is None:
         for blk in blocks:
-            x = blk(x)
+            x = run_block(blk, x, grid)
         for hook in token_hooks:  # no block is edited: the hooks see the last block's output
             x = hook(x, grid)
         return x
@@ -182,10 +182,10 @@ def encode_tokens(
         mct, allowed, index = mask_class_tokens(x, ids.flatten(1))
     for i, blk in enumerate(blocks[:n_plain], start=1):
         if i in need_maps:
-            state.maps[i] = clip_attention(blk, x)
+            state.maps[i] = clip_attention(blk, x, grid)
         if beta is not None:
             mct = mct_step(blk, mct, x, allowed)
-        x = blk(x)
+        x = run_block(blk, x, grid)
         if i in need_main | need_raw:
             state.hidden[i] = x
     state.x = x
@@ -254,8 +254,9 @@ def _parallel(edited, state: EncoderState, spec: AttentionSpec, sink: list | Non
     x_orig = x_par = state.x
     for j, blk in enumerate(edited):
         x_par = edited_block_forward(blk, x_par, spec, state.grid, state, reads=x_orig, sink=sink if j == len(edited) - 1 else None)
-        x_orig = blk(x_orig)
-    return torch.cat([x_orig[:, :1], x_par[:, 1:]], dim=1)
+        x_orig = run_block(blk, x_orig, state.grid)
+    prefix = x_orig.shape[1] - state.grid[0] * state.grid[1]  # the CLS token (none in SigLIP)
+    return torch.cat([x_orig[:, :prefix], x_par[:, prefix:]], dim=1)
 
 
 def attention_maps_from_tokens(

@@ -168,7 +168,9 @@ def feedback_scores(
         raise ValueError(f"spec {spec}: feedback blurs its map with the prior's sigma; add gauss:SIGMA (ResCLIP: 5)")
     threshold = float(tap_kind(feedback_terms(spec)[0].tap)[1])
     text = context["text"].to(tokens.device).float()
-    feats = F.normalize((visual.ln_post(tokens[:, 1:]) @ visual.proj).float(), dim=-1)  # B x N x D
+    normed = visual.ln_post(tokens[:, -grid[0] * grid[1] :])  # the patch tokens
+    head = getattr(visual, "dense_head", None)  # an adapted timm tower's per-token head (models/towers.py)
+    feats = F.normalize((normed @ visual.proj if head is None else head(normed)).float(), dim=-1)  # B x N x D
     patch = windows.shape[-2] // grid[0]  # the encoded windows are whole patches
     windows = context.get("windows", windows)
     maps = []

@@ -170,11 +170,32 @@ TAPS.register(
 )
 
 
-def clip_attention(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """B x H x N x N softmax(q k^T / sqrt(d)) of an unmodified open_clip block on tokens x (B x N x C)
-    (of its positive branch when the block runs DnA)."""
+def block_qkv(block: torch.nn.Module, u: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (B x H x N x d) of a block's ln_1 state u (B x N x C) on the patch grid `grid`.
+
+    The one place the engine projects q/k/v: a block that brings its own `project_qkv(u, grid)` (an adapted
+    timm tower, `models/towers.py`: separate or fused weights, q/k norms, RoPE where the model applies it)
+    is asked for them; otherwise the fused `in_proj` of open_clip's nn.MultiheadAttention (of its positive
+    branch when the block runs DnA). N may be the prefix tokens + h*w patches, or the h*w patches alone.
+    """
+    own = getattr(block, "project_qkv", None)
+    if own is not None:
+        return own(u, grid)
     attn = positive_attention(block.attn)
-    B, N, C = x.shape
+    B, N, C = u.shape
     H = attn.num_heads
-    q, k, _ = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
-    return torch.softmax((q @ k.transpose(-2, -1)).float() * (C // H) ** -0.5, dim=-1).to(x.dtype)
+    q, k, v = F.linear(u, attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
+    return q, k, v
+
+
+def run_block(block: torch.nn.Module, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """An unedited block on tokens x (B x N x C); adapted timm blocks take the grid (`forward_grid`, for RoPE)."""
+    own = getattr(block, "forward_grid", None)
+    return block(x) if own is None else own(x, grid)
+
+
+def clip_attention(block: torch.nn.Module, x: torch.Tensor, grid: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """B x H x N x N softmax(q k^T / sqrt(d)) of an unmodified block on tokens x (B x N x C) on `grid`
+    (of its positive branch when the block runs DnA)."""
+    q, k, _ = block_qkv(block, block.ln_1(x), grid)
+    return torch.softmax((q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5, dim=-1).to(x.dtype)

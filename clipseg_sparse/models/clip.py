@@ -48,22 +48,19 @@ def _is_torchscript_archive(path: Path) -> bool:
         return False
 
 
-def _unsupported(config: dict) -> str | None:
-    """Why an open_clip model config cannot be used here (None if it can)."""
-    if isinstance(config.get("vision_cfg", {}).get("layers"), (list, tuple)):
-        return "its image tower is a ResNet (ModifiedResNet), not a ViT; only ViT towers have patch tokens to re-attend"
-    if "timm_model_name" in config.get("vision_cfg", {}):
-        return "its image tower is a timm model (SigLIP, ViTamin, ...), not open_clip's VisionTransformer"
-    if "hf_tokenizer_name" in config.get("text_cfg", {}):
-        return "its text tower uses a Hugging Face tokenizer (CLIPA, worldwide, ...)"
-    return None
+def _unsupported(config: dict, name: str = "") -> str | None:
+    """Why an open_clip model config cannot be used here (None if it can); see `towers.model_family`."""
+    from .towers import model_family
+
+    return model_family(name, config).reason
 
 
 def supported_models() -> list[str]:
-    """open_clip ViT names `load_clip` accepts: open_clip's own VisionTransformer and CLIP tokenizer."""
+    """open_clip names `load_clip` accepts: ViTs of open_clip's own VisionTransformer and the timm towers
+    the adapter runs (EVA-02, SigLIP / SigLIP 2, PE-Core; `towers.py`)."""
     import open_clip
 
-    return [m for m in open_clip.list_models() if m.startswith("ViT") and _unsupported(open_clip.get_model_config(m)) is None]
+    return [m for m in open_clip.list_models() if _unsupported(open_clip.get_model_config(m), m) is None]
 
 
 @contextlib.contextmanager
@@ -106,7 +103,7 @@ def check_model_name(model_name: str) -> str:
     elif open_clip.get_model_config(name.replace("/", "-")) is None:
         raise ValueError(f"unknown model {model_name!r}; supported ViTs include: {', '.join(supported_models()[:12])}, ... (`ls models`)")
     name = name.replace("/", "-")
-    reason = _unsupported(open_clip.get_model_config(name))
+    reason = _unsupported(open_clip.get_model_config(name), name)
     if reason:
         raise ValueError(f"model {model_name!r} is not supported: {reason}; see `clipseg-sparse ls models`")
     return name
@@ -161,6 +158,7 @@ def load_clip(
     precision: str = "fp32",
     quick_gelu: bool | None = None,
     cache_dir: str | None = None,
+    tokenizer: str | None = None,
 ) -> "DenseCLIP":
     """Load a frozen open_clip ViT for dense prediction.
 
@@ -169,7 +167,11 @@ def load_clip(
         (.pt / .pth / .bin / .safetensors), or None / "none" for random weights.
     quick_gelu: None = what the weights were trained with (the tag's setting; True for OpenAI's own
         TorchScript checkpoints). precision: fp32, fp16 or bf16 (the model is cast; use fp16/bf16 on GPU).
-    Raises WeightsUnavailableError with instructions when weights cannot be had (offline, missing file).
+    tokenizer: for models with a Hugging Face tokenizer (SigLIP, MetaCLIP 2), a local directory holding
+        its files, instead of the Hub id read from the local cache. Such a tokenizer is loaded at once
+        with weights, and on the first text otherwise (random weights run offline on images).
+    Raises WeightsUnavailableError with instructions when weights (or a Hub tokenizer) cannot be had.
+    timm towers (EVA-02, SigLIP, PE-Core) come back as `towers.TimmDenseCLIP`, the same interface.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
@@ -180,9 +182,19 @@ def load_clip(
 
     dev = resolve_device(device)
     model = model.to(device=dev, dtype=PRECISIONS[precision]).eval().requires_grad_(False)
-    return DenseCLIP(
+    config = open_clip.get_model_config(name)
+    text_tokenizer = open_clip.get_tokenizer(name) if tokenizer is None and "hf_tokenizer_name" not in config["text_cfg"] else None
+    if text_tokenizer is None:
+        from .tokenizers import HubTokenizer
+
+        text_tokenizer = HubTokenizer(name, config["text_cfg"], tokenizer, cache_dir)
+        if weights is not None:
+            text_tokenizer.load()  # fail before any image is read, as missing weights do
+    from .towers import TimmDenseCLIP, is_timm_tower
+
+    return (TimmDenseCLIP if is_timm_tower(config) else DenseCLIP)(
         model=model,
-        tokenizer=open_clip.get_tokenizer(name),
+        tokenizer=text_tokenizer,
         model_name=name,
         pretrained=weights or "none",
         precision=precision,
@@ -246,6 +258,11 @@ class DenseCLIP:
     @property
     def std(self) -> tuple[float, float, float]:
         return tuple(self.visual.preprocess_cfg["std"])
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens before the patch grid (open_clip ViTs: the CLS token)."""
+        return 1
 
     @property
     def logit_scale(self) -> float:
@@ -365,10 +382,9 @@ class DenseCLIP:
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
         x = attention_blocks.encode_normed(self._tower(spec), x, spec, grid, self.visual.ln_post, pixels, token_hooks, regions, context)
-        x = self._features(x[:, (0 if with_cls else 1) :])
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
-        feats = x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
-        return (feats, x[:, 0]) if with_cls else feats
+        feats = self._features(x[:, -out_grid[0] * out_grid[1] :]).reshape(x.shape[0], *out_grid, -1)
+        return (feats, self._image_embedding(x)) if with_cls else feats
 
     @torch.inference_mode()
     def dense_tokens(
@@ -386,6 +402,11 @@ class DenseCLIP:
     def _features(self, normed: torch.Tensor) -> torch.Tensor:
         """proj and L2 normalisation (fp32) of tokens after ln_post."""
         return F.normalize((normed @ self.visual.proj).float(), dim=-1)
+
+    def _image_embedding(self, normed: torch.Tensor) -> torch.Tensor:
+        """B x D L2-normalised image embedding of all tokens after ln_post (B x N x C): the CLS token's
+        (timm towers: their pooling head's, `towers.TimmDenseCLIP`)."""
+        return self._features(normed[:, 0])
 
     def _last_tokens(self, pixels, spec, token_hooks, pos_interp, context: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
         """All tokens B x N x C after the edited blocks, and the grid their patch tokens (the last N' = h*w)

@@ -103,17 +103,18 @@ def _hub_offline(offline: bool):
 
 
 class MissingExtraError(UserError, ImportError):
-    """An optional dependency of the proxy presets is not installed."""
+    """An optional dependency (proxy presets, Hugging Face tokenizers) is not installed."""
 
 
-def require_extra(module: str, what: str):
-    """Import an optional dependency, or raise MissingExtraError with the one-line install hint."""
+def require_extra(module: str, what: str, extra: str = "proxy"):
+    """Import an optional dependency, or raise MissingExtraError with the one-line install hint naming
+    the extra that holds it (proxy: SAM2 / segment-anything; families: transformers for HF tokenizers)."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
         raise MissingExtraError(
-            f"{what} needs the Python package {module!r}, which is not installed: pip install -e \".[proxy]\" "
-            f"(or pip install 'clipseg-sparse[proxy]')"
+            f"{what} needs the Python package {module!r}, which is not installed: pip install -e \".[{extra}]\" "
+            f"(or pip install 'clipseg-sparse[{extra}]')"
         ) from None

@@ -1,0 +1,430 @@
+"""timm-tower CLIP families (EVA-02, SigLIP / SigLIP 2, PE-Core) behind the engine's one block interface.
+
+open_clip builds these image towers as `TimmModel(trunk=timm Eva | VisionTransformer)`, not as its own
+`VisionTransformer` of `ResidualAttentionBlock`s with an `nn.MultiheadAttention`. This module is the one
+adapter between them and the engine (`attention/`), which reads a block as open_clip's: `ln_1`, `attn`
+(`num_heads`, `out_proj`), `ls_1`, `ln_2`, `mlp`, `ls_2`, plus two methods it asks for when a block has
+them (`attention.taps.block_qkv` / `run_block`):
+
+- `project_qkv(u, grid)`: q, k, v per head from the block's own weights: separate `q_proj/k_proj/v_proj`
+  (EVA-02), fused `qkv` with `q_bias/v_bias` and a zero k bias (EVA-01, PE-Core), fused `qkv` (SigLIP);
+  then `q_norm/k_norm`, then 2-D RoPE on the patch tokens exactly where timm's `EvaAttention` /
+  `AttentionRope` apply it (after the prefix tokens; on all tokens when the CLS is dropped, `cls:C`);
+- `forward_grid(x, grid)`: the untouched timm block with the RoPE of that grid.
+`out_proj` is the attention's `norm` (EVA-02's inner LayerNorm, `scale_attn_inner`) then `proj`.
+
+Positions at any input size follow each family's own rule, timm's `dynamic_img_size` path: the absolute
+embedding resampled by `resample_abs_pos_embed` (bicubic, antialiased; no prefix entries for SigLIP), and
+RoPE rebuilt for the grid from the model's bands (`RotaryEmbeddingCat`, coordinates scaled to its
+`ref_feat_shape`), which is what a timm model built with `dynamic_img_size=True` computes.
+
+Dense features: the image embedding of SigLIP and PE-Core comes out of an attention-pooling ("MAP") head
+(`AttentionPoolLatent`: one latent query, `kv`, `proj`, then `x + mlp(norm(x))`), so each token goes
+through that head as MaskCLIP reads CLIP's attention pool: attention of the latent over one token is that
+token, so a token's output is `proj(v(x))` and then the head's residual MLP, then `fc_norm` and the
+heads. TextRegion (avaxiao/TextRegion@e392cd2, model_semantic.py) reads the same head over region masks
+but skips `x + mlp(norm(x))` for SigLIP 2; here it is applied, because the image embedding applies it.
+EVA-02 pools its CLS token: per token, `fc_norm` (Identity) and the trunk's `head` (a Linear with bias).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .clip import DenseCLIP
+
+# --- families: what each open_clip configuration is, and whether dense inference runs on it ---------------
+
+TIMM_FAMILIES = (  # (timm model-name prefix or fragment, family) in match order
+    ("eva02_", "EVA-02"),
+    ("eva_", "EVA-01"),
+    ("vit_pe_core_", "PE-Core"),
+    ("siglip", "SigLIP"),
+)
+_TIMM_REFUSED = (  # (fragment, family, reason)
+    ("vitamin", "ViTamin", "its image tower is a hybrid (MbConv stages before the ViT), it has no plain patch tokens to re-attend"),
+    ("convnext", "ConvNeXt", "its image tower is a ConvNeXt CNN, not a ViT"),
+    ("fastvit", "MobileCLIP (FastViT)", "its image tower is a FastViT hybrid CNN, not a ViT"),
+    ("_mci", "MobileCLIP (ViT-MCi)", "its ViT has a convolutional stem (MobileCLIP's MCi), not a patch embedding"),
+    ("swin", "Swin", "its image tower is a Swin transformer (shifted windows), not a global-attention ViT"),
+    ("relpos", "timm ViT (rel-pos)", "its blocks add relative-position biases, which the engine does not carry"),
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What an open_clip configuration is: family name, image-tower kind, and why dense inference is
+    refused (None when it runs)."""
+
+    name: str
+    tower: str
+    reason: str | None = None
+
+
+def model_family(name: str, config: dict) -> Family:
+    """The family of open_clip configuration `name` (its JSON `config`), read from the config alone."""
+    vision, text = config.get("vision_cfg", {}), config.get("text_cfg", {})
+    if "hf_model_name" in text:
+        return Family("HF text encoder", "timm" if "timm_model_name" in vision else "open_clip",
+                      "its text tower is a Hugging Face transformers model (mT5, NLLB, RoBERTa), not open_clip's")
+    if "multimodal_cfg" in config:
+        return Family("CoCa", "open_clip", "CoCa pools its image tokens by attention into a captioning decoder; its dense path is not built")
+    if isinstance(vision.get("layers"), (list, tuple)):
+        return Family("ResNet CLIP", "ModifiedResNet", "its image tower is a ResNet (ModifiedResNet), not a ViT; only ViT towers have patch tokens to re-attend")
+    timm_name = vision.get("timm_model_name")
+    if timm_name is None:
+        if vision.get("pool_type", "tok") != "tok" or vision.get("attentional_pool") or vision.get("final_ln_after_pool"):
+            return Family("CLIPA", "open_clip", "its image tower pools by average after the final norm (CLIPA); its dense path is not built")
+        family = "MetaCLIP 2" if "worldwide" in name else "CLIP ViT"
+        return Family(family, "open_clip VisionTransformer")
+    for fragment, family, reason in _TIMM_REFUSED:
+        if fragment in timm_name:
+            return Family(family, f"timm {timm_name}", reason)
+    for fragment, family in TIMM_FAMILIES:
+        if timm_name.startswith(fragment) or (fragment == "siglip" and fragment in timm_name):
+            if family == "SigLIP" and "SigLIP2" in name:
+                family = "SigLIP 2"
+            return Family(family, f"timm {timm_name}")
+    if timm_name.startswith("vit_"):
+        return Family("timm ViT", f"timm {timm_name}")
+    return Family("timm", f"timm {timm_name}", f"its image tower is timm's {timm_name}, which the tower adapter does not know")
+
+
+def is_timm_tower(config: dict) -> bool:
+    return "timm_model_name" in config.get("vision_cfg", {})
+
+
+# --- the block interface -----------------------------------------------------------------------------------
+
+
+class _LayerScale(nn.Module):
+    """An EvaBlock's `gamma_i` (None = no layer scale) or a timm Block's `ls_i` module, as `ls_1`/`ls_2`."""
+
+    def __init__(self, block: nn.Module, gamma: str, module: str):
+        super().__init__()
+        self._block = [block]  # not a submodule: the block owns its parameters
+        self._gamma, self._module = gamma, module
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        block = self._block[0]
+        ls = getattr(block, self._module, None)
+        if ls is not None:
+            return ls(y)
+        g = getattr(block, self._gamma, None)
+        return y if g is None else g * y
+
+
+class _OutProj(nn.Module):
+    """The attention's output path after the heads are concatenated: `norm` (EVA-02's inner LayerNorm;
+    Identity elsewhere), then `proj`."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self._attn = [attn]
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        a = self._attn[0]
+        return a.proj(a.norm(y))
+
+
+class TowerAttention(nn.Module):
+    """What the engine reads of a timm attention module: `num_heads`, `out_proj`, and the q/k/v projection."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        if getattr(attn, "gate", None) is not None:
+            raise ValueError(f"{type(attn).__name__} gates its output per token; the engine has no gate")
+        self._attn = [attn]
+        self.num_heads = int(attn.num_heads)
+        self.out_proj = _OutProj(attn)
+
+    def qkv(self, u: torch.Tensor, rope: torch.Tensor | None, prefix: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (B x H x N x d) of u (B x N x C) as timm's forward computes them; RoPE (N' x 2d', sin
+        then cos, `apply_rot_embed_cat`) on the tokens after the first `prefix`."""
+        from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+
+        a = self._attn[0]
+        B, N, _ = u.shape
+        H = self.num_heads
+        if getattr(a, "qkv", None) is not None:
+            q_bias = getattr(a, "q_bias", None)
+            if q_bias is not None:  # EvaAttention fused: q and v biases, k bias zero
+                qkv = F.linear(u, a.qkv.weight, torch.cat((q_bias, a.k_bias, a.v_bias)))
+            else:
+                qkv = a.qkv(u)
+            q, k, v = qkv.reshape(B, N, 3, H, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            kv_heads = int(getattr(a, "num_kv_heads", H))
+            q = a.q_proj(u).reshape(B, N, H, -1).transpose(1, 2)
+            k = a.k_proj(u).reshape(B, N, kv_heads, -1).transpose(1, 2)
+            v = a.v_proj(u).reshape(B, N, kv_heads, -1).transpose(1, 2)
+        q, k = a.q_norm(q), a.k_norm(k)
+        if rope is not None:
+            half = getattr(a, "rotate_half", False)
+            q = torch.cat([q[:, :, :prefix], apply_rot_embed_cat(q[:, :, prefix:], rope, half=half)], dim=2).type_as(v)
+            k = torch.cat([k[:, :, :prefix], apply_rot_embed_cat(k[:, :, prefix:], rope, half=half)], dim=2).type_as(v)
+        groups = int(getattr(a, "num_kv_groups", 1))
+        if groups > 1:  # grouped-query attention: as AttentionRope, after norm and rope
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return q, k, v
+
+
+class TowerBlock(nn.Module):
+    """A timm `Block` / `EvaBlock` seen as open_clip's ResidualAttentionBlock (`ln_1`, `attn`, `ls_1`,
+    `ln_2`, `mlp`, `ls_2`) plus `project_qkv` and `forward_grid` (RoPE needs the patch grid)."""
+
+    def __init__(self, block: nn.Module, tower: "TimmTower"):
+        super().__init__()
+        kind = type(block).__name__
+        if kind not in ("Block", "EvaBlock"):
+            raise ValueError(f"timm block {kind} is not a pre-norm ViT block (Block, EvaBlock); the engine cannot edit it")
+        self.block = block
+        self._tower = [tower]
+        self.ln_1, self.ln_2, self.mlp = block.norm1, block.norm2, block.mlp
+        self.attn = TowerAttention(block.attn)
+        self.ls_1 = _LayerScale(block, "gamma_1", "ls1")
+        self.ls_2 = _LayerScale(block, "gamma_2", "ls2")
+        self._rope = kind == "EvaBlock"
+
+    def project_qkv(self, u: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of ln_1 state u (B x N x C): N = the model's prefix tokens + h*w, or h*w alone."""
+        prefix = u.shape[1] - grid[0] * grid[1]
+        if prefix not in (0, self._tower[0].prefix):
+            raise ValueError(f"{u.shape[1]} tokens do not lie on the {grid[0]}x{grid[1]} grid (+{self._tower[0].prefix} prefix tokens)")
+        return self.attn.qkv(u, self._tower[0].rope(grid, u), prefix)
+
+    def forward_grid(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        if self._rope:
+            return self.block(x, rope=self._tower[0].rope(grid, x))
+        return self.block(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - the engine calls forward_grid
+        raise TypeError("an adapted timm block needs its patch grid: call forward_grid(x, grid)")
+
+
+@dataclass(eq=False)
+class TimmTower:
+    """An open_clip `TimmModel` (`.trunk` a timm Eva or VisionTransformer, `.head` its projection) with
+    the attributes the engine and DenseCLIP read of open_clip's VisionTransformer: `transformer.resblocks`
+    (TowerBlocks), `ln_post` (the trunk's final `norm`), `preprocess_cfg`, plus `dense_head` and `pooled`.
+
+    prefix: the prefix tokens before the patches (1 = CLS for EVA and PE-Core; 0 for SigLIP).
+    """
+
+    visual: nn.Module
+    _ropes: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        trunk = self.trunk
+        if getattr(trunk, "reg_token", None) is not None:
+            raise ValueError("register tokens are not supported by the tower adapter")
+        pe = trunk.patch_embed
+        if type(pe).__name__ != "PatchEmbed" or getattr(pe, "dynamic_img_pad", False):
+            raise ValueError(f"{type(pe).__name__}: only timm's plain PatchEmbed is supported")
+        ap = getattr(trunk, "attn_pool", None)
+        if ap is not None and getattr(ap, "pos_embed", None) is not None:
+            raise ValueError("an attention-pooling head with its own positional embedding is not supported")
+        if getattr(trunk, "rope_mixed", False):
+            raise ValueError("mixed (per-block) RoPE is not supported by the tower adapter")
+        self.prefix = int(trunk.num_prefix_tokens)
+        self.transformer = SimpleNamespace(resblocks=nn.ModuleList([TowerBlock(b, self) for b in trunk.blocks]), batch_first=True)
+        self.ln_post = trunk.norm
+
+    @property
+    def trunk(self) -> nn.Module:
+        return self.visual.trunk
+
+    @property
+    def preprocess_cfg(self) -> dict:
+        return self.visual.preprocess_cfg
+
+    @property
+    def patch_size(self) -> int:
+        return int(self.trunk.patch_embed.patch_size[0])
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return tuple(int(g) for g in self.trunk.patch_embed.grid_size)
+
+    def rope(self, grid: tuple[int, int], like: torch.Tensor) -> torch.Tensor | None:
+        """(h*w) x 2d RoPE table of `grid` (None without RoPE): the model's cached table at its native
+        grid, else rebuilt from its bands as timm's dynamic-size path does (`get_embed(shape)`)."""
+        rope = getattr(self.trunk, "rope", None)
+        if rope is None:
+            return None
+        key = (tuple(grid), like.device)
+        if key not in self._ropes:
+            if getattr(rope, "feat_shape", None) is not None and tuple(rope.feat_shape) == tuple(grid):
+                table = rope.get_embed()
+            elif getattr(rope, "_use_cached_embed", False):  # fixed-size model: build this grid's table from the bands
+                table = rope._build_embed_cat(list(grid), rope.bands)
+            else:
+                table = rope.get_embed(shape=list(grid))
+            if len(self._ropes) > 16:  # window grids are few; bound the cache anyway
+                self._ropes.clear()
+            self._ropes[key] = table.to(like.device)
+        return self._ropes[key]
+
+    def positional_embedding(self, grid: tuple[int, int], rule: str = "size") -> torch.Tensor | None:
+        """1 x (P + h*w) x C absolute positions for `grid` (P = the prefix entries the model keeps, 0 for
+        SigLIP), None without them. rule "size": timm's `resample_abs_pos_embed` to exactly `grid`
+        (bicubic, antialiased); rule "scale": the published OVSS repositories' `(n + 0.1) / native` scale
+        factor (bicubic), as for open_clip ViTs (`DenseCLIP.positional_embedding`)."""
+        from timm.layers import resample_abs_pos_embed
+
+        trunk = self.trunk
+        pos = trunk.pos_embed
+        if pos is None:
+            return None
+        keep = 0 if trunk.no_embed_class else self.prefix
+        native = self.grid_size
+        if rule == "size":
+            return resample_abs_pos_embed(pos, new_size=list(grid), old_size=list(native), num_prefix_tokens=keep)
+        h, w = grid
+        if h * w == native[0] * native[1]:
+            return pos
+        patches = pos[:, keep:].reshape(1, *native, -1).permute(0, 3, 1, 2).float()
+        patches = F.interpolate(patches, scale_factor=((h + 0.1) / native[0], (w + 0.1) / native[1]), mode="bicubic", align_corners=False)
+        if tuple(patches.shape[-2:]) != (h, w):
+            raise ValueError(f"scale-factor interpolation gave {tuple(patches.shape[-2:])}, not {grid}")
+        return torch.cat([pos[:, :keep], patches.permute(0, 2, 3, 1).reshape(1, h * w, -1).to(pos.dtype)], dim=1)
+
+    def embed(self, pixels: torch.Tensor, rule: str = "size") -> tuple[torch.Tensor, tuple[int, int]]:
+        """Tokens B x (P + h*w) x C entering the first block (timm's patch_embed, `_pos_embed`, norm_pre)
+        and the grid (h, w); pixels B x 3 x H x W, H and W multiples of the patch size."""
+        trunk = self.trunk
+        pe = trunk.patch_embed
+        x = pe.proj(pixels)
+        grid = (int(x.shape[-2]), int(x.shape[-1]))
+        x = pe.norm(x.flatten(2).transpose(1, 2))
+        pos = self.positional_embedding(grid, rule)
+        B = x.shape[0]
+        cls = [] if getattr(trunk, "cls_token", None) is None else [trunk.cls_token.expand(B, -1, -1)]
+        if pos is not None and trunk.no_embed_class:
+            x = x + pos.to(x.dtype)
+        if cls:
+            x = torch.cat(cls + [x], dim=1)
+        if pos is not None and not trunk.no_embed_class:
+            x = x + pos.to(x.dtype)
+        return trunk.norm_pre(x), grid
+
+    def forward_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The trunk's `forward_features` at any input size: tokens after the final norm (B x N x C)."""
+        x, grid = self.embed(pixels)
+        for blk in self.transformer.resblocks:
+            x = blk.forward_grid(x, grid)
+        return self.ln_post(x)
+
+    def dense_head(self, normed: torch.Tensor) -> torch.Tensor:
+        """Per-token image embeddings B x N x D (unnormalised) of tokens after the final norm: the MAP
+        head's value path per token (`proj(v)`, then `x + mlp(norm(x))`), or the token itself for token or
+        average pooling; then `fc_norm`, the trunk's `head` and open_clip's `head`."""
+        trunk = self.trunk
+        y = normed
+        ap = getattr(trunk, "attn_pool", None)
+        if ap is not None:
+            C = y.shape[-1]
+            bias = None if ap.kv.bias is None else ap.kv.bias[C:]
+            y = ap.proj(F.linear(y, ap.kv.weight[C:], bias))  # attention of the latent over one token is 1
+            if ap.mlp is not None:
+                y = y + ap.mlp(ap.norm(y))
+        y = trunk.head(trunk.head_drop(trunk.fc_norm(y)))
+        return self.visual.head(y)
+
+    def pooled(self, normed: torch.Tensor) -> torch.Tensor:
+        """The image embedding B x D (unnormalised) of tokens after the final norm: the trunk's own
+        `forward_head` (MAP head, CLS token or average) and open_clip's head: `encode_image`'s."""
+        return self.visual.head(self.trunk.forward_head(normed))
+
+
+@dataclass(eq=False)
+class TimmDenseCLIP(DenseCLIP):
+    """DenseCLIP on a timm image tower (EVA-02, SigLIP / SigLIP 2, PE-Core): `visual` is the TimmTower
+    adapter, so the engine runs its blocks as it runs open_clip's. Specs that need open_clip's fused
+    `in_proj` (DnA `dna:PATH`, CorrCLIP's `mct:BETA` semantic branch) are refused by `check_spec`."""
+
+    def __post_init__(self) -> None:
+        self._adapter = TimmTower(self.model.visual)
+        self._out_dim: int | None = None
+
+    @property
+    def visual(self) -> TimmTower:  # type: ignore[override]
+        return self._adapter
+
+    @property
+    def device(self) -> torch.device:
+        return self._adapter.trunk.patch_embed.proj.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._adapter.trunk.patch_embed.proj.weight.dtype
+
+    @property
+    def patch_size(self) -> int:
+        return self._adapter.patch_size
+
+    @property
+    def embed_dim(self) -> int:
+        if self._out_dim is None:
+            width = self._adapter.trunk.embed_dim
+            probe = torch.zeros(1, 1, width, device=self.device, dtype=self.dtype)
+            with torch.inference_mode():
+                self._out_dim = int(self._adapter.dense_head(probe).shape[-1])
+        return self._out_dim
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self._adapter.prefix
+
+    def positional_embedding(self, grid: tuple[int, int], rule: str = "size") -> torch.Tensor | None:
+        from .clip import POS_INTERP_RULES
+
+        if rule not in POS_INTERP_RULES:
+            raise ValueError(f"unknown positional-embedding rule {rule!r}; choose {', '.join(POS_INTERP_RULES)}")
+        return self._adapter.positional_embedding(grid, rule)
+
+    def check_spec(self, spec: Any) -> None:
+        from ..attention import resolve_spec
+
+        spec = resolve_spec(spec)
+        if spec.extra("dna") is not None:
+            raise ValueError(f"attention spec {spec}: dna:PATH adapters wrap open_clip's nn.MultiheadAttention; {self.model_name} has a timm tower")
+        if spec.extra("mct") is not None:
+            raise ValueError(f"attention spec {spec}: mct:BETA runs open_clip's fused in_proj; {self.model_name} has a timm tower")
+        if spec.cls_residual is not None and self.prefix_tokens == 0:
+            raise ValueError(f"attention spec {spec}: cls:C keeps a CLS token, and {self.model_name} has none")
+        super().check_spec(spec)
+
+    def _embed(self, pixels: torch.Tensor, pos_interp: str = "size") -> tuple[torch.Tensor, tuple[int, int]]:
+        ps = self.patch_size
+        H, W = pixels.shape[-2:]
+        if H % ps or W % ps:
+            raise ValueError(f"input {H}x{W} is not a multiple of the patch size {ps}")
+        if pos_interp not in ("size", "scale"):
+            raise ValueError(f"unknown positional-embedding rule {pos_interp!r}; choose size, scale")
+        return self._adapter.embed(pixels.to(device=self.device, dtype=self.dtype), pos_interp)
+
+    def _features(self, normed: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self._adapter.dense_head(normed).float(), dim=-1)
+
+    def _image_embedding(self, normed: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self._adapter.pooled(normed).float(), dim=-1)
+
+
+def tower_summary(clip: DenseCLIP) -> dict[str, Any]:
+    """Shape facts of a loaded model's image tower (for `ls models --verbose` and tests)."""
+    v = clip.visual
+    return {
+        "depth": len(v.transformer.resblocks),
+        "patch": clip.patch_size,
+        "native_grid": tuple(getattr(v, "grid_size", ())),
+        "prefix_tokens": getattr(clip, "prefix_tokens", 1),
+        "rope": getattr(getattr(v, "trunk", None), "rope", None) is not None,
+        "map_head": getattr(getattr(v, "trunk", None), "attn_pool", None) is not None,
+    }
