@@ -23,7 +23,9 @@ def _prior(spec: AttentionSpec, ctx: BlockContext, like: torch.Tensor) -> torch.
     if not spec.gauss_sigma:
         return None
     prior = gaussian_prior(ctx.grid, spec.gauss_sigma, like.device, like.dtype)
-    return prior[ctx.offset :, ctx.offset :]
+    # patch tokens alone (like: B x H x N x ...): with cls:C, or on a tower without a CLS token (SigLIP)
+    drop = 1 if ctx.offset or like.shape[-2] == ctx.grid[0] * ctx.grid[1] else 0
+    return prior[drop:, drop:]
 
 
 def _plain_operands(group: Group, ctx: BlockContext) -> tuple[torch.Tensor, torch.Tensor]:

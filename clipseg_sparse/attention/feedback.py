@@ -44,7 +44,9 @@ def _feedback_scores(ctx: BlockContext, arg: str) -> torch.Tensor:
             "the feedback tap needs a first pass with the vocabulary's text embeddings: run it through "
             "Segmenter / dense_cosine, or encode_dense(..., context={'text': T x D, 'logit_scale': S})"
         )
-    return ctx.extra["feedback"][..., ctx.offset :, ctx.offset :]
+    fb = ctx.extra["feedback"]  # B x 1 x (1 + N) x (1 + N), a CLS row and column first
+    drop = 1 if ctx.offset or ctx.q.shape[-2] == ctx.grid[0] * ctx.grid[1] else 0  # patches alone (cls:C, SigLIP)
+    return fb[..., drop:, drop:]
 
 
 TAPS.register(

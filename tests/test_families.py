@@ -1,0 +1,274 @@
+"""timm-tower CLIP families (models/towers.py): EVA-02, SigLIP 2, PE-Core through the one engine.
+
+The towers are open_clip's real architectures (`_build_vision_tower` / `_build_text_tower` of the shipped
+configs) built on the meta device and filled with seeded random weights (timm's own init of 86M
+parameters takes 10+ s here; the equalities below hold for any weights). References are timm's and
+open_clip's own forwards on the same modules; timm's `dynamic_img_size` path (what a model built with
+`dynamic_img_size=True` runs) is switched on for the non-square references by setting exactly the
+attributes that flag sets at construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import open_clip
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from clipseg_sparse.attention import edited_block_forward, resolve_spec
+from clipseg_sparse.attention.spec import SOURCES
+from clipseg_sparse.models.clip import check_model_name, supported_models
+from clipseg_sparse.models.text_tower import cut_plan, encode_tokens
+from clipseg_sparse.models.towers import TimmDenseCLIP, model_family
+
+FAMILIES = {"eva02": "EVA02-B-16", "siglip2": "ViT-B-16-SigLIP2", "pecore": "PE-Core-B-16"}
+SMALL = (32, 48)  # a 2 x 3 patch grid at /16
+
+
+def _fill(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Materialise a meta-built module on the CPU with seeded random weights and its own buffers."""
+    module = module.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in module.modules():
+            for name, p in m.named_parameters(recurse=False):
+                if isinstance(m, nn.LayerNorm) and name == "weight":
+                    p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            if hasattr(m, "init_non_persistent_buffers"):
+                m.init_non_persistent_buffers()
+            elif hasattr(m, "_init_buffers"):
+                m._init_buffers()
+            if hasattr(m, "build_causal_mask") and getattr(m, "attn_mask", None) is not None:
+                m.attn_mask = m.build_causal_mask()
+    return module.eval().requires_grad_(False)
+
+
+def _vision(name: str) -> nn.Module:
+    from open_clip.model import _build_vision_tower
+
+    cfg = open_clip.get_model_config(name)
+    with torch.device("meta"):
+        visual = _build_vision_tower(cfg["embed_dim"], cfg["vision_cfg"])
+    visual = _fill(visual)
+    visual.preprocess_cfg = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5)}
+    return visual
+
+
+def _dense(name: str) -> TimmDenseCLIP:
+    holder = nn.Module()
+    holder.visual = _vision(name)
+    holder.logit_scale = nn.Parameter(torch.tensor(2.0))
+    return TimmDenseCLIP(model=holder, tokenizer=None, model_name=name, pretrained="none")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """B/16 towers on a few tokens: one thread is 5-10x faster than two on a shared, loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request) -> tuple[str, TimmDenseCLIP]:
+    return request.param, _dense(FAMILIES[request.param])
+
+
+@contextlib.contextmanager
+def timm_dynamic(trunk: nn.Module):
+    """timm's own `dynamic_img_size=True` path on this trunk: patch embedding NHWC without the size check,
+    RoPE rebuilt per shape from its bands (no cached table); restored afterwards."""
+    from timm.layers.format import Format
+
+    pe, rope = trunk.patch_embed, getattr(trunk, "rope", None)
+    saved = (trunk.dynamic_img_size, pe.strict_img_size, pe.flatten, pe.output_fmt, getattr(rope, "_use_cached_embed", None))
+    trunk.dynamic_img_size, pe.strict_img_size, pe.flatten, pe.output_fmt = True, False, False, Format.NHWC
+    if rope is not None:
+        rope._use_cached_embed = False
+    try:
+        yield
+    finally:
+        trunk.dynamic_img_size, pe.strict_img_size, pe.flatten, pe.output_fmt = saved[:4]
+        if rope is not None:
+            rope._use_cached_embed = saved[4]
+
+
+def _timm_rope(trunk: nn.Module, grid: tuple[int, int]) -> torch.Tensor | None:
+    if getattr(trunk, "rope", None) is None:
+        return None
+    with timm_dynamic(trunk):
+        return trunk.rope.get_embed(shape=list(grid))
+
+
+def test_families_and_refusals_by_name():
+    """Each shipped config gets its family; non-ViT towers keep being refused, by name and reason."""
+    assert model_family("EVA02-B-16", open_clip.get_model_config("EVA02-B-16")).name == "EVA-02"
+    assert model_family("ViT-B-16-SigLIP2", open_clip.get_model_config("ViT-B-16-SigLIP2")).name == "SigLIP 2"
+    assert model_family("ViT-B-16-SigLIP", open_clip.get_model_config("ViT-B-16-SigLIP")).name == "SigLIP"
+    assert model_family("PE-Core-B-16", open_clip.get_model_config("PE-Core-B-16")).name == "PE-Core"
+    assert model_family("ViT-H-14-worldwide", open_clip.get_model_config("ViT-H-14-worldwide")).reason is None
+    supported = set(supported_models())
+    assert {"ViT-B-16", "EVA02-B-16", "EVA02-L-14", "ViT-B-16-SigLIP2", "ViT-SO400M-14-SigLIP", "PE-Core-B-16"} <= supported
+    for name, why in [("RN50", "ResNet"), ("convnext_base", "ConvNeXt"), ("ViTamin-B", "hybrid"), ("ViT-L-14-CLIPA", "CLIPA"),
+                      ("MobileCLIP2-S0", "FastViT"), ("nllb-clip-base-siglip", "Hugging Face transformers")]:
+        assert name not in supported
+        with pytest.raises(ValueError, match=why):
+            check_model_name(name)
+
+
+def test_trunk_tokens_and_pooled_embedding_equal_timm_and_open_clip(family):
+    """Nothing edited, at the native 224: tokens after the final norm equal timm's forward_features, the
+    pooled embedding equals open_clip's encode_image (TimmModel.forward, normalised)."""
+    _, clip = family
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected_tokens = clip.model.visual.trunk.forward_features(x)
+        expected = F.normalize(clip.model.visual(x), dim=-1)
+        tokens, _ = clip._last_tokens(x, None, (), "size")
+        normed = clip.visual.ln_post(tokens)
+        feats, pooled = clip.encode_dense(x, with_cls=True)
+    assert (normed - expected_tokens).abs().max() <= 1e-5
+    assert (pooled - expected).abs().max() <= 1e-5
+    assert feats.shape == (1, 14, 14, clip.embed_dim) and clip.embed_dim == expected.shape[-1]
+
+
+def test_non_square_trunk_equals_timm_dynamic_size(family):
+    """On non-square grids (4 x 7, 2 x 3; 14 x 20 in the block test below) the positions follow timm's
+    dynamic-size rule: the resampled absolute embedding and the RoPE of that grid."""
+    _, clip = family
+    trunk = clip.model.visual.trunk
+    for size in [(64, 112), SMALL]:
+        x = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(2))
+        with torch.inference_mode(), timm_dynamic(trunk):
+            expected = trunk.forward_features(x)
+        with torch.inference_mode():
+            ours = clip.visual.forward_tokens(x)
+        assert ours.shape == expected.shape and (ours - expected).abs().max() <= 1e-5
+
+
+def test_map_head_per_token_is_the_hand_computation(family):
+    """SigLIP 2 and PE-Core: each token's dense feature is the MAP head's value projection, its output
+    projection and its residual MLP (MaskCLIP's construction), then the trunk's head; EVA-02: the head."""
+    name, clip = family
+    trunk = clip.model.visual.trunk
+    x = torch.randn(1, 3, *SMALL, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        tokens, grid = clip._last_tokens(x, None, (), "size")
+        normed = trunk.norm(tokens)
+        C = normed.shape[-1]
+        if name == "eva02":
+            assert trunk.attn_pool is None
+            hand = trunk.head(normed)
+        else:
+            ap = trunk.attn_pool
+            v = normed @ ap.kv.weight[C:].T + ap.kv.bias[C:]
+            y = v @ ap.proj.weight.T + ap.proj.bias
+            y = y + ap.mlp(F.layer_norm(y, (C,), ap.norm.weight, ap.norm.bias, ap.norm.eps))
+            hand = trunk.head(y)
+        feats = clip.encode_dense(x)
+    expected = F.normalize(hand[:, -grid[0] * grid[1] :], dim=-1).reshape(1, *grid, -1)
+    assert (feats - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax:1.5"])
+def test_every_source_runs_on_every_family(family, normalizer):
+    """Every source x normalizer, and the published presets, run on the last block of each family."""
+    _, clip = family
+    x = torch.randn(2, 3, *SMALL, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        plain = clip.encode_dense(x)
+        for source in SOURCES:
+            spec = f"{source}/{normalizer}" if source != "id" else "id"
+            f = clip.encode_dense(x, spec)
+            assert f.shape == plain.shape and torch.isfinite(f).all()
+            assert torch.allclose(f.norm(dim=-1), torch.ones(2, 2, 3))
+        for preset in ["sclip", "clearclip", "naclip", "naclip-entmax", "gem", "clipsurgery-entmax", "qq+kk/entmax:1.5/layers:2"]:
+            assert clip.encode_dense(x, preset).shape == plain.shape
+
+
+def test_entmax_near_one_equals_softmax(family):
+    _, clip = family
+    x = torch.randn(1, 3, *SMALL, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        for source in ["qk", "qq", "kk+qq"]:
+            soft = clip.encode_dense(x, f"{source}/softmax")
+            near = clip.encode_dense(x, f"{source}/entmax:1.0001")
+            assert (soft - near).abs().max() <= 2e-3
+
+
+def test_edited_block_equals_timm_block_with_rope(family):
+    """An edited `qk/softmax` block with residual and FFN kept equals timm's block output (RoPE of the
+    grid applied where timm applies it) at 224 and at a non-square 224 x 320."""
+    _, clip = family
+    trunk = clip.model.visual.trunk
+    spec = resolve_spec("qk/softmax")
+    assert spec.residual and spec.ffn
+    block, adapted = trunk.blocks[-1], clip.visual.transformer.resblocks[-1]
+    for grid in [(14, 14), (14, 20)]:
+        g = torch.Generator().manual_seed(6)
+        x = torch.randn(1, clip.prefix_tokens + grid[0] * grid[1], trunk.embed_dim, generator=g)
+        rope = _timm_rope(trunk, grid)
+        with torch.inference_mode():
+            expected = block(x, rope=rope) if rope is not None else block(x)
+            ours = edited_block_forward(adapted, x, spec, grid)
+        assert (ours - expected).abs().max() <= 1e-5
+
+
+def test_specs_a_timm_tower_cannot_run_are_refused(family):
+    name, clip = family
+    with pytest.raises(ValueError, match="mct"):
+        clip.check_spec("qk/softmax/mct:0.5")
+    if name == "siglip2":
+        with pytest.raises(ValueError, match="CLS"):
+            clip.check_spec("clearclip/cls:0.3")
+
+
+@pytest.mark.parametrize("name", ["EVA02-B-16", "ViT-B-16-SigLIP2", "PE-Core-B-16"])
+def test_text_tower_equals_encode_text(name):
+    """Token ids given directly (the SigLIP 2 tokenizer's files are not on this machine): the fast path
+    equals open_clip's encode_text; SigLIP's bidirectional tower with last-token pooling falls back."""
+    from open_clip.model import _build_text_tower
+
+    cfg = open_clip.get_model_config(name)
+    with torch.device("meta"):
+        text = _build_text_tower(cfg["embed_dim"], cfg["text_cfg"])
+    text = _fill(text, seed=7)
+    context, vocab = text.positional_embedding.shape[0], text.vocab_size
+    g = torch.Generator().manual_seed(8)
+    ids = torch.zeros(5, context, dtype=torch.long)
+    for i, n in enumerate([3, 7, 1, context - 2, 12]):
+        ids[i, :n] = torch.randint(1, vocab - 1, (n,), generator=g)
+        ids[i, n] = vocab - 1  # the end token is the largest id (argmax pooling)
+    if name == "ViT-B-16-SigLIP2":
+        assert cut_plan(text) is None  # no causal mask, `last` pooling: full length
+    else:
+        assert cut_plan(text) is not None
+    with torch.inference_mode():
+        expected = text(ids)
+        ours = encode_tokens(text, ids, batch_size=2)
+    assert (F.normalize(ours, dim=-1) - F.normalize(expected, dim=-1)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name,patch", [("EVA02-L-14", 14), ("ViT-SO400M-14-SigLIP", 14)])
+def test_large_towers_shapes(name, patch):
+    """EVA02-L-14 and SO400M SigLIP, shape check on the meta device (no numbers): dense grid and width."""
+    from open_clip.model import _build_vision_tower
+
+    cfg = open_clip.get_model_config(name)
+    with torch.device("meta"):
+        visual = _build_vision_tower(cfg["embed_dim"], cfg["vision_cfg"])
+        visual.preprocess_cfg = {"mean": (0.5,) * 3, "std": (0.5,) * 3}
+        holder = nn.Module()
+        holder.visual = visual
+        holder.logit_scale = nn.Parameter(torch.tensor(1.0))
+    clip = TimmDenseCLIP(model=holder, tokenizer=None, model_name=name, pretrained="none")
+    x = torch.empty(1, 3, 3 * patch, 5 * patch, device="meta")
+    with torch.inference_mode():
+        feats, pooled = clip.encode_dense(x, "sclip", with_cls=True)
+    assert feats.shape == (1, 3, 5, cfg["embed_dim"]) and pooled.shape == (1, cfg["embed_dim"])
