@@ -99,12 +99,15 @@ def test_tables_on_redirected_stdout_keep_whole_cells(monkeypatch):
     assert "voc21: logit_scale=65, bg_threshold=0.1, area_threshold=0.1" in protocols.stdout and "…" not in protocols.stdout
 
 
-@pytest.mark.parametrize("name", ["ViT-B-16-SigLIP", "ViT-L-14-CLIPA"])
-def test_models_we_cannot_run_are_refused_by_name_and_not_listed(name, image, tmp_path):
+@pytest.mark.parametrize("name", ["RN50", "ViT-L-14-CLIPA"])
+def test_models_we_cannot_run_are_refused_by_name_and_listed_with_the_reason(name, image, tmp_path):
     result = invoke("segment", image, "--classes", "a", "--out", tmp_path / "out", "--model", name, "--pretrained", "none")
     assert_one_line_error(result, repr(name), "not supported")
     listed = invoke("ls", "models")
-    assert listed.exit_code == 0 and name not in listed.stdout and "ViT-B-16 " in listed.stdout and "ViT-L-14 " in listed.stdout
+    rows = {line.split("│")[1].strip(): line for line in listed.stdout.splitlines() if line.count("│") >= 4}
+    assert listed.exit_code == 0 and "ViT-B-16" in rows and "ViT-L-14" in rows
+    assert "│ no " in rows[name] and "│ yes " in rows["ViT-B-16"]
+    assert "EVA-02" in rows["EVA02-B-16"] and "SigLIP 2" in rows["ViT-B-16-SigLIP2"] and "│ yes " in rows["PE-Core-B-16"]
 
 
 def test_offline_weights_and_missing_checkpoint_are_one_line(image, tmp_path):

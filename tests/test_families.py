@@ -255,9 +255,10 @@ def test_text_tower_equals_encode_text(name):
     assert (F.normalize(ours, dim=-1) - F.normalize(expected, dim=-1)).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("name,patch", [("EVA02-L-14", 14), ("ViT-SO400M-14-SigLIP", 14)])
+@pytest.mark.parametrize("name,patch", [("EVA02-L-14", 14), ("ViT-SO400M-14-SigLIP", 14), ("EVA01-g-14", 14), ("PE-Core-L-14-336", 14), ("vit_medium_patch16_gap_256", 16)])
 def test_large_towers_shapes(name, patch):
-    """EVA02-L-14 and SO400M SigLIP, shape check on the meta device (no numbers): dense grid and width."""
+    """EVA02-L-14, SO400M SigLIP, EVA01-g (fused qkv with q/v biases), PE-Core-L and an average-pooled timm ViT:
+    shape check on the meta device (no numbers): dense grid and width."""
     from open_clip.model import _build_vision_tower
 
     cfg = open_clip.get_model_config(name)
@@ -272,3 +273,50 @@ def test_large_towers_shapes(name, patch):
     with torch.inference_mode():
         feats, pooled = clip.encode_dense(x, "sclip", with_cls=True)
     assert feats.shape == (1, 3, 5, cfg["embed_dim"]) and pooled.shape == (1, cfg["embed_dim"])
+
+
+def test_load_clip_gives_a_timm_tower_and_a_lazy_hub_tokenizer(monkeypatch, tmp_path):
+    """load_clip on SigLIP 2 with random weights: TimmDenseCLIP, images run offline, and the Hugging Face
+    tokenizer is only asked for with the first text: a missing local directory is one line."""
+    from clipseg_sparse import WeightsUnavailableError, load_clip
+    from clipseg_sparse.models import clip as clip_module
+    from clipseg_sparse.models.tokenizers import HubTokenizer
+
+    name = "ViT-B-16-SigLIP2"
+    with torch.device("meta"):
+        model = open_clip.create_model(name, pretrained=None, device="meta")
+    model = _fill(model, seed=9)
+    model.visual.preprocess_cfg = {"mean": (0.5,) * 3, "std": (0.5,) * 3}
+    monkeypatch.setattr(clip_module, "_create_open_clip", lambda *a, **k: (model, name, None, False))
+    clip = load_clip(name, pretrained=None, device="cpu")
+    assert isinstance(clip, TimmDenseCLIP) and isinstance(clip.tokenizer, HubTokenizer) and clip.tokenizer._tokenizer is None
+    assert clip.encode_dense(torch.zeros(1, 3, *SMALL)).shape == (1, 2, 3, 768) and clip.mean == (0.5,) * 3
+    missing = tmp_path / "no-tokenizer"
+    clip = load_clip(name, pretrained=None, device="cpu", tokenizer=str(missing))
+    with pytest.raises(WeightsUnavailableError, match="tokenizer directory not found") as e:
+        clip.encode_text(["a photo of a cat."])
+    assert "\n" not in str(e.value)
+
+
+def test_hub_tokenizer_offline_is_one_clear_message(tmp_path):
+    """Offline with an empty cache: the same one-line advice as missing weights (or the extra to install)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import open_clip\n"
+        "from clipseg_sparse.models.tokenizers import HubTokenizer\n"
+        "from clipseg_sparse.runtime.weights import MissingExtraError, WeightsUnavailableError\n"
+        "cfg = open_clip.get_model_config('ViT-B-16-SigLIP2')['text_cfg']\n"
+        "try:\n    HubTokenizer('ViT-B-16-SigLIP2', cfg).load()\n"
+        "except (WeightsUnavailableError, MissingExtraError) as e:\n    print('ERR', type(e).__name__, e)\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), XDG_CACHE_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ERR"), out.stdout + out.stderr
+    if "MissingExtraError" in lines[0]:
+        assert "clipseg-sparse[families]" in lines[0]
+    else:
+        assert "could not obtain the Hugging Face tokenizer 'timm/ViT-B-16-SigLIP2'" in lines[0] and "HF_HUB_OFFLINE" in lines[0]

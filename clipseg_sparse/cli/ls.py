@@ -80,15 +80,20 @@ def registry_table(what: Listable):
 
 
 def models_table():
-    """`ls models`: open_clip's model names and their pretrained tags (open_clip's list, not a registry here)."""
+    """`ls models`: every open_clip configuration with its family, whether dense inference runs on it (and
+    why not where it does not), and its pretrained tags."""
     import open_clip
     from rich.table import Table
 
-    from ..models.clip import supported_models
+    from ..models.towers import model_family
 
-    table = Table("model", "pretrained tags")
-    for name in supported_models():
-        table.add_row(name, ", ".join(open_clip.list_pretrained_tags_by_model(name)))
+    table = Table("model", "family", "dense", "pretrained tags / why not")
+    for name in open_clip.list_models():
+        family = model_family(name, open_clip.get_model_config(name))
+        if family.reason is None:
+            table.add_row(name, family.name, "yes", ", ".join(open_clip.list_pretrained_tags_by_model(name)))
+        else:
+            table.add_row(name, family.name, "no", family.reason)
     return table
 
 
