@@ -320,3 +320,22 @@ def test_hub_tokenizer_offline_is_one_clear_message(tmp_path):
         assert "clipseg-sparse[families]" in lines[0]
     else:
         assert "could not obtain the Hugging Face tokenizer 'timm/ViT-B-16-SigLIP2'" in lines[0] and "HF_HUB_OFFLINE" in lines[0]
+
+
+def test_families_grid_names_each_models_weights():
+    """The `families` grid: 6 families x 8 benchmarks x 3 presets x {softmax, entmax:1.5}; each cell
+    loads its model's own tag; `--pretrained none` (a smoke run) replaces every model's weights."""
+    from clipseg_sparse.sweeps.grid import GRIDS, Grid, model_weights, read_grid_file
+
+    spec = read_grid_file(GRIDS.get("families"))
+    cells = spec.grid.cells()
+    assert len(cells) == 6 * 8 * 3 * 2
+    weights = {(c.model, c.pretrained) for c in cells}
+    assert ("ViT-B-16-quickgelu", "metaclip_fullcc") in weights and ("ViT-B-16-quickgelu", "dfn2b") in weights
+    assert ("ViT-B-16-SigLIP2", "webli") in weights and ("EVA02-B-16", "merged2b_s8b_b131k") in weights
+    assert len({c.hash for c in cells}) == len(cells) and all(c.config()["pretrained"] == c.pretrained for c in cells)
+    smoke = read_grid_file(GRIDS.get("families"), overrides={"pretrained": "none"}).grid
+    assert {c.pretrained for c in smoke.cells()} == {"none"} and len(smoke.models) == 5  # MetaCLIP and DFN share ViT-B-16-quickgelu
+    assert model_weights("tests/tiny.json") == ("tests/tiny.json", None) and model_weights("ViT-B-16") == ("ViT-B-16", None)
+    with pytest.raises(ValueError, match="no pretrained tag 'nope'"):
+        Grid(models=("ViT-B-16:nope",), datasets=("voc21",))

@@ -27,7 +27,9 @@ class Grid:
     folded into `normalizers`. `resolutions` empty = the protocol's own. `overrides` are further inference
     settings (window, stride, logit_scale, ...) applied to every cell. `class_names` None = the protocol's
     (sclip, plain or a file, see `evaluate`). `templates` None = each runner's
-    own default (the 80 OpenAI templates for eval, captions as written for FG-OVD)."""
+    own default (the 80 OpenAI templates for eval, captions as written for FG-OVD).
+    A model may name its own weights, `NAME:TAG` (`ViT-B-16-quickgelu:metaclip_fullcc`), so one grid can
+    cross families and weights of one architecture (grid `families`); `pretrained` is the others' tag."""
 
     models: tuple[str, ...] = ("ViT-B-16",)
     pretrained: str = "openai"
@@ -80,7 +82,13 @@ class Grid:
         from ..models.clip import check_model_name
 
         for model in self.models:
-            check_model_name(model)  # a typo fails the grid, not every cell
+            name, tag = model_weights(model)
+            name = check_model_name(name)  # a typo fails the grid, not every cell
+            if tag is not None and not name.endswith(".json"):
+                import open_clip
+
+                if tag not in open_clip.list_pretrained_tags_by_model(name):
+                    raise ValueError(f"model {model!r}: {name} has no pretrained tag {tag!r}; tags: {', '.join(open_clip.list_pretrained_tags_by_model(name)) or '(none)'}")
         if not self.datasets and not self.fgovd:
             raise ValueError("the grid names no data: give datasets and/or FG-OVD benchmark files")
         if any(int(r) <= 0 for r in self.resolutions):
@@ -121,7 +129,7 @@ class Grid:
         data = [("eval", d) for d in self.datasets] + [("fgovd", str(f)) for f in self.fgovd]
         resolutions = [int(r) for r in self.resolutions] or [None]
         cells = [
-            Cell(self, kind, model, item, spec, res)
+            Cell(self, kind, *model_weights(model), item, spec, res)
             for model in self.models
             for kind, item in data
             for spec in self.attention_specs()
@@ -140,14 +148,19 @@ class Cell:
     grid: Grid = field(repr=False, compare=False)
     kind: str  # "eval" | "fgovd"
     model: str
+    weights: str | None  # the model's own tag (`NAME:TAG` in the grid), else the grid's `pretrained`
     data: str  # dataset name, or the benchmark file's path
     attention: str
     resolution: int | None
 
+    @property
+    def pretrained(self) -> str:
+        return self.weights if self.weights is not None else self.grid.pretrained
+
     def config(self) -> dict:
         """The full configuration of this cell (the input side; the result file holds the resolved one)."""
         g = self.grid
-        config = {"kind": self.kind, "model": self.model, "pretrained": g.pretrained, "precision": g.precision,
+        config = {"kind": self.kind, "model": self.model, "pretrained": self.pretrained, "precision": g.precision,
                   "attention": self.attention, "resolution": self.resolution, "overrides": g.overrides, "limit": g.limit,
                   "templates": g.templates}  # fmt: skip
         if self.kind == "eval":
@@ -167,13 +180,22 @@ class Cell:
 
     @property
     def model_key(self) -> tuple[str, str, str]:
-        return (self.model, self.grid.pretrained, self.grid.precision)
+        return (self.model, self.pretrained, self.grid.precision)
 
     @property
     def label(self) -> str:
         data = self.data if self.kind == "eval" else Path(self.data).stem
         res = f" @{self.resolution}" if self.resolution else ""
-        return f"{Path(self.model).stem} {data} {self.attention}{res}"
+        weights = f":{self.weights}" if self.weights is not None else ""
+        return f"{Path(self.model).stem}{weights} {data} {self.attention}{res}"
+
+
+def model_weights(entry: str) -> tuple[str, str | None]:
+    """A grid's model entry `NAME` or `NAME:TAG` as (NAME, TAG or None); a model-config JSON path is a NAME."""
+    name, colon, tag = entry.rpartition(":")
+    if not colon or not name or entry.endswith(".json") or "/" in tag or "\\" in tag:
+        return entry, None
+    return name, tag
 
 
 def check_fgovd_negatives(grid: Grid, metric: str | None = None) -> list[str]:
@@ -232,7 +254,10 @@ def read_grid_file(
     roots = {k: path.parent / v for k, v in data.pop("roots", {}).items()}
     images_root = data.pop("images_root", None)
     data["fgovd"] = [str(Path(benchmarks_dir or path.parent) / f) for f in data.get("fgovd", [])]
-    data.update(overrides or {})
+    overrides = dict(overrides or {})
+    if "pretrained" in overrides and "models" not in overrides and "models" in data:  # --pretrained: every model's weights
+        data["models"] = list(dict.fromkeys(model_weights(m)[0] for m in data["models"]))
+    data.update(overrides)
     try:
         grid = Grid.from_dict(data)
     except (ValueError, TypeError) as e:

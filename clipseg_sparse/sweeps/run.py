@@ -205,9 +205,9 @@ def run_sweep(
             try:
                 if loaded != cell.model_key:
                     clip, loaded = None, cell.model_key
-                    clip = load_clip(cell.model, pretrained=cell.grid.pretrained, device=device, precision=cell.grid.precision)
+                    clip = load_clip(cell.model, pretrained=cell.pretrained, device=device, precision=cell.grid.precision)
                 if clip is None:
-                    raise RuntimeError(f"model {cell.model} ({cell.grid.pretrained}) could not be loaded; see the first failure")
+                    raise RuntimeError(f"model {cell.model} ({cell.pretrained}) could not be loaded; see the first failure")
                 run_cell(clip, cell, paths, progress and rank == 0, overwrite=cell.hash in stale)
             except Exception as exc:  # noqa: BLE001 - a failing cell must not stop the sweep
                 failed.append(Failure(cell, record_failure(paths, cell, exc)))
