@@ -339,3 +339,41 @@ def test_families_grid_names_each_models_weights():
     assert model_weights("tests/tiny.json") == ("tests/tiny.json", None) and model_weights("ViT-B-16") == ("ViT-B-16", None)
     with pytest.raises(ValueError, match="no pretrained tag 'nope'"):
         Grid(models=("ViT-B-16:nope",), datasets=("voc21",))
+
+
+class _WordIds:
+    """A stand-in for SigLIP 2's Hub tokenizer (its files are not on this machine): words -> ids, padded."""
+
+    def __init__(self, context: int, vocab: int):
+        self.context, self.vocab = context, vocab
+
+    def __call__(self, texts):
+        ids = torch.zeros(len(texts), self.context, dtype=torch.long)
+        for i, text in enumerate(texts):
+            words = [sum(map(ord, w)) % (self.vocab - 2) + 1 for w in text.split()][: self.context - 1]
+            ids[i, : len(words) + 1] = torch.tensor(words + [self.vocab - 1])
+        return ids
+
+
+@pytest.mark.parametrize("name", ["EVA02-B-16", "ViT-B-16-SigLIP2"])
+def test_segmenter_runs_unchanged_on_timm_towers(name):
+    """The library path `segment` and `eval` use: Segmenter with windows, templates, synonyms and an -entmax
+    preset (SigLIP's text tower runs at full length: two templates, not 80, keep it short)."""
+    import numpy as np
+
+    from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+
+    with torch.device("meta"):
+        model = open_clip.create_model(name, pretrained=None, device="meta")
+    model = _fill(model, seed=10)
+    model.visual.preprocess_cfg = {"mean": (0.5,) * 3, "std": (0.5,) * 3}
+    cfg = open_clip.get_model_config(name)["text_cfg"]
+    tokenizer = _WordIds(cfg["context_length"], cfg["vocab_size"]) if "hf_tokenizer_name" in cfg else open_clip.get_tokenizer(name)
+    clip = TimmDenseCLIP(model=model, tokenizer=tokenizer, model_name=name, pretrained="none")
+    settings = InferenceSettings(resolution=64, window=32, stride=16)
+    image = np.random.default_rng(0).integers(0, 255, (48, 80, 3), dtype=np.uint8)
+    with torch.inference_mode():
+        seg = Segmenter(clip, "cat,dog|puppy,grass", spec="naclip-entmax", settings=settings, templates=["a photo of a {}.", "{}"])
+        result = seg.predict(image)
+    assert result.labels.shape == (48, 80) and set(np.unique(result.labels)) <= {0, 1, 2}
+    assert result.settings["model"] == name

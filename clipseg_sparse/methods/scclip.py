@@ -53,17 +53,19 @@ def neighbour_repair(tokens: torch.Tensor, outliers: torch.Tensor, grid: tuple[i
 
 
 def lof_repair(x: torch.Tensor, grid: tuple[int, int], taps: dict | None = None) -> torch.Tensor:
-    """Outliers of the patch tokens of x (B x (1 + h*w) x C), per image (the published code runs one
-    window at a time), repaired in x and in every hidden state of `taps` at the same positions."""
+    """Outliers of the patch tokens of x (B x (P + h*w) x C; P = 1 CLS token, 0 for SigLIP), per image (the
+    published code runs one window at a time), repaired in x and in every hidden state of `taps` at the
+    same positions."""
     x = x.clone()
     taps = taps if taps is not None else {}
     repaired = {layer: h.clone() for layer, h in taps.items()}
+    p = x.shape[1] - grid[0] * grid[1]
     for b in range(x.shape[0]):
-        outliers = lof_outliers(x[b, 1:])
+        outliers = lof_outliers(x[b, p:])
         if outliers.any():
-            x[b, 1:] = neighbour_repair(x[b, 1:], outliers, grid)
+            x[b, p:] = neighbour_repair(x[b, p:], outliers, grid)
             for h in repaired.values():
-                h[b, 1:] = neighbour_repair(h[b, 1:], outliers, grid)
+                h[b, p:] = neighbour_repair(h[b, p:], outliers, grid)
     taps.update(repaired)
     return x
 
