@@ -11,6 +11,7 @@ attributes that flag sets at construction.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import open_clip
 import pytest
@@ -377,3 +378,15 @@ def test_segmenter_runs_unchanged_on_timm_towers(name):
         result = seg.predict(image)
     assert result.labels.shape == (48, 80) and set(np.unique(result.labels)) <= {0, 1, 2}
     assert result.settings["model"] == name
+
+
+@pytest.mark.parametrize("grid", ["corrclip", "trident"])
+def test_method_grids_add_metaclip_and_keep_the_openai_cells(grid):
+    """CorrCLIP and Trident report MetaCLIP B/16 rows: their grids run it next to OpenAI's, whose cells
+    keep the configuration (and so the result files) they had before weights could be named per model."""
+    from clipseg_sparse.sweeps.grid import GRIDS, Grid, read_grid_file
+
+    g = read_grid_file(GRIDS.get(grid)).grid
+    assert {(c.model, c.pretrained) for c in g.cells()} == {("ViT-B-16", "openai"), ("ViT-B-16-quickgelu", "metaclip_fullcc")}
+    before = dataclasses.replace(g, models=("ViT-B-16",), pretrained="openai")
+    assert {c.hash for c in before.cells()} <= {c.hash for c in g.cells()}
