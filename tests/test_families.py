@@ -384,7 +384,7 @@ def test_segmenter_runs_unchanged_on_timm_towers(name):
 def test_method_grids_add_metaclip_and_keep_the_openai_cells(grid):
     """CorrCLIP and Trident report MetaCLIP B/16 rows: their grids run it next to OpenAI's, whose cells
     keep the configuration (and so the result files) they had before weights could be named per model."""
-    from clipseg_sparse.sweeps.grid import GRIDS, Grid, read_grid_file
+    from clipseg_sparse.sweeps.grid import GRIDS, read_grid_file
 
     g = read_grid_file(GRIDS.get(grid)).grid
     assert {(c.model, c.pretrained) for c in g.cells()} == {("ViT-B-16", "openai"), ("ViT-B-16-quickgelu", "metaclip_fullcc")}
