@@ -390,3 +390,18 @@ def test_method_grids_add_metaclip_and_keep_the_openai_cells(grid):
     assert {(c.model, c.pretrained) for c in g.cells()} == {("ViT-B-16", "openai"), ("ViT-B-16-quickgelu", "metaclip_fullcc")}
     before = dataclasses.replace(g, models=("ViT-B-16",), pretrained="openai")
     assert {c.hash for c in before.cells()} <= {c.hash for c in g.cells()}
+
+
+def test_taps_and_scclip_run_on_every_family(family):
+    """Score terms that read CLIP's hidden states (`x@L`) and its own attention (`attn@A-B`, RoPE included)
+    run on each tower; SC-CLIP (extra inputs, aggregation, the LOF hook) wherever a CLS token exists."""
+    name, clip = family
+    x = torch.randn(1, 3, 96, 96, generator=torch.Generator().manual_seed(11))
+    with torch.inference_mode():
+        for spec in ["x@9[cos]+kk/softmax", "0.5*attn@6-9+qq/entmax:1.5/nores/noffn", "qq/entmax:1.5/in:sum@4-10"]:
+            assert clip.encode_dense(x, spec).shape == (1, 6, 6, clip.embed_dim)
+        if name != "siglip2":
+            assert torch.isfinite(clip.encode_dense(x, "scclip-entmax")).all()
+        maps = clip.attention_maps(x, "qq/entmax:1.5")
+    assert maps.shape == (1, 12, clip.prefix_tokens + 36, clip.prefix_tokens + 36)
+    assert torch.allclose(maps.sum(-1), torch.ones_like(maps.sum(-1)), atol=1e-4)
