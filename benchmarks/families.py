@@ -25,7 +25,7 @@ def one(model: str, px: int, repeat: int, device: str, threads: int | None) -> d
     import torch
 
     from clipseg_sparse import load_clip
-    from clipseg_sparse.segment.segmenter import window_boxes
+    from clipseg_sparse.segment.preprocess import window_boxes
 
     if threads:
         torch.set_num_threads(threads)

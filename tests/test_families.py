@@ -362,7 +362,8 @@ def test_segmenter_runs_unchanged_on_timm_towers(name):
     preset (SigLIP's text tower runs at full length: two templates, not 80, keep it short)."""
     import numpy as np
 
-    from clipseg_sparse.segment.segmenter import InferenceSettings, Segmenter
+    from clipseg_sparse.segment.segmenter import Segmenter
+    from clipseg_sparse.segment.settings import InferenceSettings
 
     with torch.device("meta"):
         model = open_clip.create_model(name, pretrained=None, device="meta")
