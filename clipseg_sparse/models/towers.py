@@ -347,7 +347,9 @@ class TimmTower:
 class TimmDenseCLIP(DenseCLIP):
     """DenseCLIP on a timm image tower (EVA-02, SigLIP / SigLIP 2, PE-Core): `visual` is the TimmTower
     adapter, so the engine runs its blocks as it runs open_clip's. Specs that need open_clip's fused
-    `in_proj` (DnA `dna:PATH`, CorrCLIP's `mct:BETA` semantic branch) are refused by `check_spec`."""
+    `in_proj` (DnA `dna:PATH`, CorrCLIP's `mct:BETA` semantic branch) are refused by `check_spec`.
+    `encode_dense(..., with_cls=True)` gives the pooled embedding of the output tokens: for MAP towers in
+    parallel mode (GEM, CLIP Surgery) that pools the edited patch tokens, not CLIP's own image embedding."""
 
     def __post_init__(self) -> None:
         self._adapter = TimmTower(self.model.visual)
