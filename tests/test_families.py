@@ -406,3 +406,14 @@ def test_taps_and_scclip_run_on_every_family(family):
         maps = clip.attention_maps(x, "qq/entmax:1.5")
     assert maps.shape == (1, 12, clip.prefix_tokens + 36, clip.prefix_tokens + 36)
     assert torch.allclose(maps.sum(-1), torch.ones_like(maps.sum(-1)), atol=1e-4)
+
+
+def test_resclip_feedback_runs_on_every_family(family):
+    """ResCLIP's first pass reads each tower's own dense head (MAP per token, or the trunk's head) and its
+    feedback map is cut to the tower's tokens (no CLS row in SigLIP)."""
+    _, clip = family
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(12))
+    text = F.normalize(torch.randn(3, clip.embed_dim, generator=torch.Generator().manual_seed(13)), dim=-1)
+    with torch.inference_mode():
+        feats = clip.encode_dense(x, "resclip-entmax", context={"text": text, "logit_scale": 40.0, "windows": x})
+    assert feats.shape == (1, 4, 4, clip.embed_dim) and torch.isfinite(feats).all()
