@@ -133,10 +133,11 @@ def explain(
     from ..segment.vocabulary import Vocabulary
 
     out = out or Path(f"{image.stem}.explain.png")
-    if out.exists() and not overwrite:
-        fail(f"--out {out}: exists; pass --overwrite to replace it")
     if out.is_dir():
         fail(f"--out {out}: is a folder; give the PNG file to write")
+    check_out(out, folder=False)
+    if out.exists() and not overwrite:
+        fail(f"--out {out}: exists; pass --overwrite to replace it")
     try:
         x, y = (int(v) for v in point.split(","))
     except ValueError:
@@ -177,6 +178,7 @@ def gallery(folders: list[str], out: Path, dataset: str | None, root: Path | Non
         fail("--dataset and --root go together (the dataset whose images and labels the predictions are of)")
     if out.is_dir():
         fail(f"--html {out}: is a folder; give the .html file to write")
+    check_out(out, folder=False, option="--html")
     path, page = write_gallery(folders, out, dataset, root, overwrite)
     err_console.print(f"wrote {path}: {len(page.rows)} images x {len(page.columns)} columns ({', '.join(page.columns)})", highlight=False)
 

@@ -132,7 +132,11 @@ def user_errors(*builtins: type[Exception]) -> Callable[[Command], Command]:
 
 def check_out(out: Path | None, folder: bool, option: str = "--out") -> None:
     """Fail early, before any model is loaded, when --out is the wrong kind of path (a file where a folder
-    goes, or the reverse) or cannot be written (read-only place, a file in the way)."""
+    goes, or the reverse) or cannot be written (read-only place, /proc or /sys, a file in the way).
+
+    The one output check: every command that writes (segment, eval, fgovd, analyze, explain, sweep,
+    reproduce, report, dna train, dna stats, convert) calls it on each path it will write before any
+    work, so no run dies at its first write with a traceback after minutes of work."""
     if out is None:
         return
     if folder and out.exists() and not out.is_dir():

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import Device, DeviceOpt, ModelOpt, Precision, PretrainedOpt, TemplatesOpt, fail, load_model, out_console, user_errors
+from .common import Device, DeviceOpt, ModelOpt, Precision, PretrainedOpt, TemplatesOpt, check_out, fail, load_model, out_console, user_errors
 from ..runtime.progress import err_console
 
 dna_app = typer.Typer(help="DnA (Denoising Attention): train its negative branch on a frozen CLIP; subspace statistics.", no_args_is_help=True)
@@ -55,8 +55,7 @@ def train_cmd(
     """
     from ..dna.train import TrainConfig, train
 
-    if out.exists() and not out.is_dir():
-        fail(f"--out {out}: is a file; dna train writes a run folder there")
+    check_out(out, folder=True)
     config = TrainConfig(
         objective=objective, data=str(root), dataset=dataset, split=split, class_names=class_names, model=model,
         pretrained=pretrained, blocks=blocks, eps=eps, negative=negative, sign=sign, shared_values=shared_values,
@@ -103,6 +102,7 @@ def stats_cmd(
 
     if dataset is not None and root is None:
         fail("--dataset needs --root")
+    check_out(out, folder=False)
     if out is not None and out.exists():
         fail(f"--out {out}: exists; choose another file (results are never overwritten)")
     loaded = load_adapter(adapter)

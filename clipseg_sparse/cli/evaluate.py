@@ -189,6 +189,7 @@ def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: boo
     from ..datasets import convert as cv
 
     out = out or root
+    check_out(out, folder=True)
     dest = out / "annotations" / split
     with progress_bar("files") as bar:
         task = bar.add_task(f"{kind} {split}", total=None)

@@ -150,6 +150,8 @@ def report(
 
     if html is not None:
         return cli_analysis.gallery(results, html, dataset, root, overwrite)
+    for path, option, folder in ((markdown, "--markdown", False), (csv, "--csv", False), (plots, "--plots", True), (diffusivity, "--diffusivity", True)):
+        check_out(path, folder=folder, option=option)  # before reading any result: nothing is lost to a bad path
     records = collect(results)
     _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite)
     if diffusivity is not None:
