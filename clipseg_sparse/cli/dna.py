@@ -37,7 +37,7 @@ def train_cmd(
     min_lr: Annotated[float, typer.Option("--min-lr", help="Learning rate at the end of the cosine schedule.")] = 0.0,
     warmup: Annotated[int, typer.Option("--warmup", help="Linear warmup steps.")] = 0,
     weight_decay: Annotated[float, typer.Option("--weight-decay", help="AdamW weight decay on Q-, V-, alpha.")] = 0.0,
-    resolution: Annotated[int, typer.Option("--resolution", help="Training crops: short side resized to this, then a random square crop of this size.")] = 224,
+    resolution: Annotated[int, typer.Option("--resolution", help="Training crops: short side resized to this, then a random square crop of this size (at least one patch; dense: a multiple of the patch size).")] = 224,
     templates: TemplatesOpt = "openai",
     logit_scale: Annotated[Optional[float], typer.Option("--logit-scale", help="Scale on cosines in the loss (default: the model's own).")] = None,
     amp: Annotated[str, typer.Option("--amp", help="Mixed precision: auto (bf16 on CUDA, off elsewhere), bf16, fp16 (CUDA only), off.")] = "auto",

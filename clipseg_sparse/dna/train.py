@@ -90,6 +90,33 @@ class TrainConfig:
             raise TrainError("--lr and --eps must be > 0")
 
 
+def config_patch_size(model: str) -> int | None:
+    """The patch size `model`'s open_clip config gives (read without building it), None if it gives none;
+    ValueError for an unknown or unsupported model, as loading it would."""
+    import open_clip
+
+    from ..models.clip import check_model_name
+
+    patch = ((open_clip.get_model_config(check_model_name(model)) or {}).get("vision_cfg") or {}).get("patch_size")
+    if isinstance(patch, (list, tuple)):
+        patch = patch[0]
+    return int(patch) if patch else None
+
+
+def check_resolution(config: TrainConfig, patch: int | None) -> None:
+    """Refuse crops with no whole patch per side (the patch grid would be 0 x 0: a reshape error deep in
+    the data loader), and, for the dense objective, crops that are not whole patches (labels are reduced
+    to the patch grid by majority, which needs H and W multiples of the patch)."""
+    if not patch:
+        return
+    r = config.resolution
+    if r < patch:
+        raise TrainError(f"--resolution {r}: smaller than one {patch}-pixel patch of {config.model} per side; the smallest valid resolution is {patch}")
+    if config.objective == "dense" and r % patch:
+        low, high = r // patch * patch, (r // patch + 1) * patch
+        raise TrainError(f"--resolution {r}: the dense objective needs whole {patch}-pixel patches per side (labels are reduced to the patch grid); use {low} or {high}")
+
+
 def lr_factor(step: int, config: TrainConfig) -> float:
     """Multiplier of the base lr at `step`: linear warmup, then cosine from 1 to min_lr / lr."""
     if step < config.warmup:
@@ -199,6 +226,7 @@ def train(
         if state["config"] != wanted:
             changed = sorted(k for k in wanted if state["config"].get(k) != wanted[k])
             raise TrainError(f"{out}: holds a DnA training run with other settings ({', '.join(changed)}); use another --out, or --overwrite to start over")
+    check_resolution(config, config_patch_size(config.model))  # before the model loads
     rank, world = init_from_env()
     if config.batch_size % world:
         raise TrainError(f"--batch-size {config.batch_size} is the global batch: it must be divisible by the {world} ranks")
@@ -212,6 +240,7 @@ def train(
 
     torch.manual_seed(config.seed)
     clip = load_clip(config.model, pretrained=config.pretrained, device=dev)
+    check_resolution(config, clip.patch_size)  # the built model's own patch (a config without one)
     items, text, name_to_class, num_classes, bench = _classifier(config, clip)
     modules = convert_to_dna(clip, config.blocks, config.eps, negative=config.negative, sign=config.sign, shared_values=config.shared_values)
     params = [p for m in modules.values() for p in m.negative_parameters().values()]
