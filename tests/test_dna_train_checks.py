@@ -4,6 +4,8 @@ settings on an --out another run has claimed (was: both exit 0, the last writer 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,49 @@ def test_the_smallest_valid_resolution_trains(ade_train, tmp_path):
     assert result.step == 1 and result.adapter.is_file()
     with pytest.raises(TrainError, match="smallest valid resolution is 16"):
         train(_config(ade_train, resolution=15, objective="image"), tmp_path / "image", device="cpu", progress=False)
+
+
+class Interrupted(Exception):
+    """A run stopped before its first checkpoint (killed while loading the model)."""
+
+
+@pytest.fixture
+def interrupted_load(monkeypatch):
+    import clipseg_sparse.models.clip as clip_module
+
+    def load_clip(*_a, **_k):
+        raise Interrupted
+
+    monkeypatch.setattr(clip_module, "load_clip", load_clip)
+    return monkeypatch
+
+
+def test_a_run_with_other_settings_is_refused_at_once_and_the_same_settings_resume(ade_train, tmp_path, interrupted_load):
+    out = tmp_path / "run"
+    with pytest.raises(Interrupted):  # the first run claimed --out, then stopped before any checkpoint
+        train(_config(ade_train), out, device="cpu", progress=False)
+    assert json.loads((out / "settings.json").read_text())["config"] == dataclasses.asdict(_config(ade_train))
+    assert not (out / "checkpoint.pt").exists()
+    # another run with other settings: one line naming them, before its model loads (Interrupted would be exit 1)
+    _one_line(_cli(ade_train, out, "--resolution", "32", "--amp", "off", "--lr", "0.001", "--seed", "5"), str(out), "other settings (lr)")
+    with pytest.raises(TrainError, match=r"other settings \(lr, seed\)"):
+        train(_config(ade_train, lr=1e-3, seed=6), out, device="cpu", progress=False)
+    interrupted_load.undo()
+    # the same settings go on; the claim stays
+    result = train(_config(ade_train), out, device="cpu", progress=False)
+    assert result.step == 1 and result.adapter.is_file()
+    with pytest.raises(TrainError, match=r"other settings \(steps\)"):
+        train(_config(ade_train, steps=2), out, device="cpu", progress=False)
+    # --overwrite re-claims for the new settings
+    again = train(_config(ade_train, lr=1e-3), out, device="cpu", progress=False, overwrite=True)
+    assert again.step == 1 and json.loads((out / "settings.json").read_text())["config"]["lr"] == 1e-3
+
+
+def test_missing_data_claims_nothing_and_a_broken_claim_is_one_line(ade_train, tmp_path, no_model):
+    out = tmp_path / "run"
+    with pytest.raises(Exception, match="nothing"):
+        train(_config(tmp_path / "nothing"), out, device="cpu", progress=False)
+    assert not (out / "settings.json").exists()
+    out.mkdir(exist_ok=True)
+    (out / "settings.json").write_text("[1, 2")
+    _one_line(_cli(ade_train, out, "--resolution", "32"), "settings.json", "not a settings record")

@@ -17,7 +17,7 @@ dna_app = typer.Typer(help="DnA (Denoising Attention): train its negative branch
 @dna_app.command("train", no_args_is_help=True)
 @user_errors(ValueError, FileNotFoundError)
 def train_cmd(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run folder: checkpoint.pt (resume), adapter.safetensors, train.json.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run folder: settings.json (claimed at start: another run with other settings is refused), checkpoint.pt (resume), adapter.safetensors, train.json.")],
     root: Annotated[Path, typer.Option("--root", help="Dataset folder (dense: the dataset's mmseg layout) or an ImageFolder (image: one sub-folder per class).")],
     objective: Annotated[str, typer.Option("--objective", help="dense: per-patch cross-entropy on a segmentation dataset; image: zero-shot-head classification on an ImageFolder.")] = "dense",
     dataset: Annotated[Optional[str], typer.Option("--dataset", "-d", help="Segmentation dataset for --objective dense (ade20k, coco-stuff, voc21, ...; `ls datasets`).")] = None,

@@ -9,7 +9,8 @@ Objectives:
 
 AdamW on the new parameters only; linear warmup then cosine decay to `min_lr`; autocast (bf16 / fp16 with
 a grad scaler) only on CUDA. `out/checkpoint.pt` holds the adapter tensors, optimizer, scheduler, scaler,
-step, RNG states and losses, written atomically every `save_every` steps and at the end; running the same
+step, RNG states and losses, written atomically every `save_every` steps and at the end; `out/settings.json`
+claims the folder for one configuration at start (a run with other settings is refused at once); running the same
 command again resumes from it (same batches, same state) and a finished run is not recomputed. Under
 torchrun each rank takes its share of every global batch and DDP averages the gradients (NCCL on GPUs,
 gloo on CPU). Rank 0 writes `out/adapter.safetensors` and `out/train.json`.
@@ -31,13 +32,14 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..datasets import DATASETS, IGNORE_INDEX, class_vocabulary
 from ..runtime.distributed import init_from_env
-from ..runtime.atomic import atomic_path
+from ..runtime.atomic import atomic_path, create_json_exclusive, write_json_atomic
 from ..segment.vocabulary import embed_names
 from .adapter import save_adapter
 from .convert import convert_to_dna
 from .data import StepBatches, TrainingSet, image_folder
 
 OBJECTIVES = ("dense", "image")
+CLAIM = "settings.json"  # OUT's settings record, claimed at start (claim_run)
 AMP = ("auto", "off", "bf16", "fp16")
 
 
@@ -151,8 +153,9 @@ class Objective(nn.Module):
         return ce, (targets != IGNORE_INDEX).sum()
 
 
-def _classifier(config: TrainConfig, clip) -> tuple[list, torch.Tensor, list[int], int, object]:
-    """(training items, text embeddings, name -> class, number of classes, benchmark or None)."""
+def _training_data(config: TrainConfig) -> tuple[list, list[str], list[int], int, object]:
+    """(training items, prompt names, name -> class, number of classes, benchmark or None); read before
+    the model loads and before --out is claimed, so a missing dataset claims nothing and loads nothing."""
     if config.objective == "dense":
         bench = DATASETS.get(config.dataset)
         items = bench.samples(config.data, config.split)
@@ -163,8 +166,27 @@ def _classifier(config: TrainConfig, clip) -> tuple[list, torch.Tensor, list[int
         classes, items = image_folder(config.data)
         names, name_to_class, num_classes = classes, list(range(len(classes))), len(classes)
     items = items[: config.limit] if config.limit else items
-    text = embed_names(clip, names, config.templates, use_cache=clip.pretrained != "none").clone()  # out of inference mode
-    return items, text, name_to_class, num_classes, bench
+    return items, names, name_to_class, num_classes, bench
+
+
+def claim_run(out: Path, wanted: dict, overwrite: bool) -> None:
+    """Claim `out` for these settings at start (OUT/settings.json, created exclusively as `segment` claims
+    each image): a run with other settings on the same --out is refused at once, naming them, instead of
+    both training and the last writer winning; the same settings go on (resume). --overwrite re-claims."""
+    path = out / CLAIM
+    record = {"config": wanted}
+    if overwrite:
+        write_json_atomic(path, record)
+        return
+    if create_json_exclusive(path, record):
+        return
+    try:
+        held = json.loads(path.read_text(encoding="utf-8"))["config"]
+        changed = sorted(k for k in {*wanted, *held} if held.get(k) != wanted.get(k))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise TrainError(f"{path}: not a settings record of dna train; use another --out, or --overwrite to start over") from None
+    if changed:
+        raise TrainError(f"{out}: holds a DnA training run with other settings ({', '.join(changed)}); use another --out, or --overwrite to start over")
 
 
 def _autocast(config: TrainConfig, device: torch.device):
@@ -230,18 +252,20 @@ def train(
     rank, world = init_from_env()
     if config.batch_size % world:
         raise TrainError(f"--batch-size {config.batch_size} is the global batch: it must be divisible by the {world} ranks")
+    if state is not None and state["step"] >= config.steps and adapter_path.is_file():
+        return TrainResult(adapter_path, state["step"], state["losses"], state["step"], _count(state["adapter"]), state.get("seconds_per_step"))
+    items, names, name_to_class, num_classes, bench = _training_data(config)
+    claim_run(out, wanted, overwrite)  # every rank: the same record, so whichever claims first, all agree
     dev = resolve_device(device)
     if dev.type == "cuda" and world > 1:
         import os
 
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if state is not None and state["step"] >= config.steps and adapter_path.is_file():
-        return TrainResult(adapter_path, state["step"], state["losses"], state["step"], _count(state["adapter"]), state.get("seconds_per_step"))
 
     torch.manual_seed(config.seed)
     clip = load_clip(config.model, pretrained=config.pretrained, device=dev)
     check_resolution(config, clip.patch_size)  # the built model's own patch (a config without one)
-    items, text, name_to_class, num_classes, bench = _classifier(config, clip)
+    text = embed_names(clip, names, config.templates, use_cache=clip.pretrained != "none").clone()  # out of inference mode
     modules = convert_to_dna(clip, config.blocks, config.eps, negative=config.negative, sign=config.sign, shared_values=config.shared_values)
     params = [p for m in modules.values() for p in m.negative_parameters().values()]
     scale = config.logit_scale if config.logit_scale is not None else clip.logit_scale
