@@ -13,10 +13,21 @@ the call each kind's function receives:
 - match: `fn(cosine, cls, text) -> cosine` per batch of windows: cosine = B x N_names x h x w (patch
   features against the text), cls = B x D the windows' L2-normalised CLS embeddings, text = N_names x D.
   Named by a spec (`hook:surgery`, CLIP Surgery's feature surgery).
+- windows: `fn(cosine, boxes, pixels, patch) -> cosine` once per image, before the windows' maps are
+  upsampled and averaged: cosine = B x h x w x N_names raw patch cosines of all B windows (row-major over
+  the window grid, as `window_boxes` lists them), boxes = their (y1, y2, x1, x2) on the network input,
+  pixels = that 1 x 3 x H x W CLIP-normalised input, patch = CLIP's patch size (patch (i, j) of a window
+  is centred at (y1 + patch // 2 + i * patch, x1 + patch // 2 + j * patch)); e.g. LPOSS's joint patch-graph
+  propagation `lp:patch`. Not with a global stage (no per-window maps there). A spec may name one
+  (`hook:lp:patch`); one given in the settings replaces the spec's of the same name.
 - post:  `fn(cosine, guide) -> cosine`, cosine = N_names x H x W raw cosine at the original image size
   (before the logit scale, the softmax and the max over synonyms); guide = 3 x H x W, the CLIP-normalised
   network input resized bilinearly back to the original size. Post stages see the whole image at once
-  (they are not row-tiled), so they cost about (N_names + 20) x H x W floats of memory.
+  (they are not row-tiled), so they cost about (N_names + 20) x H x W floats of memory. A post stage with
+  `text=True` is called `fn(cosine, guide, text)`, text = the N_names x D text embeddings (PEARL's TLP);
+  one with `at_input=True` runs first, at the network input's size: cosine = N_names x h x w there, guide
+  = the network input as RGB in [0, 1] (3 x h x w), and its result is resized bilinearly to the original
+  size (LPOSS+'s pixel graph). A spec may name post stages (`hook:tlp`); they run before the settings'.
 - global: `fn(tokens, image, normalizer) -> tokens` once per image, with splicing: tokens = 1 x h x w x C
   last-block patch tokens before ln_post, every window's placed on the resized image's patch grid
   (overlaps averaged); image = the original H x W x 3 uint8 RGB image; normalizer = the spec's. Returns
@@ -47,7 +58,7 @@ import torch.nn.functional as F
 
 from .registry import ENTRY_POINT_GROUP, Registry, caller_module
 
-KINDS = ("token", "text", "match", "post", "global", "labels", "refine")
+KINDS = ("token", "text", "match", "windows", "post", "global", "labels", "refine")
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,8 @@ class Stage:
     fn: Callable[..., torch.Tensor]
     taps: bool = False  # token stages only: also edits the hidden states the spec reads (see above)
     backbones: tuple[str, ...] = ()  # external backbones the stage runs (`ls backbones`)
+    text: bool = False  # post stages only: also receives the text embeddings (see above)
+    at_input: bool = False  # post stages only: runs at the network input's size on its RGB image (see above)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -82,19 +95,23 @@ def parse_stage(text: str) -> Stage:
     return STAGES.get(name)(args)
 
 
+#: stage kinds a spec may name with `hook:` (the others belong to the settings: text, labels, refine)
+HOOK_KINDS = ("token", "match", "global", "windows", "post")
+
+
 def check_hook(text: str) -> str:
-    """The canonical text of a token, match or global stage named by a spec's `hook:`; ValueError naming them."""
+    """The canonical text of a token, match, global, windows or post stage named by a spec's `hook:`; ValueError naming them."""
     try:
         stage = parse_stage(text)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_hook_stages()}") from None
-    if stage.kind not in ("token", "match", "global"):
-        raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_hook_stages()} (post stages run with --pamr or InferenceSettings.stages)")
+    if stage.kind not in HOOK_KINDS:
+        raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_hook_stages()} (text, labels and refine stages run with InferenceSettings.stages)")
     return stage.name
 
 
 def _hook_stages() -> str:
-    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith(("token", "match", "global")))
+    return ", ".join(n for n in STAGES.names() if STAGES.help(n).startswith(HOOK_KINDS))
 
 
 def resolve_stages(texts: Sequence[str]) -> tuple[Stage, ...]:

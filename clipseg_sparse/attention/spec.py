@@ -297,7 +297,7 @@ class AttentionSpec:
         the original path's ln_1 state (GEM, CLIP Surgery). average: divide the sum of groups by their
         number. aggregate_in/out: identity-value aggregation x <- R(support(S)) x before / after the block
         (R: row sums + 1e-6, SC-CLIP). inputs: extra inputs of the block (SC-CLIP's multi-level sum).
-        hooks: token, match and global stages the method needs (`clipseg_sparse.stages`: lof, surgery, sam). extras:
+        hooks: token, match, global, windows and post stages the method needs (`clipseg_sparse.stages`: lof, surgery, sam, lp, tlp). extras:
         registered options.
     """
 

@@ -23,6 +23,7 @@ METHODS = (
     "corrclip",  # CorrCLIP (ICCV 2025) on ProxyCLIP: region scope, mask class tokens; the regionvote stage
     "trident",  # Trident (ICCV 2025): DINO proxy per window, splice; the sam stage
     "trident_refine",  # Trident's SAM prompt refinement: the samrefine stage, protocol trident-samrefine
+    "lposs",  # LPOSS / LPOSS+ (CVPR 2025): the lp stages (joint patch graph over windows, Lab pixel graph)
 )
 for _name in METHODS:
     importlib.import_module(f"{__name__}.{_name}")

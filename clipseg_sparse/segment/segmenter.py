@@ -28,7 +28,15 @@ from .preprocess import prepare
 from .regions import region_reader
 from .settings import InferenceSettings
 from .vocabulary import Vocabulary, embed_names, resolve_templates, templates_id
-from .windows import BAND_ELEMENTS, CosineMap, DenseMap, dense_cosine, grid_cosine, spliced_tokens
+from .windows import BAND_ELEMENTS, CosineMap, DenseMap, dense_cosine, grid_cosine, resized_cosine, spliced_tokens
+
+
+def hook_stages(spec: AttentionSpec, stages: Sequence[Stage], kind: str) -> list[Stage]:
+    """The windows or post stages to run, in order: the spec's (`hook:`), except those a stage of the same
+    name (the text before the first ':') given in the settings replaces, then the settings'."""
+    given = [s for s in stages if s.kind == kind]
+    named = {s.name.partition(":")[0] for s in given}
+    return [s for s in resolve_stages(spec.hooks) if s.kind == kind and s.name.partition(":")[0] not in named] + given
 
 
 def global_stage(spec: AttentionSpec, stages: Sequence[Stage]) -> Stage | None:
@@ -86,6 +94,10 @@ class Segmenter:
             raise ValueError(f"{reader} needs region masks for each image: give a region source (--regions FOLDER or --regions sam2)")
         self.regions = regions if reader else None  # read (and recorded) only when something uses them
         self.global_stage = global_stage(self.spec, self.stages)
+        self.window_stages = hook_stages(self.spec, self.stages, "windows")
+        self.post_stages = hook_stages(self.spec, self.stages, "post")
+        if self.global_stage and self.window_stages:
+            raise ValueError(f"stage {self.window_stages[0].name} works on each window's patch map; it cannot run with the global stage {self.global_stage.name}")
         s, patch = self.settings, clip.patch_size
         if self.global_stage and s.window and (s.window % patch or s.stride % patch):
             raise ValueError(f"stage {self.global_stage.name} splices the windows: window and stride must be multiples of the patch size {patch} (got {s.window} / {s.stride})")
@@ -117,6 +129,7 @@ class Segmenter:
         """External backbones this segmenter runs: the spec's (`spec_backbones`), its global stage's, then
         its other stages' (samrefine: SAM's weights)."""
         extra = [*(self.global_stage.backbones if self.global_stage else ()), *(b for s in self.stages for b in s.backbones)]
+        extra += [b for s in self.window_stages + self.post_stages for b in s.backbones]
         return list(dict.fromkeys(spec_backbones(self.spec) + extra))
 
     def _stages(self, kind: str) -> list[Stage]:
@@ -142,24 +155,37 @@ class Segmenter:
         height, width = image.shape[:2]
         pixels = self.pixels(image)
         scaled = None if regions is None else resize_regions(torch.from_numpy(np.asarray(regions, dtype=np.int64)), tuple(pixels.shape[-2:]))
+        at_input = [st for st in self.post_stages if st.at_input]  # run at the network input's size
+        out_size = tuple(pixels.shape[-2:]) if at_input else (height, width)
         if self.global_stage is not None:  # splice the windows, then one stage over the whole image
             tokens = spliced_tokens(self.clip, pixels, self.spec, s.window, s.stride, s.batch_size, self._stages("token"), s.pos_interp)
             tokens = self.global_stage(tokens, image, self.spec.normalizer)
-            factored = grid_cosine(self.clip.project(tokens[0]), self.text, (height, width))
+            factored = grid_cosine(self.clip.project(tokens[0]), self.text, out_size)
         else:
             factored = dense_cosine(
-                self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, (height, width),
-                self._stages("token"), s.pos_interp, s.remainder, s.logit_scale, scaled,
+                self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, out_size,
+                self._stages("token"), s.pos_interp, s.remainder, s.logit_scale, scaled, self.window_stages,
             )  # fmt: skip
-        post = self._stages("post")
+        if at_input:
+            cos = factored.rows(0, out_size[0])
+            mean, std = (torch.tensor(v, device=cos.device).view(3, 1, 1) for v in (self.clip.mean, self.clip.std))
+            rgb = pixels[0].to(cos.device) * std + mean  # the network input in [0, 1]
+            for stage in at_input:
+                cos = self._run_post(stage, cos, rgb)
+            factored = resized_cosine(cos, (height, width))  # bilinear to the original size
+        post = [st for st in self.post_stages if not st.at_input]
         if not post:
             return factored
         cos = factored.rows(0, height)
         # the guide of published PAMR: the network input brought back to the original size
         guide = F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False)[0].to(cos.device)
         for stage in post:
-            cos = stage(cos, guide)
+            cos = self._run_post(stage, cos, guide)
         return DenseMap(cos)
+
+    def _run_post(self, stage: Stage, cos: torch.Tensor, guide: torch.Tensor) -> torch.Tensor:
+        """One post stage (stages.py), with the text embeddings when it reads them."""
+        return stage(cos, guide, self.text.to(cos.device)) if stage.text else stage(cos, guide)
 
     @torch.inference_mode()
     def class_maps(self, rgb: np.ndarray, regions: np.ndarray | None = None) -> ClassMaps:

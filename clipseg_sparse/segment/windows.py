@@ -175,6 +175,7 @@ def dense_cosine(
     remainder: str = "pad",
     logit_scale: float = 40.0,
     regions: torch.Tensor | None = None,
+    window_stages: Sequence[Stage] = (),
 ) -> CosineMap:
     """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size
     (or at `out_size`, as if that map were then resized bilinearly), as a CosineMap (rows on demand).
@@ -189,6 +190,8 @@ def dense_cosine(
     Match stages the spec names (`hook:surgery`) rewrite each window's cosine map before that. A spec
     with a `feedback` term (ResCLIP) gets the text and `logit_scale` for its first pass.
     regions: H x W region ids of `pixels`, for specs that read regions (see `iter_window_features`).
+    window_stages: windows stages (stages.py) run on all windows' patch cosines at once, before the
+    upsampling (LPOSS's joint patch graph).
     """
     _, _, H, W = pixels.shape
     text = text.to(clip.device)
@@ -205,6 +208,8 @@ def dense_cosine(
             window_cos = stage(window_cos.permute(0, 3, 1, 2), cls[0], text).permute(0, 2, 3, 1)
         cos.append(window_cos)
     cos = torch.cat(cos)  # windows row-major over the grid of row and column intervals
+    for stage in window_stages:  # B x h x w x N_names, every window of the image at once
+        cos = stage(cos, boxes, pixels, clip.patch_size)
     rows = sorted({(y1, y2) for y1, y2, _, _ in boxes})
     cols = sorted({(x1, x2) for _, _, x1, x2 in boxes})
     _, h, w, n = cos.shape
@@ -225,6 +230,13 @@ def _factored(grid: torch.Tensor, ly: torch.Tensor, lx: torch.Tensor) -> CosineM
     to = dict(device=grid.device, dtype=grid.dtype)
     rows_from = F.pad(ly, (0, 0, 0, -out_h % ROW_BLOCK))  # whole blocks of rows
     return CosineMap(grid.contiguous(), rows_from.to(**to), lx.to(**to), out_h)
+
+
+def resized_cosine(cos: torch.Tensor, out_size: tuple[int, int]) -> CosineMap:
+    """An N x h x w map resized bilinearly to `out_size`, kept factored (no N x H x W map at that size):
+    the map after a post stage that runs at the network input's size (LPOSS+'s pixel graph)."""
+    _, h, w = cos.shape
+    return _factored(cos.permute(1, 2, 0).contiguous(), _resize_matrix(h, out_size[0]), _resize_matrix(w, out_size[1]))
 
 
 def spliced_tokens(

@@ -1,0 +1,323 @@
+"""LPOSS and LPOSS+ (Stojnic, Kalantidis, Tolias, CVPR 2025): label propagation over patches and pixels.
+
+Read from `vladan-stojnic/LPOSS@2a6eced` (`segmentation/evaluation/lposs_eval.py`: `get_lposs_laplacian`,
+`normalize_connection_graph`, `dfs_search`, `perform_lp`, `get_pixel_connections`,
+`get_lposs_plus_laplacian`, `LPOSS_Infrencer.slide_inference`; `models/lposs/lposs.py`;
+`models/maskclip/maskclip.py`; `configs/lposs.yaml`, `configs/lposs_plus.yaml`; research/peers-2026.md 2.4).
+
+- `lp:patch[:K[:GAMMA[:ALPHA[:SIGMA]]]]` (windows stage, default lp:patch:400:3:0.95:0.01): one graph over
+  the patches of *all* windows of the image: nodes = every window's patches, edges = each node's k nearest
+  neighbours by inner product of DINO ViT-B/16 last-block values (heads concatenated, L2-normalised), the
+  similarity clipped at 0, raised to GAMMA and multiplied by exp(-SIGMA * d) (d: pixel distance between the
+  patch centres on the network input); W + W^T, diagonal removed, D^-1/2 W D^-1/2, L = I - ALPHA Wn; every
+  name's column of the patch cosines solved L z = y by conjugate gradient (tol 1e-6 relative to |y|, at most
+  50 steps, from zero: cupyx's `cg`). The windows' propagated maps are then upsampled and averaged as usual.
+- `lp:pixel[:TAU[:RADIUS[:ALPHA]]]` (post stage at the network input's size, default lp:pixel:0.01:6:0.95):
+  LPOSS+'s pixel graph on the window-averaged map: every pixel joined to the (2 RADIUS + 1)^2 - 1 pixels of
+  its square neighbourhood with weight exp(-|Lab_i - Lab_j| / TAU), Lab of the network input divided by
+  (100, 128, 128); the same normalisation, ALPHA and CG; the result resized bilinearly to the original size.
+
+Both solve with torch sparse matrices (CSR products; no N x N matrix is formed) and a conjugate gradient
+that runs all names' columns together, each stopping at its own step as the published per-class loop does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.presets import register_preset
+from ..evaluation.protocols import PROTOCOLS, Protocol
+from ..stages import STAGES, Stage
+
+LP_PROXY = "dino_vitb16"  # `vit_arch: vit_base`, `vit_patch_size: 16`, `enc_type_feats: "v"`
+PATCH_K, PATCH_GAMMA, LP_ALPHA, PATCH_SIGMA, PATCH_DIST_POW = 400, 3.0, 0.95, 0.01, 1.0
+PIXEL_TAU, PIXEL_RADIUS = 0.01, 6  # r: 13, neigh = r // 2
+CG_TOL, CG_MAXITER = 1e-6, 50
+LAB_SCALE = (100.0, 128.0, 128.0)
+
+
+# -- graphs and the solver ---------------------------------------------------------------------------------
+def knn(feats: torch.Tensor, k: int, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact k nearest neighbours of every row of feats (N x C) among all rows by inner product, itself
+    included (faiss `knn_gpu`, METRIC_INNER_PRODUCT): (similarities N x k, indices N x k), best first.
+    Rows are compared a chunk at a time, so memory stays at chunk x N."""
+    k = min(k, feats.shape[0])
+    sims, idx = [], []
+    for i in range(0, feats.shape[0], chunk):
+        s, j = torch.topk(feats[i : i + chunk] @ feats.T, k, dim=1)
+        sims.append(s)
+        idx.append(j)
+    return torch.cat(sims), torch.cat(idx)
+
+
+def patch_centres(boxes: Sequence[tuple[int, int, int, int]], grid: tuple[int, int], patch: int) -> torch.Tensor:
+    """N x 2 (y, x) pixel centres of every window's patches on the network input, windows in order and
+    patches row-major: y1 + patch // 2 + i * patch (LPOSS's `loc_h`, `loc_w`)."""
+    h, w = grid
+    i = torch.arange(h).view(-1, 1).expand(h, w).flatten()
+    j = torch.arange(w).view(1, -1).expand(h, w).flatten()
+    return torch.cat([torch.stack((y1 + patch // 2 + i * patch, x1 + patch // 2 + j * patch), 1) for y1, _, x1, _ in boxes]).float()
+
+
+def patch_graph(
+    feats: torch.Tensor, centres: torch.Tensor, k: int = PATCH_K, gamma: float = PATCH_GAMMA,
+    sigma: float = PATCH_SIGMA, dist_pow: float = PATCH_DIST_POW,
+) -> torch.Tensor:
+    """LPOSS's symmetric kNN affinity W + W^T (sparse COO, coalesced, N x N) of L2-normalised features
+    (N x C) and patch centres (N x 2): w_ij = max(f_i . f_j, 0)^gamma exp(-sigma |c_i - c_j|^dist_pow) for
+    the k nearest j of each i (i itself among them; the Laplacian drops the diagonal)."""
+    n = feats.shape[0]
+    sims, idx = knn(feats, k)
+    dist = (centres[:, None, :] - centres[idx]).norm(dim=-1) ** dist_pow  # the published N x N cdist, gathered
+    values = sims.clamp_min(0) ** gamma * torch.exp(-sigma * dist.to(sims.dtype))
+    rows = torch.arange(n, device=feats.device).repeat_interleave(idx.shape[1])
+    w = torch.sparse_coo_tensor(torch.stack((rows, idx.flatten())), values.flatten(), (n, n), check_invariants=False)
+    return (w + w.t()).coalesce()
+
+
+def normalized_laplacian(w: torch.Tensor, alpha: float = LP_ALPHA) -> torch.Tensor:
+    """`normalize_connection_graph` then `eye - alpha Wn` on a sparse N x N affinity: the diagonal removed,
+    Wn = D^-1/2 W D^-1/2 with D the row sums (rows summing to 0 taken as 1), L = I - alpha Wn, as a sparse
+    CSR matrix (the solver's products)."""
+    w = w.coalesce()
+    (r, c), v = w.indices(), w.values()
+    off = r != c
+    r, c, v = r[off], c[off], v[off]
+    n = w.shape[0]
+    degree = torch.zeros(n, dtype=v.dtype, device=v.device).index_add_(0, r, v)
+    degree[degree == 0] = 1
+    d = degree.rsqrt()
+    eye = torch.arange(n, device=v.device)
+    indices = torch.cat([torch.stack((r, c)), torch.stack((eye, eye))], dim=1)
+    values = torch.cat([-alpha * d[r] * v * d[c], torch.ones(n, dtype=v.dtype, device=v.device)])
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": products of CSR by dense are what is used
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_coo_tensor(indices, values, (n, n), check_invariants=False).coalesce().to_sparse_csr()
+
+
+def conjugate_gradient(a: torch.Tensor, b: torch.Tensor, tol: float = CG_TOL, maxiter: int = CG_MAXITER) -> torch.Tensor:
+    """Solve A X = B (A: N x N symmetric positive definite, sparse or dense; B: N x M) column by column as
+    cupyx.scipy.sparse.linalg.cg(A, b, tol=tol, maxiter=maxiter) does, all columns in one product per step:
+    from x = 0, stop a column after the step its residual norm is <= tol |b| (a zero column stays zero)."""
+    b = b.float()
+    x = torch.zeros_like(b)
+    r = b.clone()
+    atol = tol * b.norm(dim=0)
+    active = atol > 0
+    p = torch.zeros_like(b)
+    rho_old = torch.ones(b.shape[1], dtype=b.dtype, device=b.device)
+    for step in range(maxiter):
+        if not bool(active.any()):
+            break
+        rho = (r * r).sum(0)
+        beta = torch.zeros_like(rho) if step == 0 else rho / torch.where(active, rho_old, torch.ones_like(rho_old))
+        p = r + beta * p
+        q = a @ p
+        alpha = torch.where(active, rho / torch.where(active, (p * q).sum(0), torch.ones_like(rho)), torch.zeros_like(rho))
+        x += alpha * p
+        r -= alpha * q
+        rho_old = rho
+        active &= ~(r.norm(dim=0) <= atol)
+    return x
+
+
+def propagate(laplacian: torch.Tensor, y: torch.Tensor, tol: float = CG_TOL, maxiter: int = CG_MAXITER) -> torch.Tensor:
+    """`perform_lp`: every column of y (N x names) solved against the Laplacian, fp32."""
+    return conjugate_gradient(laplacian, y, tol, maxiter)
+
+
+# -- lp:patch --------------------------------------------------------------------------------------------
+def proxy_values(crops: torch.Tensor, backbone) -> torch.Tensor:
+    """B x h x w x C L2-normalised last-block values of the backbone (heads concatenated, CLS dropped) on
+    CLIP-normalised crops (B x 3 x H x W): `extract_feats(type_feats="v")`, normalised over channels."""
+    from ..models.proxies import PROXIES
+
+    x = backbone.from_clip_pixels(crops.float(), PROXIES.clip_mean, PROXIES.clip_std)
+    out = backbone.features(x, want=("qkv",))
+    B, heads, _, d = out.v.shape
+    gh, gw = out.grid
+    return F.normalize(out.v.transpose(1, 2).reshape(B, gh, gw, heads * d).float(), dim=-1)
+
+
+def window_crops(pixels: torch.Tensor, boxes: Sequence[tuple[int, int, int, int]], patch: int) -> torch.Tensor:
+    """The windows of pixels (1 x 3 x H x W) zero-padded at the bottom and right to whole patches (LPOSS's
+    `make_input_divisible`): B x 3 x h' x w'."""
+    y1, y2, x1, x2 = boxes[0]
+    crops = torch.cat([pixels[..., a:b, c:d] for a, b, c, d in boxes])
+    return F.pad(crops, (0, -(x2 - x1) % patch, 0, -(y2 - y1) % patch))
+
+
+def lp_patch(
+    cosine: torch.Tensor, boxes: Sequence[tuple[int, int, int, int]], pixels: torch.Tensor, patch: int,
+    k: int = PATCH_K, gamma: float = PATCH_GAMMA, alpha: float = LP_ALPHA, sigma: float = PATCH_SIGMA,
+    feats: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LPOSS's joint propagation of B x h x w x N patch cosines over the kNN graph of all B windows'
+    patches (feats: B x h x w x C L2-normalised proxy features; default DINO ViT-B/16 values of the
+    windows, resized bilinearly to CLIP's grid when their grid differs). Returns B x h x w x N."""
+    B, h, w, n = cosine.shape
+    if feats is None:
+        from ..models.proxies import PROXIES
+
+        backbone = PROXIES.get(LP_PROXY, cosine.device)
+        feats = proxy_values(window_crops(pixels, boxes, backbone.info.patch_size), backbone)
+        if feats.shape[1:3] != (h, w):
+            feats = F.normalize(F.interpolate(feats.permute(0, 3, 1, 2), size=(h, w), mode="bilinear", align_corners=False).permute(0, 2, 3, 1), dim=-1)
+    feats = feats.to(cosine.device).reshape(B * h * w, -1)
+    graph = patch_graph(feats, patch_centres(boxes, (h, w), patch).to(cosine.device), k, gamma, sigma)
+    z = propagate(normalized_laplacian(graph, alpha), cosine.reshape(B * h * w, n))
+    return z.view(B, h, w, n).to(cosine.dtype)
+
+
+def _floats(name: str, args: str, defaults: Sequence[float], usage: str) -> list[float]:
+    parts = args.split(":") if args else []
+    if len(parts) > len(defaults):
+        raise ValueError(f"bad stage '{name}:{args}': {usage}")
+    try:
+        return [float(p) for p in parts] + list(defaults[len(parts) :])
+    except ValueError:
+        raise ValueError(f"bad stage '{name}:{args}': {usage}") from None
+
+
+def _patch_stage(args: str) -> Stage:
+    usage = "expected lp:patch[:K[:GAMMA[:ALPHA[:SIGMA]]]], K >= 1, GAMMA > 0, 0 < ALPHA < 1, SIGMA >= 0, e.g. lp:patch:400:3:0.95:0.01"
+    k, gamma, alpha, sigma = _floats("lp:patch", args, (PATCH_K, PATCH_GAMMA, LP_ALPHA, PATCH_SIGMA), usage)
+    if k != int(k) or k < 1 or gamma <= 0 or not 0 < alpha < 1 or sigma < 0:
+        raise ValueError(f"bad stage 'lp:patch:{args}': {usage}")
+    name = f"lp:patch:{int(k)}:{gamma:g}:{alpha:g}:{sigma:g}"
+
+    def run(cosine, boxes, pixels, patch):
+        return lp_patch(cosine, boxes, pixels, patch, int(k), gamma, alpha, sigma)
+
+    return Stage("windows", name, run, backbones=(LP_PROXY,))
+
+
+# -- lp:pixel --------------------------------------------------------------------------------------------
+def rgb_to_lab(rgb: torch.Tensor) -> torch.Tensor:
+    """kornia.color.rgb_to_lab on a 3 x H x W RGB image in [0, 1]: sRGB gamma removed, XYZ (D65), white
+    point normalised, CIE f, L in [0, 100], a and b about [-128, 127]."""
+    lin = torch.where(rgb > 0.04045, torch.pow(((rgb + 0.055) / 1.055).clamp_min(0), 2.4), rgb / 12.92)
+    r, g, b = lin[0], lin[1], lin[2]
+    x = 0.412453 * r + 0.357580 * g + 0.180423 * b
+    y = 0.212671 * r + 0.715160 * g + 0.072169 * b
+    z = 0.019334 * r + 0.119193 * g + 0.950227 * b
+    xyz = torch.stack((x / 0.950456, y, z / 1.088754))
+    threshold = 0.008856
+    power = torch.pow(xyz.clamp(min=threshold), 1 / 3.0)
+    scale = 7.787 * xyz + 4.0 / 29.0
+    f = torch.where(xyz > threshold, power, scale)
+    return torch.stack((116.0 * f[1] - 16.0, 500.0 * (f[0] - f[1]), 200.0 * (f[1] - f[2])))
+
+
+def pixel_graph(rgb: torch.Tensor, tau: float = PIXEL_TAU, radius: int = PIXEL_RADIUS) -> torch.Tensor:
+    """LPOSS+'s pixel affinity (sparse COO, N x N, N = H x W pixels row-major) of a 3 x H x W RGB image in
+    [0, 1]: each pixel to every other pixel of its (2 radius + 1)^2 square inside the image, weight
+    exp(-|Lab_i - Lab_j| / tau) with Lab divided by (100, 128, 128) (`get_pixel_connections`)."""
+    _, H, W = rgb.shape
+    lab = (rgb_to_lab(rgb.float()) / torch.tensor(LAB_SCALE, device=rgb.device).view(3, 1, 1)).reshape(3, -1)
+    ys = torch.arange(H, device=rgb.device).view(-1, 1).expand(H, W).flatten()
+    xs = torch.arange(W, device=rgb.device).view(1, -1).expand(H, W).flatten()
+    rows, cols = [], []
+    for dy in range(-radius, radius + 1):
+        for dx in range(-radius, radius + 1):
+            if dy == 0 and dx == 0:
+                continue
+            ok = (ys + dy >= 0) & (ys + dy < H) & (xs + dx >= 0) & (xs + dx < W)
+            src = ok.nonzero().flatten()
+            rows.append(src)
+            cols.append(src + dy * W + dx)
+    rows, cols = torch.cat(rows), torch.cat(cols)
+    dist = (lab[:, rows] - lab[:, cols]).square().sum(0).sqrt()
+    return torch.sparse_coo_tensor(torch.stack((rows, cols)), torch.exp(-dist / tau), (H * W, H * W), check_invariants=False).coalesce()
+
+
+def lp_pixel(cosine: torch.Tensor, rgb: torch.Tensor, tau: float = PIXEL_TAU, radius: int = PIXEL_RADIUS, alpha: float = LP_ALPHA) -> torch.Tensor:
+    """LPOSS+: N x H x W scores propagated over the pixel graph of the 3 x H x W RGB image in [0, 1]."""
+    n, H, W = cosine.shape
+    laplacian = normalized_laplacian(pixel_graph(rgb.to(cosine.device), tau, radius), alpha)
+    z = propagate(laplacian, cosine.reshape(n, H * W).T)
+    return z.T.reshape(n, H, W).to(cosine.dtype)
+
+
+def _pixel_stage(args: str) -> Stage:
+    usage = "expected lp:pixel[:TAU[:RADIUS[:ALPHA]]], TAU > 0, RADIUS >= 1, 0 < ALPHA < 1, e.g. lp:pixel:0.01:6:0.95"
+    tau, radius, alpha = _floats("lp:pixel", args, (PIXEL_TAU, PIXEL_RADIUS, LP_ALPHA), usage)
+    if tau <= 0 or radius != int(radius) or radius < 1 or not 0 < alpha < 1:
+        raise ValueError(f"bad stage 'lp:pixel:{args}': {usage}")
+    name = f"lp:pixel:{tau:g}:{int(radius)}:{alpha:g}"
+    return Stage("post", name, lambda cosine, rgb: lp_pixel(cosine, rgb, tau, int(radius), alpha), at_input=True)
+
+
+def _lp_stage(args: str) -> Stage:
+    """`lp:patch[...]` or `lp:pixel[...]`."""
+    graph, _, rest = args.partition(":")
+    if graph == "patch":
+        return _patch_stage(rest)
+    if graph == "pixel":
+        return _pixel_stage(rest)
+    raise ValueError(f"bad stage 'lp:{args}': expected lp:patch[:K[:GAMMA[:ALPHA[:SIGMA]]]] or lp:pixel[:TAU[:RADIUS[:ALPHA]]]")
+
+
+STAGES.register(
+    "lp",
+    _lp_stage,
+    help="windows: LPOSS label propagation: lp:patch[:K:GAMMA:ALPHA:SIGMA] (kNN graph of DINO ViT-B/16 values over all "
+    "windows' patches, default 400:3:0.95:0.01, windows stage) or lp:pixel[:TAU:RADIUS:ALPHA] (LPOSS+'s Lab pixel graph "
+    "at the network input's size, default 0.01:6:0.95, post stage); conjugate gradient per name on sparse graphs",
+)
+
+# -- presets (their protocols `lposs`, `lposs+`: below) -------------------------------------------------------------------------------
+LPOSS_NOTES = (
+    "copied: MaskCLIP features (the value path with residual and FFN kept, ln_post, proj: `id/softmax`) and their "
+    "patch cosines per 224-px window (stride 112) at short side 448; DINO ViT-B/16 last-block values of each window "
+    "(heads concatenated, L2-normalised) as the graph features; one graph over all windows' patches: exact k = 400 "
+    "inner-product neighbours, self included, negatives to 0, ^3, x exp(-0.01 d) with d the pixel distance of the "
+    "patch centres (y1 + 8 + 16 i); W + W^T; diagonal removed, D^-1/2 W D^-1/2 with zero degrees taken as 1; "
+    "L = I - 0.95 Wn; per name, conjugate gradient from 0 with tol 1e-6 relative to |y| and at most 50 steps "
+    "(cupyx); the propagated window maps resized to their windows and averaged; LPOSS+: the window-averaged map at "
+    "the network input's size, pixel graph of (2 x 6 + 1)^2 - 1 neighbours with exp(-|Lab_i - Lab_j| / 0.01), Lab "
+    "(kornia's) divided by (100, 128, 128), same Laplacian and CG, then resized bilinearly to the original size; "
+    "fixed: the k neighbours are found exactly on any device (faiss GPU is exact too), distances only for the "
+    "kNN pairs (the code forms the N x N cdist), all names' columns solved in one product per step (each stops at "
+    "its own step, as the per-class loop); not copied: the paper's CLIP is open_clip ViT-B-16 laion2b_s34b_b88k "
+    "(--model ViT-B-16 --pretrained laion2b_s34b_b88k), its TCL class files with several background names "
+    "reduced by max, fp32 on CPU (the code runs cupy on GPU)"
+)
+register_preset(
+    "lposs",
+    "id/softmax/hook:lp:patch",
+    "LPOSS (Stojnic et al., CVPR 2025): MaskCLIP patch cosines propagated jointly over all windows on a kNN graph of "
+    "DINO ViT-B/16 value features (k 400, gamma 3, spatial decay 0.01, alpha 0.95, conjugate gradient per class)",
+    LPOSS_NOTES,
+)
+register_preset(
+    "lposs+",
+    "id/softmax/hook:lp:patch/hook:lp:pixel",
+    "LPOSS+ (Stojnic et al., CVPR 2025): lposs, then propagation over a Lab pixel graph at the network input's size "
+    "(13 x 13 neighbourhood, tau 0.01, alpha 0.95)",
+    LPOSS_NOTES,
+)
+
+
+# TCL's dataset configs, short side 448, 224 / 112 windows; no probability threshold (background comes from class
+# names there)
+def _protocol(name: str) -> Protocol:
+    return PROTOCOLS.register(
+        name,
+        Protocol(
+            name=name,
+            attention=name,
+            class_names="plain",
+            source="vladan-stojnic/LPOSS@2a6eced configs/lposs*.yaml, segmentation/configs/_base_/datasets/*.py",
+            defaults=dict(resolution=448, window=224, stride=112, resize="opencv"),  # mmcv Resize on the uint8 image
+        ),
+        help=f"{name.upper()} (CVPR 2025): short side 448, 224-px windows, stride 112, no probability threshold",
+    )
+
+
+PROTOCOL = _protocol("lposs")
+PROTOCOL_PLUS = _protocol("lposs+")
