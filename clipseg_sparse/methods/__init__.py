@@ -24,6 +24,7 @@ METHODS = (
     "trident",  # Trident (ICCV 2025): DINO proxy per window, splice; the sam stage
     "trident_refine",  # Trident's SAM prompt refinement: the samrefine stage, protocol trident-samrefine
     "lposs",  # LPOSS / LPOSS+ (CVPR 2025): the lp stages (joint patch graph over windows, Lab pixel graph)
+    "pearl",  # PEARL (CVPR 2026): Procrustes-aligned attention taps pa / pakk, the tlp post stage
 )
 for _name in METHODS:
     importlib.import_module(f"{__name__}.{_name}")
