@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from clipseg_sparse.methods import lposs, pearl
 from clipseg_sparse.models.proxies import PROXIES
-from clipseg_sparse.segment.segmenter import resized_shape, window_boxes
+from clipseg_sparse.segment.preprocess import resized_shape, window_boxes
 from clipseg_sparse.stages import pamr
 
 
