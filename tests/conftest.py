@@ -50,12 +50,15 @@ def forward_inputs(monkeypatch):
 
 def tiny_sam(img_size: int, window_size: int):
     """A 2-block, width-32 timm SAM image encoder (the second block global, relative positions drawn at
-    random so they matter), random weights from the current RNG state, in eval mode."""
+    random so they matter), random weights from the current RNG state, in eval mode; SAM's LayerNorm eps
+    1e-6, as `sam_vitb` is built."""
     import timm.models.vision_transformer_sam as vs
+
+    from clipseg_sparse.models.backbones import BACKBONES
 
     model = vs.VisionTransformerSAM(
         img_size=img_size, patch_size=16, embed_dim=32, depth=2, num_heads=2, window_size=window_size, global_attn_indexes=(1,),
-        use_rel_pos=True, neck_chans=16, num_classes=0,
+        use_rel_pos=True, neck_chans=16, num_classes=0, **BACKBONES.get("sam_vitb").timm_kwargs(),
     ).eval()
     with torch.no_grad():
         for blk in model.blocks:

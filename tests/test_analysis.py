@@ -291,7 +291,7 @@ def test_an_analysis_made_before_analyze_followed_the_protocols_preprocessing_is
 
     out = tmp_path / "old.json"
     record = analyze(tiny_clip, "ade20k", ADE_ROOT, "sclip", overrides=FAST, out=out, progress=False)
-    assert record["config"]["preprocess"] == {"resize": "opencv", "pos_interp": "scale", "remainder": "drop", "size_multiple": 0}
+    assert record["config"]["preprocess"] == {"resize": "opencv", "pos_interp": "scale", "remainder": "drop", "size_multiple": 0, "size_rule": "each"}
     old = json.loads(out.read_text())
     del old["config"]["preprocess"]
     out.write_text(json.dumps(old))

@@ -42,7 +42,7 @@ from ..models.clip import DenseCLIP
 
 STATS = ("entropy", "support", "nonzero", "own_mass", "stuff_mass", "cls_mass", "diffusivity")
 ANALYSIS_SETTINGS = ("resolution", "max_long_side", "window", "stride", "batch_size")
-PREPROCESS_SETTINGS = ("resize", "pos_interp", "remainder", "size_multiple")  # from the protocol, as eval
+PREPROCESS_SETTINGS = ("resize", "pos_interp", "remainder", "size_multiple", "size_rule")  # from the protocol, as eval
 
 
 # -- stuff classes (data) ----------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def analyze(
     """Attention statistics of `spec` on a labelled benchmark; returns the result record (kind "analysis").
 
     The protocol gives resolution and windows (`overrides`: resolution, window, stride, max_long_side,
-    batch_size) and the preprocessing `eval` uses (`resize`, `pos_interp`, `remainder`, `size_multiple`):
+    batch_size) and the preprocessing `eval` uses (`resize`, `pos_interp`, `remainder`, `size_multiple`, `size_rule`):
     analyze measures the pixels eval scores. Before, it ignored those four, so under the protocols that set
     them (every protocol but proxyclip and corrclip) its numbers differ from older runs.
     stuff: class indices counted as background / stuff (default `stuff_classes(dataset)`).

@@ -215,7 +215,10 @@ PROTOCOL = PROTOCOLS.register(
         attention="trident",
         class_names="sclip",
         source="YuHengsss/Trident@a93b346 configs/, trident.py (research/peers-sota.md 2.7)",
-        defaults=dict(resolution=448, window=336, stride=224, logit_scale=40.0, size_multiple=16, stages=("sam:1.2",)),
+        defaults=dict(
+            resolution=448, window=336, stride=224, logit_scale=40.0, size_multiple=16, size_rule="longer", stages=("sam:1.2",),
+            resize="opencv", pos_interp="scale",  # mmcv's Resize on the uint8 image; open_clip's (n + 0.1) pos. embedding
+        ),
         per_dataset={
             "voc21": dict(bg_threshold=0.2),
             "voc20": dict(resolution=336, stride=112, stages=("sam:0",)),

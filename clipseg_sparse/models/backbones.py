@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -57,6 +58,13 @@ class BackboneInfo:
     pos_rule: str
     published: str  # how the published methods load it
     input_size: int | None = None  # fixed square input (SAM: 1024)
+    # LayerNorm eps of the published model where timm's default differs (timm's samvit keeps torch's 1e-5;
+    # segment_anything builds its image encoder with 1e-6); None: timm's (DINO, DINOv2: 1e-6, as published)
+    norm_eps: float | None = None
+
+    def timm_kwargs(self) -> dict:
+        """Keyword arguments that make timm build the model as the published code does."""
+        return {"norm_layer": partial(torch.nn.LayerNorm, eps=self.norm_eps)} if self.norm_eps is not None else {}
 
     def describe(self, help: str) -> dict[str, str]:
         """`ls backbones`: timm tag, patch, features, positional rule and the published loader (which the
@@ -89,7 +97,7 @@ _register(BackboneInfo(
 _register(BackboneInfo(
     "sam_vitb", "samvit", "samvit_base_patch16.sa1b", 16, IMAGENET_MEAN, IMAGENET_STD, FEATURES, "fixed",
     "segment_anything sam_vit_b_01ec64.pth image encoder at 1024 x 1024 (ProxyCLIP option, Trident)",
-    input_size=1024,
+    input_size=1024, norm_eps=1e-6,
 ))
 _register(BackboneInfo(
     "sam2_hiera_l", "sam2-masks", "facebook/sam2-hiera-large", 16, IMAGENET_MEAN, IMAGENET_STD, (), "fixed",
@@ -108,20 +116,20 @@ def create_backbone_model(info: BackboneInfo, pretrained: str | None, cache_dir:
     if pretrained is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(RANDOM_WEIGHTS_SEED)
-            return timm.create_model(info.timm_name, pretrained=False, num_classes=0), "none"
+            return timm.create_model(info.timm_name, pretrained=False, num_classes=0, **info.timm_kwargs()), "none"
     path = Path(pretrained).expanduser()
     if path.suffix in CHECKPOINT_SUFFIXES or os.sep in pretrained:
         if not path.is_file():
             raise WeightsUnavailableError(f"{pretrained}: backbone checkpoint file not found (give an existing .pth/.bin/.safetensors file, 'hub' or 'none')")
         try:
-            model = timm.create_model(info.timm_name, pretrained=True, num_classes=0, pretrained_cfg_overlay={"file": str(path)})
+            model = timm.create_model(info.timm_name, pretrained=True, num_classes=0, pretrained_cfg_overlay={"file": str(path)}, **info.timm_kwargs())
         except Exception as e:  # wrong architecture, truncated file, ...
             raise WeightsUnavailableError(f"{pretrained}: cannot load as {arch} weights: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
         return model, str(path)
     if pretrained != "hub":
         raise ValueError(f"backbone weights must be 'hub', a checkpoint file or 'none' (got {pretrained!r})")
     path = _hub_checkpoint(info, pretrained, cache_dir)  # before building the model: fails fast offline
-    return timm.create_model(info.timm_name, pretrained=True, num_classes=0, pretrained_cfg_overlay={"file": path}), info.timm_name
+    return timm.create_model(info.timm_name, pretrained=True, num_classes=0, pretrained_cfg_overlay={"file": path}, **info.timm_kwargs()), info.timm_name
 
 
 def _hub_checkpoint(info: BackboneInfo, pretrained: str, cache_dir: str | None) -> str:

@@ -34,6 +34,7 @@ from ..runtime.weights import (
     _unreachable_hub,
     _weights_help,
 )
+from .proxies import PROXIES, ext_backbones
 from .text_tower import encode_tokens
 
 POS_INTERP_RULES = ("size", "scale")  # see DenseCLIP.positional_embedding
@@ -216,6 +217,10 @@ class DenseCLIP:
     pretrained: str
     precision: str = "fp32"
     quick_gelu: bool = False
+    # weights of the external backbones its `ext:` taps read (`proxies.ProxyBackbones`: "auto", "hub", "none", a
+    # file or NAME=W,...); None: the process-wide choice (`use_proxy_weights`, --proxy-weights; default "auto",
+    # which follows this CLIP's own weights: random backbones for a random CLIP)
+    proxy_weights: str | None = None
     _pos_cache: dict = field(default_factory=dict, repr=False)
 
     def config(self) -> dict:
@@ -428,7 +433,11 @@ class DenseCLIP:
 
     def _tower(self, spec: AttentionSpec):
         """What the blocks run from: the image tower, or the view of it a spec option's `tower` hook gives
-        (`dna:PATH`: its adapter blocks run DnA on these same weights; nothing is patched in place)."""
+        (`dna:PATH`: its adapter blocks run DnA on these same weights; nothing is patched in place).
+        A spec with `ext:` taps makes the proxy backbones follow this CLIP first (its normalisation,
+        precision and weights), so no call depends on which model configured them before."""
+        if ext_backbones(spec):
+            PROXIES.configure(self, self.proxy_weights)
         for name, arg in spec.extras:
             tower = OPTIONS.get(name).tower
             if tower is not None:

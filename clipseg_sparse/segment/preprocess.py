@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.clip import DenseCLIP
-from .settings import REMAINDER_RULES, RESIZE_METHODS, InferenceSettings
+from .settings import REMAINDER_RULES, RESIZE_METHODS, SIZE_RULES, InferenceSettings
 
 
 def resized_shape(height: int, width: int, short_side: int, long_cap: int = 2048) -> tuple[int, int]:
@@ -39,11 +39,28 @@ def window_boxes(height: int, width: int, window: int, stride: int) -> list[tupl
     return boxes
 
 
-def round_up_pixels(pixels: torch.Tensor, multiple: int, minimum: int = 0) -> torch.Tensor:
-    """Trident's `preprocess_image`: B x 3 x H x W resized bilinearly (align_corners False) so that both
-    sides are multiples of `multiple` (rounded up) and at least `minimum` (the window); unchanged if so."""
+def rounded_size(height: int, width: int, multiple: int, minimum: int = 0, rule: str = "each") -> tuple[int, int]:
+    """The size an H x W network input is resized to so both sides are multiples of `multiple`, and at
+    least `minimum` (the window); unchanged when both sides already are multiples (and >= minimum).
+
+    rule "each": each side rounded up on its own. "longer" (Trident's `seg_utils/utils.py:
+    preprocess_image`): both sides first scaled by (the longer side rounded up) / the longer side,
+    truncated (`int(h * dst / longer)`), then each rounded up: 448 x 597 -> 464 x 608, not 448 x 608.
+    """
+    if rule not in SIZE_RULES:
+        raise ValueError(f"unknown size rule {rule!r}; choose {', '.join(SIZE_RULES)}")
+    up = lambda side: -(-side // multiple) * multiple  # noqa: E731
+    sides = (height, width)
+    if rule == "longer" and (height % multiple or width % multiple):
+        longer = max(sides)
+        sides = tuple(int(side * up(longer) / longer) for side in sides)
+    return tuple(max(up(side), minimum) for side in sides)
+
+
+def round_up_pixels(pixels: torch.Tensor, multiple: int, minimum: int = 0, rule: str = "each") -> torch.Tensor:
+    """B x 3 x H x W resized bilinearly (align_corners False) to `rounded_size`; unchanged if that is its size."""
     H, W = pixels.shape[-2:]
-    size = tuple(max(-(-side // multiple) * multiple, minimum) for side in (H, W))
+    size = rounded_size(H, W, multiple, minimum, rule)
     return pixels if size == (H, W) else F.interpolate(pixels, size=size, mode="bilinear", align_corners=False)
 
 
@@ -109,7 +126,7 @@ def prepare(
 ) -> torch.Tensor:
     """uint8 H x W x 3 -> the 1 x 3 x H' x W' CLIP-normalised pixels the windows are cut from: the keep-ratio
     resize (`resolution`, `max_long_side`) by `settings.resize`, then sides rounded up to
-    `settings.size_multiple` (and to at least the window), as `Segmenter` does.
+    `settings.size_multiple` by `settings.size_rule` (and to at least the window), as `Segmenter` does.
 
     splices: a global stage splices the windows (`Segmenter.global_stage`), which needs whole patches:
     without a size multiple, sides are rounded up to the patch size. resize / multiple replace
@@ -120,4 +137,4 @@ def prepare(
     pixels = to_pixels(image, clip, size, settings.resize if resize is None else resize)
     if multiple is None:
         multiple = settings.size_multiple or (clip.patch_size if splices else 0)
-    return round_up_pixels(pixels, multiple, settings.window) if multiple else pixels
+    return round_up_pixels(pixels, multiple, settings.window, settings.size_rule) if multiple else pixels

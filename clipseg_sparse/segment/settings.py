@@ -36,9 +36,12 @@ class InferenceSettings:
     # resized sides rounded up to a multiple of this and to >= window (Trident: 16); 0: off, or the patch size
     # when a global stage splices the windows
     size_multiple: int = 0
+    # how: "each" side rounded up alone, or "longer": both sides first scaled by (the longer side rounded up) /
+    # the longer side, then each rounded up (Trident's `preprocess_image`); see `preprocess.rounded_size`
+    size_rule: str = "each"
 
     def __post_init__(self) -> None:
-        for name, choices in (("resize", RESIZE_METHODS), ("pos_interp", POS_INTERP_RULES), ("remainder", REMAINDER_RULES)):
+        for name, choices in (("resize", RESIZE_METHODS), ("pos_interp", POS_INTERP_RULES), ("remainder", REMAINDER_RULES), ("size_rule", SIZE_RULES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)} (got {getattr(self, name)!r})")
         if isinstance(self.stages, str):
@@ -71,3 +74,4 @@ class InferenceSettings:
 
 RESIZE_METHODS = ("torch", "opencv")
 REMAINDER_RULES = ("pad", "centre", "drop")
+SIZE_RULES = ("each", "longer")
