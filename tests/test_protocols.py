@@ -2,6 +2,7 @@ import pytest
 
 from clipseg_sparse.attention import PRESETS
 from clipseg_sparse.datasets import DATASETS, NAME_SETS
+from clipseg_sparse.segment.pipelines import PIPELINES
 from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.evaluation.protocols import PROTOCOLS
 
@@ -44,7 +45,7 @@ def test_protocol_values_match_published_configs(key):
 @pytest.mark.parametrize("protocol", PROTOCOLS.names())
 def test_every_protocol_gives_valid_settings_for_every_dataset(protocol):
     p = PROTOCOLS.get(protocol)
-    assert p.attention in PRESETS and p.class_names in NAME_SETS
+    assert (p.attention in PRESETS or p.attention in PIPELINES) and p.class_names in NAME_SETS
     for dataset in DATASETS:
         s = p.settings(dataset)
         assert isinstance(s, InferenceSettings)

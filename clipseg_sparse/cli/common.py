@@ -73,7 +73,7 @@ ProxyWeightsOpt = Annotated[
 
 RegionsOpt = Annotated[
     Optional[str],
-    typer.Option("--regions", help="Region masks for CorrCLIP (corrclip presets, stage regionvote): a folder with one png/npy/npz per image, named like it, or sam2 (SAM2 automatic masks, extra .[proxy], cached)."),
+    typer.Option("--regions", help="Region masks for CorrCLIP (corrclip presets, stage regionvote): a folder with one png/npy/npz per image, named like it, sam2 (SAM2 automatic masks, extra .[proxy]) or sam3 (SAM 3 instance masks for the vocabulary's names, extra .[sam3], CUDA); masks cached."),
 ]
 
 TemplatesOpt = Annotated[
@@ -199,6 +199,18 @@ def load_model(model: str, pretrained: str, device: Device, precision: Precision
         return load_clip(model, pretrained=pretrained, device=device.value, precision=precision.value)
 
 
+def load_pipeline(pipeline, weights: str, pretrained: str, device: Device):
+    """A pipeline's model (`--preset sam3`, segment/pipelines.py) behind a status line: its backbone's
+    --proxy-weights (auto: hub, or none with --pretrained none); its errors are one line (missing extra,
+    weights, device)."""
+    from ..models.proxies import ProxyBackbones
+    from ..runtime.device import resolve_device
+
+    chosen = ProxyBackbones(weights=weights, clip_weights=pretrained).resolved_weights(pipeline.backbone)
+    with err_console.status(f"loading {pipeline.backbone} ({chosen})"):
+        return pipeline.load(chosen, str(resolve_device(device.value)))
+
+
 def load_proxies(spec, clip, weights: str, stages: Sequence[str] = ()) -> None:
     """Load the external backbones a spec's ext: terms read, and SAM's predictor when a refine stage
     (samrefine) is among `stages`, before any work."""
@@ -222,6 +234,6 @@ def load_regions(value: str | None, names: list[str], device: Device, reader: st
 
     if value is None:
         if reader:
-            fail(f"{reader} needs region masks for each image: give --regions FOLDER (png/npy/npz per image) or --regions sam2")
+            fail(f"{reader} needs region masks for each image: give --regions FOLDER (png/npy/npz per image), --regions sam2 or --regions sam3")
         return None
     return open_regions(value, str(resolve_device(device.value)), names)

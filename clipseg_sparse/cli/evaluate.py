@@ -25,6 +25,7 @@ from .common import (
     check_out,
     fail,
     load_model,
+    load_pipeline,
     load_proxies,
     load_regions,
     note_shown,
@@ -82,16 +83,27 @@ def eval_cmd(
     vocabulary, _ = class_vocabulary(bench.name, class_names or proto.class_names)
     for repeated in vocabulary.repeated_names():  # published name sets are kept as published (SCLIP's COCO-Object)
         err_console.print(f"note: prompt names of {bench.name}: {repeated}; kept as given, the later class cannot win on that name", highlight=False, soft_wrap=True)
-    spec = resolve_attention(preset, attn, default=proto.attention)
+    from ..segment.pipelines import find_pipeline
+
+    pipeline = None if attn else find_pipeline(preset if preset is not None else proto.attention)  # sam3: not a CLIP spec
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
                      bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
     stages = proto.settings(bench.name, overrides).stage_texts()
-    from ..segment.regions import region_reader
+    if pipeline is None:
+        spec = resolve_attention(preset, attn, default=proto.attention)
+        from ..segment.regions import region_reader
 
-    region_src = load_regions(regions, [s.id for s in samples], device, region_reader(spec, stages))
+        region_src = load_regions(regions, [s.id for s in samples], device, region_reader(spec, stages))
+    elif regions is not None:
+        fail(f"--regions: {pipeline.name} reads no region masks")
+    else:
+        spec, region_src = preset, None
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
-    clip = load_model(model, pretrained, device, precision)
-    load_proxies(spec, clip, proxy_weights, stages)
+    if pipeline is None:
+        clip = load_model(model, pretrained, device, precision)
+        load_proxies(spec, clip, proxy_weights, stages)
+    else:
+        clip = load_pipeline(pipeline, proxy_weights, pretrained, device)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
                       limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, regions=region_src)

@@ -31,6 +31,8 @@ class Listable(str, Enum):
     taps = "taps"
     options = "options"
     formats = "formats"
+    pipelines = "pipelines"
+    regions = "regions"
 
 
 # ls KIND -> (module, registry, first column's title, whether to show where each entry is defined)
@@ -45,6 +47,8 @@ REGISTRIES: dict[Listable, tuple[str, str, str, bool]] = {
     Listable.taps: ("clipseg_sparse.attention.taps", "TAPS", "tap", True),
     Listable.options: ("clipseg_sparse.attention.spec", "OPTIONS", "spec option", True),
     Listable.formats: ("clipseg_sparse.files.outputs", "MASK_FORMATS", "mask format", False),
+    Listable.pipelines: ("clipseg_sparse.segment.pipelines", "PIPELINES", "pipeline", True),
+    Listable.regions: ("clipseg_sparse.segment.regions", "REGION_SOURCES", "region source", True),
 }
 
 

@@ -8,6 +8,9 @@ between repositories, so the choice is a setting with a version:
   VOC21 / COCO-Object a first line of stuff words that stand for the background.
 - `plain`: mc-lan/ClearCLIP's files: plain names, and a literal `background` on VOC21 / COCO-Object.
   ClearCLIP ships SCLIP's files unchanged for the other datasets, so those are shared.
+- `segearth`: earth-insights/SegEarth-OV-3's files (the `sam3` protocol): `plain`'s on VOC21 / COCO-Object,
+  synonyms on VOC20 (`boat, ship`, `television monitor, ...`) and Cityscapes (`tree, hedge`, ...), SCLIP's
+  for the other datasets (shared).
 - a file path: one class per line, synonyms separated by commas, one line per dataset class.
 
 The version of a name set is its source and a hash of its bytes, so a result says exactly which
@@ -23,7 +26,7 @@ from pathlib import Path
 from ..segment.vocabulary import Vocabulary
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-NAME_SETS = ("sclip", "plain")
+NAME_SETS = ("sclip", "plain", "segearth")
 
 # Datasets whose labels are another dataset's, minus a background class or restricted to things.
 _LABEL_FILES = {

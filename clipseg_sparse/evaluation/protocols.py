@@ -38,7 +38,7 @@ class Protocol:
     """Per-dataset inference settings of one published evaluation, plus its default pairings."""
 
     name: str
-    attention: str  # attention preset the protocol was published with
+    attention: str  # attention preset (or pipeline, segment/pipelines.py) the protocol was published with
     class_names: str  # class-name set its repository ships
     source: str  # repository@commit the values are read from
     defaults: Mapping[str, Any] = field(default_factory=dict)  # for every dataset
@@ -63,6 +63,12 @@ class Protocol:
             .replace(**self.per_dataset.get(dataset, {}))
             .replace(**dict(overrides or {}))
         )
+
+    def pipeline_text(self, dataset: str, text: str | None = None) -> str:
+        """The `NAME[:ARGS]` text of a pipeline to run on `dataset` (segment/pipelines.py): the protocol's
+        own (None or its bare name) with the dataset's published constants; any other text as given."""
+        text = self.attention if text is None else text
+        return self.attention_per_dataset.get(dataset, text) if text == self.attention else text
 
     def spec_for(self, dataset: str, spec: AttentionSpec | str | None = None) -> AttentionSpec:
         """The spec to run on `dataset` (None: the protocol's preset). A spec that is the protocol's preset

@@ -24,6 +24,7 @@ from ..datasets import DATASETS, Benchmark, DatasetError, Sample, class_vocabula
 from ..datasets.labels import write_label_png
 from ..runtime.distributed import all_reduce, rank_and_world, shard
 from ..segment.images import load_image
+from ..segment.pipelines import find_pipeline
 from ..segment.segmenter import Segmenter
 from .metrics import areas_to_record, intersect_and_union, record_to_areas, segmentation_metrics
 from ..models.clip import DenseCLIP
@@ -38,7 +39,7 @@ def prediction_path(save_pred: Path, sample: Sample) -> Path:
 
 
 def evaluate(
-    clip: DenseCLIP,
+    clip: DenseCLIP | Any,
     dataset_name: str,
     root: str | Path,
     spec: AttentionSpec | str | None = None,
@@ -59,7 +60,8 @@ def evaluate(
     """Evaluate `clip` with `spec` on a benchmark and return the result record (see README, schema 1).
 
     spec / class_names None take the protocol's pairing (its attention preset, its class-name set); the
-    protocol's own preset takes the dataset's published constants (`Protocol.spec_for`).
+    protocol's own preset takes the dataset's published constants (`Protocol.spec_for`). A spec that names
+    a pipeline (`sam3[:CONFIDENCE]`, segment/pipelines.py) runs it instead, `clip` being its loaded model.
     overrides: InferenceSettings fields (resolution, window, stride, logit_scale, bg_threshold,
     area_threshold, batch_size, pamr, resize, pos_interp, remainder, ...) that win over the protocol. limit: the first N images only.
     out: result JSON (written atomically) with its checkpoint log beside it; resume=False restarts the
@@ -84,8 +86,13 @@ def evaluate(
     if not bench.background and (settings.bg_threshold or settings.area_threshold):
         raise ValueError(f"{bench.name} has no background class: bg_threshold and area_threshold must be 0")
     rank, world = rank_and_world()
-    spec = proto.spec_for(bench.name, spec)  # a preset's per-dataset constants (ResCLIP's)
-    segmenter = Segmenter(clip, vocabulary, spec, settings, templates, cache_dir, progress=progress and rank == 0, regions=regions)
+    named = find_pipeline(spec if spec is not None else proto.attention)
+    pipeline = find_pipeline(proto.pipeline_text(bench.name, spec)) if named else None  # the dataset's constants
+    if pipeline is not None:  # not a CLIP spec (SAM 3): `clip` is the pipeline's loaded model
+        segmenter = pipeline.build(clip, vocabulary, settings)
+    else:
+        spec = proto.spec_for(bench.name, spec)  # a preset's per-dataset constants (ResCLIP's)
+        segmenter = Segmenter(clip, vocabulary, spec, settings, templates, cache_dir, progress=progress and rank == 0, regions=regions)
     config = run_config(segmenter, bench, root, protocol, which, names_version, limit, bench.fingerprint(every_sample))
 
     finished, log = open_run(out, config, overwrite=overwrite, resume=resume, rank=rank, world=world)

@@ -1,6 +1,6 @@
 """Published methods, one room each: presets, stages, protocol, constants and notes (see README.md).
 
-This package is the catalog: `PRESETS`, `STAGES` and `PROTOCOLS` name it in their `locations`, so their first
+This package is the catalog: `PRESETS`, `STAGES`, `PROTOCOLS`, `PIPELINES` and `REGION_SOURCES` name it in their `locations`, so their first
 lookup imports it, and it imports every method module below. May import `evaluation` and below; nothing
 below imports a method.
 """
@@ -25,6 +25,7 @@ METHODS = (
     "trident_refine",  # Trident's SAM prompt refinement: the samrefine stage, protocol trident-samrefine
     "lposs",  # LPOSS / LPOSS+ (CVPR 2025): the lp stages (joint patch graph over windows, Lab pixel graph)
     "pearl",  # PEARL (CVPR 2026): Procrustes-aligned attention taps pa / pakk, the tlp post stage
+    "sam3",  # SAM 3 zero-shot (SegEarth-OV3): the sam3 pipeline and protocol, not a CLIP spec
 )
 for _name in METHODS:
     importlib.import_module(f"{__name__}.{_name}")

@@ -35,21 +35,22 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 FEATURES = ("tokens", "qkv", "attn")  # last normed patch tokens, last-block q/k/v, last-block attention maps
 POS_RULES = ("dino", "antialias", "fixed")
+MASK_KINDS = ("sam2-masks", "sam3-masks")  # mask generators: region sources and the sam3 baseline, no features
 
 
 @dataclass(frozen=True)
 class BackboneInfo:
     """What a registered backbone is and how the published methods use it.
 
-    timm_name: timm model name with its pretrained tag (`vit_base_patch8_224.dino`); for `kind`
-    "sam2-masks" the Hugging Face model id of the SAM2 checkpoint. pos_rule: how positional embeddings
+    timm_name: timm model name with its pretrained tag (`vit_base_patch8_224.dino`); for the mask
+    generators (`MASK_KINDS`) the Hugging Face model id of the checkpoint. pos_rule: how positional embeddings
     are resized to the input's grid: "dino" (DINO repository: bicubic, scale_factor (n + 0.1) / sqrt(N)),
     "antialias" (exact size, bicubic with antialias: DINOv2-reg hub and timm), "fixed" (input resized to
     `input_size`, SAM). features: which of FEATURES the backbone exposes.
     """
 
     name: str
-    kind: str  # "vit" | "samvit" | "sam2-masks"
+    kind: str  # "vit" | "samvit" | one of MASK_KINDS
     timm_name: str
     patch_size: int
     mean: tuple[float, float, float]
@@ -102,6 +103,10 @@ _register(BackboneInfo(
 _register(BackboneInfo(
     "sam2_hiera_l", "sam2-masks", "facebook/sam2-hiera-large", 16, IMAGENET_MEAN, IMAGENET_STD, (), "fixed",
     "sam2 SAM2AutomaticMaskGenerator, Hiera-L (CorrCLIP region masks)", input_size=1024,
+))
+_register(BackboneInfo(
+    "sam3", "sam3-masks", "facebook/sam3", 14, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), (), "fixed",
+    "sam3 build_sam3_image_model + Sam3Processor, text-prompted (SegEarth-OV3; preset sam3, --regions sam3)", input_size=1008,
 ))
 
 
@@ -324,8 +329,8 @@ def load_backbone(
     Raises WeightsUnavailableError (one line) when the weights cannot be had."""
 
     info = BACKBONES.get(name)
-    if info.kind == "sam2-masks":
-        raise ValueError(f"{name} is a mask generator, not a feature backbone; use regions.Sam2MaskGenerator")
+    if info.kind in MASK_KINDS:
+        raise ValueError(f"{name} is a mask generator, not a feature backbone; use it through segment.regions (or models.sam3)")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     if isinstance(pretrained, str) and pretrained.lower() in ("", "none"):

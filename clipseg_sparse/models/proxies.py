@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.taps import TAPS, Tap, tap_kind
-from .backbones import BACKBONES, Backbone, load_backbone
+from .backbones import BACKBONES, MASK_KINDS, Backbone, load_backbone
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -137,7 +137,7 @@ def split_ext(arg: str) -> tuple[str, str]:
     """`dino_vitb8.qk` -> ("dino_vitb8", "qk"); ValueError for an unknown backbone or feature."""
     name, _, feature = arg.partition(".")
     info = BACKBONES.get(name)
-    if info.kind == "sam2-masks":
+    if info.kind in MASK_KINDS:
         raise ValueError(f"ext:{arg}: {name} makes region masks, not features")
     if feature not in EXT_FEATURES:
         raise ValueError(f"ext:{arg}: unknown feature {feature!r}; use ext:NAME (last normed tokens) or ext:NAME.qk")

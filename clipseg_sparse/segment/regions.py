@@ -7,22 +7,25 @@ A region map is an H x W integer array: one id >= 0 per region, -1 where no mask
   0 = unsegmented, region r stored as r + 1), .npy (the map itself, negative = unsegmented) or .npz (key
   `regions`, else its only array; CorrCLIP's files, key `instance_mask`, mark unsegmented pixels with the
   map's minimum, read as -1);
-- SAM2's automatic mask generator (`sam2` package, extra `.[proxy]`) with CorrCLIP's settings
-  (points_per_side 8, pred_iou_thresh 0.4, stability_score_thresh 0.4), cached as .npy per image.
+- a registered mask generator (`REGION_SOURCES`, `--regions NAME`), cached as .npy per image: `sam2`,
+  SAM2's automatic mask generator (`sam2` package, extra `.[proxy]`) with CorrCLIP's settings
+  (points_per_side 8, pred_iou_thresh 0.4, stability_score_thresh 0.4); `sam3`, SAM 3's instance masks
+  for the vocabulary's names (`sam3` package, extra `.[sam3]`; `Sam3Regions`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ..models.backbones import BACKBONES
-from ..runtime.weights import require_extra
+from ..registry import ENTRY_POINT_GROUP, Registry
+from ..runtime.weights import WeightsUnavailableError, require_extra
 from .images import IMAGE_SUFFIXES
-from ..runtime.weights import WeightsUnavailableError
 
 REGION_SUFFIXES = (".png", ".npy", ".npz")
 CORRCLIP_SAM2 = dict(points_per_side=8, pred_iou_thresh=0.4, stability_score_thresh=0.4)
@@ -102,14 +105,45 @@ class RegionFolder:
         return regions
 
 
-class Sam2Regions:
-    """SAM2 automatic masks with CorrCLIP's settings, cached per image content in `cache_dir`."""
+class CachedRegions:
+    """Region maps made by a mask generator, cached as one .npy per image in `cache_dir`, keyed by the
+    image's pixels and `settings()` (what else changes the masks). Subclasses give `source()`, `masks()`."""
 
     def __init__(self, cache_dir: str | Path, checkpoint: str = "hub", device: str = "cpu") -> None:
         self.cache_dir = Path(cache_dir)
         self.checkpoint = checkpoint
         self.device = device
-        self._generator = None
+
+    def settings(self) -> str:
+        """What besides the image changes the masks (part of the cache key; empty: the image alone)."""
+        return ""
+
+    def masks(self, image: np.ndarray) -> list[np.ndarray]:
+        """The generator's binary H x W masks of an RGB uint8 image."""
+        raise NotImplementedError
+
+    def for_vocabulary(self, names: Sequence[str]) -> "CachedRegions":
+        """The source a segmenter with these prompt names uses (prompted sources override it)."""
+        return self
+
+    def __call__(self, image: np.ndarray, name: str) -> np.ndarray:
+        digest = hashlib.sha1(np.ascontiguousarray(image).tobytes())
+        digest.update(self.settings().encode())
+        path = self.cache_dir / f"{digest.hexdigest()[:16]}.npy"
+        if path.is_file():
+            return read_region_map(path)
+        regions = masks_to_regions(self.masks(image), image.shape[:2])
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npy")
+        np.save(tmp, regions)
+        tmp.replace(path)
+        return regions
+
+
+class Sam2Regions(CachedRegions):
+    """SAM2 automatic masks with CorrCLIP's settings, cached per image content in `cache_dir`."""
+
+    _generator = None
 
     def source(self) -> str:
         return f"sam2:{BACKBONES.get('sam2_hiera_l').timm_name if self.checkpoint == 'hub' else self.checkpoint}"
@@ -132,31 +166,73 @@ class Sam2Regions:
                 f"$HF_HOME; offline: a local checkpoint file, or HF_HUB_OFFLINE=1 to fail fast): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             ) from e
 
-    def __call__(self, image: np.ndarray, name: str) -> np.ndarray:
-        key = hashlib.sha1(np.ascontiguousarray(image).tobytes()).hexdigest()[:16]
-        path = self.cache_dir / f"{key}.npy"
-        if path.is_file():
-            return read_region_map(path)
+    def masks(self, image: np.ndarray) -> list[np.ndarray]:
         if self._generator is None:
             self._generator = self._load()
-        masks = [m["segmentation"] for m in self._generator.generate(image)]
-        regions = masks_to_regions(masks, image.shape[:2])
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npy")
-        np.save(tmp, regions)
-        tmp.replace(path)
-        return regions
+        return [m["segmentation"] for m in self._generator.generate(image)]
 
 
-def open_regions(value: str, device: str = "cpu", names: Sequence[str] = ()) -> "RegionFolder | Sam2Regions":
-    """The region source a `--regions` value names: `sam2` (its extra checked now; masks cached under the
-    package cache) or a folder, checked to hold a file for each image of `names`. ValueError /
-    MissingExtraError name the problem."""
-    if value == "sam2":
+class Sam3Regions(CachedRegions):
+    """SAM 3's instance masks for the segmenter's own prompt names (`for_vocabulary`): each name is one
+    text prompt; its instances scoring above `confidence` (sigmoid(logit) x presence, SegEarth-OV3's rule)
+    give binary masks (probability > 0.5, the package's `masks`), painted larger first (`masks_to_regions`).
+    No published method takes SAM 3's regions this way: the prompts are this project's choice. Cached per
+    image, names, confidence and weights."""
+
+    def __init__(self, cache_dir: str | Path, checkpoint: str = "hub", device: str = "cpu", prompts: Sequence[str] = (), confidence: float = 0.5, prompter=None) -> None:
+        super().__init__(cache_dir, checkpoint, device)
+        self.prompts = tuple(prompts)
+        self.confidence = confidence
+        self._prompter = prompter  # a loaded models.sam3.Sam3Prompter (tests: a small random one)
+
+    def source(self) -> str:
+        return f"sam3:{BACKBONES.get('sam3').timm_name if self.checkpoint == 'hub' else self.checkpoint}:confidence={self.confidence:g}"
+
+    def settings(self) -> str:
+        return json.dumps([self.source(), self.prompts])
+
+    def for_vocabulary(self, names: Sequence[str]) -> "Sam3Regions":
+        return Sam3Regions(self.cache_dir, self.checkpoint, self.device, names, self.confidence, self._prompter)
+
+    def masks(self, image: np.ndarray) -> list[np.ndarray]:
+        if not self.prompts:
+            raise ValueError("sam3 regions are prompted with the vocabulary's names: none were given (a Segmenter passes its own)")
+        if self._prompter is None:
+            from ..models.sam3 import load_sam3
+
+            self._prompter = load_sam3(self.checkpoint, self.device)
+        state = self._prompter.set_image(image)
+        answers = [self._prompter.prompt(state, name, self.confidence) for name in self.prompts]
+        return [m.cpu().numpy() > 0.5 for a in answers for m in a.masks]
+
+
+# name -> factory(cache_dir, device) -> region source, for `--regions NAME`; each checks its extra at once.
+# Methods may register more (`locations`); a value that is not a name here is a folder.
+REGION_SOURCES: Registry[Callable[[Path, str], CachedRegions]] = Registry("region source", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP)
+
+
+def _sam2_source(cache_dir: Path, device: str) -> Sam2Regions:
+    require_extra("sam2", "--regions sam2")
+    return Sam2Regions(cache_dir / "regions", device=device)
+
+
+def _sam3_source(cache_dir: Path, device: str) -> Sam3Regions:
+    require_extra("sam3", "--regions sam3", extra="sam3")
+    return Sam3Regions(cache_dir / "regions-sam3", device=device)
+
+
+REGION_SOURCES.register("sam2", _sam2_source, help="SAM2 automatic masks, CorrCLIP's settings (extra .[proxy])")
+REGION_SOURCES.register("sam3", _sam3_source, help="SAM 3 instance masks prompted with the vocabulary's names (extra .[sam3], CUDA)")
+
+
+def open_regions(value: str, device: str = "cpu", names: Sequence[str] = ()) -> "RegionFolder | CachedRegions":
+    """The region source a `--regions` value names: a registered source (`REGION_SOURCES`: sam2, sam3; its
+    extra checked now; masks cached under the package cache) or a folder, checked to hold a file for each
+    image of `names`. ValueError / MissingExtraError name the problem."""
+    if value in REGION_SOURCES:
         from .vocabulary import default_cache_dir
 
-        require_extra("sam2", "--regions sam2")
-        return Sam2Regions(default_cache_dir() / "regions", device=device)
+        return REGION_SOURCES.get(value)(default_cache_dir(), device)
     source = RegionFolder(value)
     source.check(names)
     return source

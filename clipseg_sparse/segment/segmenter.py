@@ -63,7 +63,8 @@ class Segmenter:
     progress bar on stderr while it is (or a note that the cache is reused).
     regions: where region maps come from, for specs and stages that read them (CorrCLIP): a callable
     (rgb, name) -> H x W integer ids (-1 unsegmented) with a `source()` text for result files, e.g.
-    `regions.RegionFolder` or `regions.Sam2Regions`; `predict(image, name)` passes the image's name.
+    `regions.RegionFolder` or `regions.Sam2Regions`; `predict(image, name)` passes the image's name. A
+    source with `for_vocabulary(names)` (`regions.Sam3Regions`) is given this vocabulary's prompt names.
     A source is required when the spec or a stage reads regions, and ignored (not recorded) otherwise.
     """
 
@@ -92,7 +93,8 @@ class Segmenter:
         reader = region_reader(self.spec, self.settings.stage_texts())
         if reader and regions is None:
             raise ValueError(f"{reader} needs region masks for each image: give a region source (--regions FOLDER or --regions sam2)")
-        self.regions = regions if reader else None  # read (and recorded) only when something uses them
+        prompted = getattr(regions, "for_vocabulary", None)  # a text-prompted source (sam3) takes our names
+        self.regions = (prompted(vocabulary.flat_names) if prompted else regions) if reader else None  # read (and recorded) only when used
         self.global_stage = global_stage(self.spec, self.stages)
         self.window_stages = hook_stages(self.spec, self.stages, "windows")
         self.post_stages = hook_stages(self.spec, self.stages, "post")

@@ -27,7 +27,8 @@ from .records import read_result
 @dataclass
 class SweepPaths:
     """Where a sweep reads data and writes results. roots: dataset name -> root, "*" for any dataset.
-    regions: dataset name -> region-mask folder (or sam2), "*" -> a folder with one sub-folder per dataset."""
+    regions: dataset name -> region-mask folder (or a registered source: sam2, sam3), "*" -> a folder with one
+    sub-folder per dataset."""
 
     out: Path
     roots: Mapping[str, Path] = field(default_factory=dict)
@@ -42,13 +43,13 @@ class SweepPaths:
 
     def region_source(self, dataset: str, device: str = "cpu"):
         """The region source of `dataset`'s cells (`regions.open_regions`), None when none was given."""
-        from ..segment.regions import open_regions
+        from ..segment.regions import REGION_SOURCES, open_regions
 
         value = self.regions.get(dataset, self.regions.get("*"))
         if value is None:
             return None
-        if str(value) == "sam2":
-            return open_regions("sam2", device)
+        if str(value) in REGION_SOURCES:  # sam2, sam3: one generator for every dataset
+            return open_regions(str(value), device)
         return open_regions(str(value if dataset in self.regions else Path(value) / dataset))
 
     def root(self, dataset: str) -> Path:

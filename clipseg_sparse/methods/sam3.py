@@ -1,0 +1,132 @@
+"""SAM 3 used zero-shot as a semantic segmenter, as SegEarth-OV3 runs it (arXiv 2512.08730): the `sam3`
+pipeline (`--preset sam3[:CONFIDENCE]`, `segment/pipelines.py`) and protocol `sam3`, so `eval` puts the
+baseline users compare against beside the CLIP presets. Not a CLIP method: no attention spec, no stages.
+
+Read from earth-insights/SegEarth-OV-3@87e5cc1: `segearthov3_segmentor.py` (`_inference_single_view`,
+`predict`), its patched `sam3/model/sam3_image_processor.py` (models/sam3.py), `configs/cfg_*.py` and
+`configs/cls_*.txt` (the `segearth` name set). Per image, one pass of SAM 3's image encoder on the
+original image; per prompt name (synonyms included) one text-prompted pass, whose score map is
+
+    s = max(0, max_i m_i o_i)   over the instances with o_i > confidence (m_i: mask probability,
+                                o_i = sigmoid(logit_i) x presence, the package's object score)
+    s = max(s, semantic)        the semantic head's probability
+    s = s x presence            the prompt's presence probability
+
+then per class the max over its names, the argmax over classes, and pixels whose top score is below
+prob_thd (`bg_threshold`) get class 0 (`bg_idx` 0).
+
+Quirks copied: presence multiplies the instance terms twice (o_i already holds it) and the semantic term
+once; the background of VOC21 / COCO-Object is a literal `background` prompt (their class files) plus
+prob_thd 0.4; the image enters at its own size (the configs load it without a resize, `slide_crop` is 0
+in all eight) and SAM 3's processor squashes it to 1008 x 1008; bf16 autocast on CUDA. Per dataset
+(`configs/cfg_*.py`): confidence 0.5 (VOC21, COCO-Object; the default), 0.3 (Context60/59, Cityscapes,
+ADE20K), 0.2 (VOC20, COCO-Stuff); prob_thd 0.4 (VOC21, COCO-Object), 0.1 (Context60), else 0.
+Not copied: the segmentor re-reads the image file with PIL; here the pixels `eval` loaded (the same RGB
+values, EXIF rotation applied). No accuracy has been measured here (no weights; SAM 3 runs on CUDA only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..evaluation.protocols import PROTOCOLS, Protocol
+from ..models.sam3 import Sam3Prompter, load_sam3
+from ..segment.images import load_image
+from ..segment.pipelines import PIPELINES, Pipeline
+from ..segment.settings import InferenceSettings
+from ..segment.vocabulary import Vocabulary
+
+CONFIDENCE = 0.5  # SegEarthOV3Segmentation's default confidence_threshold
+SOURCE = "earth-insights/SegEarth-OV-3@87e5cc1 segearthov3_segmentor.py, configs/cfg_*.py, configs/cls_*.txt"
+
+
+def fuse_prompt(masks: torch.Tensor, scores: torch.Tensor, semantic: torch.Tensor, presence: float) -> torch.Tensor:
+    """One name's H x W score map from its kept instances (n x H x W mask probabilities, n object
+    scores), the semantic map (H x W) and the presence probability (see the module doc)."""
+    fused = torch.zeros_like(semantic)
+    for mask, score in zip(masks, scores):
+        fused = torch.maximum(fused, mask * score)
+    return torch.maximum(fused, semantic) * presence
+
+
+class Sam3Segmenter:
+    """SegEarth-OV3's segmenter on a loaded SAM 3 (`models.sam3.Sam3Prompter`, or anything with its
+    `set_image` / `prompt` / `config`): `scores(rgb)` (C x H x W), `predict_labels(image)` (what eval scores)."""
+
+    def __init__(self, prompter: Sam3Prompter, vocabulary: Vocabulary, settings: InferenceSettings | None = None, confidence: float = CONFIDENCE) -> None:
+        settings = settings or InferenceSettings()
+        if settings.stage_texts() or settings.area_threshold:
+            raise ValueError(f"sam3 runs no stages and no area threshold (got stages {list(settings.stage_texts())}, area_threshold {settings.area_threshold})")
+        self.prompter = prompter
+        self.vocabulary = vocabulary
+        self.settings = settings
+        self.confidence = confidence
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return self.vocabulary.labels
+
+    def config(self) -> dict:
+        """Everything that changes a prediction, for result files."""
+        return {
+            **self.prompter.config(),
+            "attention": f"sam3:{self.confidence:g}",
+            "classes": [list(syn) for syn in self.vocabulary.names],
+            "confidence": self.confidence,
+            "bg_threshold": self.settings.bg_threshold,
+        }
+
+    @torch.inference_mode()
+    def scores(self, rgb: np.ndarray) -> torch.Tensor:
+        """C x H x W class scores of an H x W x 3 uint8 RGB image: each name's fused map (`fuse_prompt`),
+        then the max over each class's names."""
+        state = self.prompter.set_image(rgb)
+        per_name = []
+        for name in self.vocabulary.flat_names:
+            answer = self.prompter.prompt(state, name, self.confidence)
+            per_name.append(fuse_prompt(answer.masks, answer.scores, answer.semantic, answer.presence))
+        index = torch.tensor(self.vocabulary.name_to_class)
+        names = torch.stack(per_name)
+        return torch.stack([names[index == c].amax(0) for c in range(len(self.vocabulary))])
+
+    def predict_labels(self, image, name: str | None = None) -> np.ndarray:
+        """H x W int64 labels: argmax of `scores`, class 0 where the top score is below bg_threshold."""
+        scores = self.scores(load_image(image) if isinstance(image, (str, Path)) else np.asarray(image))
+        top, labels = scores.max(0)
+        labels[top < self.settings.bg_threshold] = 0
+        return labels.cpu().numpy().astype(np.int64)
+
+
+def _pipeline(args: str) -> Pipeline:
+    """`sam3[:CONFIDENCE]`, CONFIDENCE in [0, 1) (default 0.5)."""
+    try:
+        confidence = float(args) if args else CONFIDENCE
+    except ValueError:
+        confidence = -1.0
+    if not 0.0 <= confidence < 1.0:
+        raise ValueError(f"bad pipeline 'sam3:{args}': expected sam3[:CONFIDENCE] with 0 <= CONFIDENCE < 1, e.g. sam3:0.5")
+    return Pipeline(
+        f"sam3:{confidence:g}", "sam3", load_sam3,
+        lambda prompter, vocabulary, settings: Sam3Segmenter(prompter, vocabulary, settings, confidence),
+    )  # fmt: skip
+
+
+PIPELINES.register("sam3", _pipeline, help="SAM 3 zero-shot, SegEarth-OV3's fusion: sam3[:CONFIDENCE] (extra .[sam3], CUDA)")
+
+_CONFIDENCE = {"voc20": 0.2, "coco-stuff": 0.2, "context60": 0.3, "context59": 0.3, "cityscapes": 0.3, "ade20k": 0.3}
+PROTOCOL = PROTOCOLS.register(
+    "sam3",
+    Protocol(
+        name="sam3",
+        attention="sam3",
+        class_names="segearth",
+        source=SOURCE,
+        defaults=dict(resolution=0, window=0),  # the original image; SAM 3's processor resizes it to 1008 x 1008
+        per_dataset={"voc21": dict(bg_threshold=0.4), "coco-object": dict(bg_threshold=0.4), "context60": dict(bg_threshold=0.1)},
+        attention_per_dataset={ds: f"sam3:{c:g}" for ds, c in _CONFIDENCE.items()},
+    ),
+    help="SegEarth-OV3 (SAM 3 zero-shot): original image, its class files, prob_thd 0.4 / 0.1, confidence per dataset",
+)

@@ -1,0 +1,259 @@
+"""SAM 3: the SegEarth-OV3 pipeline (`methods/sam3.py`), its prompter (`models/sam3.py`) and the `--regions
+sam3` source, against a transcription of earth-insights/SegEarth-OV-3@87e5cc1 `segearthov3_segmentor.py`.
+
+The fusion runs on a stubbed prompter (fixed instance masks, scores, semantic maps and presence per name);
+the prompter on a small random SAM 3 built from the package's classes (`sam3_tiny.py`), when the package is
+installed (extra `.[sam3]`; its pins, huggingface-hub < 2 and numpy < 2.4, keep it out of the test extra)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from clipseg_sparse.cli.app import app
+from clipseg_sparse.datasets import DATASETS, class_vocabulary
+from clipseg_sparse.evaluation.metrics import intersect_and_union, segmentation_metrics
+from clipseg_sparse.evaluation.protocols import PROTOCOLS
+from clipseg_sparse.evaluation.segmentation import evaluate
+from clipseg_sparse.methods.sam3 import Sam3Segmenter
+from clipseg_sparse.models.sam3 import Sam3Prompt
+from clipseg_sparse.segment.images import load_image
+from clipseg_sparse.segment.pipelines import find_pipeline
+from clipseg_sparse.segment.regions import Sam3Regions
+from clipseg_sparse.segment.settings import InferenceSettings
+from clipseg_sparse.segment.vocabulary import Vocabulary
+from fake_benchmarks import make_benchmark
+
+HAS_SAM3 = importlib.util.find_spec("sam3") is not None
+needs_sam3 = pytest.mark.skipif(not HAS_SAM3, reason="the sam3 package (extra .[sam3]) is not installed")
+
+
+class StubPrompter:
+    """Fixed answers per name, as the prompter gives them (instances already kept), drawn from a seed per
+    name and image size; records every (name, confidence) it is asked."""
+
+    def __init__(self, instances: dict[str, int] | None = None, fixed: dict | None = None) -> None:
+        self.instances = instances or {}
+        self.fixed = fixed or {}
+        self.asked: list[tuple[str, float]] = []
+
+    def config(self) -> dict:
+        return {"model": "sam3", "pretrained": "stub", "device": "cpu"}
+
+    def set_image(self, rgb: np.ndarray) -> dict:
+        return {"size": rgb.shape[:2]}
+
+    def answer(self, size, name: str) -> Sam3Prompt:
+        if name in self.fixed:
+            return self.fixed[name]
+        g = torch.Generator().manual_seed(sum(map(ord, name)) + 7 * size[0] + size[1])
+        n = self.instances.get(name, 2)
+        return Sam3Prompt(torch.rand(n, *size, generator=g), torch.rand(n, generator=g), torch.rand(*size, generator=g), float(torch.rand(1, generator=g)))
+
+    def prompt(self, state: dict, name: str, confidence: float) -> Sam3Prompt:
+        self.asked.append((name, confidence))
+        return self.answer(state["size"], name)
+
+
+def published_labels(answers: dict, query_words, query_idx, h, w, prob_thd, bg_idx=0):
+    """`SegEarthOV3Segmentation._inference_single_view` then `predict` (no slide), transcribed on the
+    patched processor's state keys: masks_logits n x 1 x H x W, object_score n, semantic_mask_logits
+    1 x 1 x H x W, presence_score."""
+    num_cls, num_queries = max(query_idx) + 1, len(query_idx)
+    query_idx = torch.tensor(query_idx)
+    seg_logits = torch.zeros((num_queries, h, w))
+    for q, word in enumerate(query_words):
+        st = answers[word]
+        if st["masks_logits"].shape[0] > 0:
+            for inst_id in range(st["masks_logits"].shape[0]):
+                seg_logits[q] = torch.max(seg_logits[q], st["masks_logits"][inst_id].squeeze() * st["object_score"][inst_id])
+        semantic = st["semantic_mask_logits"]
+        if semantic.shape != (h, w):
+            semantic = F.interpolate(semantic, size=(h, w), mode="bilinear", align_corners=False).squeeze()
+        seg_logits[q] = torch.max(seg_logits[q], semantic)
+        seg_logits[q] = seg_logits[q] * st["presence_score"]
+    if num_cls != num_queries:
+        cls_index = F.one_hot(query_idx).T.view(num_cls, num_queries, 1, 1)
+        seg_logits = (seg_logits.unsqueeze(0) * cls_index).max(1)[0]
+    seg_pred = torch.argmax(seg_logits, dim=0)
+    seg_pred[seg_logits.max(0)[0] < prob_thd] = bg_idx
+    return seg_logits, seg_pred
+
+
+def state_of(answer: Sam3Prompt) -> dict:
+    return {
+        "masks_logits": answer.masks[:, None], "object_score": answer.scores,
+        "semantic_mask_logits": answer.semantic[None, None], "presence_score": torch.tensor(answer.presence),
+    }  # fmt: skip
+
+
+def test_fusion_equals_the_published_segmentor_on_stubbed_answers():
+    vocab = Vocabulary.parse("background,cat|kitten|tabby,dog,sky")
+    stub = StubPrompter({"kitten": 0, "dog": 3, "sky": 1})
+    rgb = np.zeros((9, 13, 3), np.uint8)
+    for thd in (0.0, 0.3):
+        seg = Sam3Segmenter(stub, vocab, InferenceSettings(bg_threshold=thd), confidence=0.4)
+        answers = {n: state_of(stub.answer((9, 13), n)) for n in vocab.flat_names}
+        want_scores, want_labels = published_labels(answers, vocab.flat_names, vocab.name_to_class, 9, 13, thd)
+        torch.testing.assert_close(seg.scores(rgb), want_scores, rtol=0, atol=0)
+        assert np.array_equal(seg.predict_labels(rgb), want_labels.numpy())
+    assert {c for _, c in stub.asked} == {0.4} and [n for n, _ in stub.asked[:6]] == list(vocab.flat_names)
+
+
+def test_fusion_by_hand_at_one_pixel():
+    """cat: instances 0.9 x 0.6 and 0.5 x 0.8 -> 0.54, semantic 0.3 -> 0.54, presence 0.5 -> 0.27;
+    kitten: no instance, semantic 0.7, presence 0.9 -> 0.63; so cat = max(0.27, 0.63) = 0.63;
+    dog: 1.0 x 0.7 -> 0.7, semantic 0.2, presence 0.5 -> 0.35. Labels: cat (1); below 0.65: class 0."""
+    one = lambda *v: torch.tensor(v, dtype=torch.float32).view(-1, 1, 1)  # noqa: E731
+    fixed = {
+        "cat": Sam3Prompt(one(0.9, 0.5), torch.tensor([0.6, 0.8]), torch.full((1, 1), 0.3), 0.5),
+        "kitten": Sam3Prompt(torch.zeros(0, 1, 1), torch.zeros(0), torch.full((1, 1), 0.7), 0.9),
+        "dog": Sam3Prompt(one(1.0), torch.tensor([0.7]), torch.full((1, 1), 0.2), 0.5),
+        "sky": Sam3Prompt(torch.zeros(0, 1, 1), torch.zeros(0), torch.full((1, 1), 0.1), 0.1),
+    }
+    vocab = Vocabulary.parse("sky,cat|kitten,dog")
+    rgb = np.zeros((1, 1, 3), np.uint8)
+    seg = Sam3Segmenter(StubPrompter(fixed=fixed), vocab)
+    torch.testing.assert_close(seg.scores(rgb)[:, 0, 0], torch.tensor([0.01, 0.63, 0.35]))
+    assert seg.predict_labels(rgb)[0, 0] == 1
+    assert Sam3Segmenter(StubPrompter(fixed=fixed), vocab, InferenceSettings(bg_threshold=0.65)).predict_labels(rgb)[0, 0] == 0
+
+
+def test_pipeline_text_and_protocol_constants():
+    assert find_pipeline("sclip") is None and find_pipeline(None) is None
+    assert find_pipeline("sam3").name == "sam3:0.5" and find_pipeline("sam3:0.25").name == "sam3:0.25"
+    for bad in ("sam3:1.5", "sam3:x"):
+        with pytest.raises(ValueError, match=r"sam3\[:CONFIDENCE\]"):
+            find_pipeline(bad)
+    p = PROTOCOLS.get("sam3")
+    # configs/cfg_*.py of SegEarth-OV-3@87e5cc1: confidence_threshold and prob_thd per dataset
+    published = {"voc21": (0.5, 0.4), "voc20": (0.2, 0), "context60": (0.3, 0.1), "context59": (0.3, 0), "coco-object": (0.5, 0.4),
+                 "coco-stuff": (0.2, 0), "cityscapes": (0.3, 0), "ade20k": (0.3, 0)}  # fmt: skip
+    for dataset, (confidence, prob_thd) in published.items():
+        assert find_pipeline(p.pipeline_text(dataset)).name == f"sam3:{confidence:g}", dataset
+        s = p.settings(dataset)
+        assert (s.bg_threshold, s.resolution, s.window, s.stage_texts()) == (prob_thd, 0, 0, ()), dataset
+    assert p.pipeline_text("voc20", "sam3:0.4") == "sam3:0.4"  # a pipeline given with its own constant runs as given
+    voc20, version = class_vocabulary("voc20", p.class_names)
+    assert version.startswith("segearth/") and ("boat", "ship") in voc20.names
+    assert class_vocabulary("voc21", "segearth")[0].names[0] == ("background",)
+
+
+@pytest.mark.parametrize("dataset", ["voc21", "voc20"])
+def test_eval_runs_the_pipeline_with_the_protocols_constants(tmp_path, dataset):
+    make_benchmark(dataset, tmp_path, n=2)
+    stub = StubPrompter()
+    record = evaluate(stub, dataset, tmp_path, protocol="sam3", class_names=None, progress=False, out=tmp_path / "r.json")
+    c = record["config"]
+    confidence, prob_thd = {"voc21": (0.5, 0.4), "voc20": (0.2, 0.0)}[dataset]
+    assert (c["attention"], c["model"], c["protocol"], c["bg_threshold"]) == (f"sam3:{confidence:g}", "sam3", "sam3", prob_thd)
+    assert c["class_names_version"].startswith("segearth/") and {conf for _, conf in stub.asked} == {confidence}
+    bench = DATASETS.get(dataset)
+    vocab, _ = class_vocabulary(dataset, "segearth")
+    total = 0
+    for sample in bench.samples(tmp_path):
+        rgb = load_image(sample.image)
+        answers = {n: state_of(stub.answer(rgb.shape[:2], n)) for n in vocab.flat_names}
+        _, pred = published_labels(answers, vocab.flat_names, vocab.name_to_class, *rgb.shape[:2], prob_thd)
+        total = total + intersect_and_union(pred.numpy(), bench.load_label(sample.label), bench.num_classes)
+    assert record["metrics"]["mIoU"] == pytest.approx(100 * segmentation_metrics(total)["mIoU"])
+
+
+def test_sam3_refuses_stages():
+    with pytest.raises(ValueError, match="no stages"):
+        Sam3Segmenter(StubPrompter(), Vocabulary.parse("a,b"), InferenceSettings(pamr=True))
+
+
+def test_eval_without_the_package_is_one_line(tmp_path, monkeypatch):
+    make_benchmark("voc21", tmp_path, n=1)
+    monkeypatch.setitem(sys.modules, "sam3", None)  # import sam3 now raises ImportError
+    res = CliRunner().invoke(app, ["eval", "--dataset", "voc21", "--root", str(tmp_path), "--protocol", "sam3", "--device", "cpu"])
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and ".[sam3]" in lines[0], res.stderr
+
+
+@needs_sam3
+def test_eval_on_a_cpu_is_one_line(tmp_path):
+    """sam3 0.1.4 builds its model with CUDA calls: refused before any work, in one line."""
+    make_benchmark("voc21", tmp_path, n=1)
+    res = CliRunner().invoke(app, ["eval", "--dataset", "voc21", "--root", str(tmp_path), "--preset", "sam3:0.4", "--device", "cpu",
+                                   "--proxy-weights", "sam3=none"])  # fmt: skip
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and "CUDA only" in lines[0], res.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_prompter():
+    if not HAS_SAM3:
+        pytest.skip("the sam3 package (extra .[sam3]) is not installed")
+    from sam3_tiny import RESOLUTION, tiny_sam3_model
+
+    from clipseg_sparse.models.sam3 import Sam3Prompter
+
+    return Sam3Prompter(tiny_sam3_model(), "none", "cpu", RESOLUTION)
+
+
+def test_prompter_equals_the_published_processor(tiny_prompter):
+    """Masks and scores: the package's `Sam3Processor.set_text_prompt`; semantic map and presence: the lines
+    SegEarth-OV3's patched processor adds, on the same `forward_grounding` outputs."""
+    from PIL import Image
+    from sam3.model.sam3_image_processor import Sam3Processor
+
+    model = tiny_prompter.model
+    rgb = np.random.default_rng(0).integers(0, 256, (30, 44, 3), dtype=np.uint8)
+    for name, confidence in (("cat", 0.3), ("a red car", 0.0)):
+        ours = tiny_prompter.prompt(tiny_prompter.set_image(rgb), name, confidence)
+        proc = Sam3Processor(model, resolution=tiny_prompter.processor.resolution, device="cpu", confidence_threshold=confidence)
+        state = proc.set_text_prompt(state=proc.set_image(Image.fromarray(rgb)), prompt=name)
+        with torch.inference_mode():
+            out = model.forward_grounding(backbone_out=state["backbone_out"], find_input=proc.find_stage, geometric_prompt=state["geometric_prompt"], find_target=None)
+        semantic = F.interpolate(out["semantic_seg"], (30, 44), mode="bilinear", align_corners=False).sigmoid()
+        presence = out["presence_logit_dec"].sigmoid().unsqueeze(1).squeeze().squeeze()
+        assert ours.masks.shape[0] == state["masks_logits"].shape[0]
+        torch.testing.assert_close(ours.masks, state["masks_logits"][:, 0])
+        torch.testing.assert_close(ours.scores, state["scores"])
+        torch.testing.assert_close(ours.semantic, semantic[0, 0])
+        assert ours.presence == pytest.approx(float(presence))
+    assert ours.masks.shape[0] == 10  # confidence 0: every query is an instance
+
+
+def test_pipeline_end_to_end_on_a_tiny_random_sam3(tiny_prompter):
+    vocab = Vocabulary.parse("cat|kitten,sky")
+    rgb = np.random.default_rng(1).integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    seg = Sam3Segmenter(tiny_prompter, vocab, confidence=0.3)
+    scores = seg.scores(rgb)
+    state = tiny_prompter.set_image(rgb)
+    answers = {n: state_of(tiny_prompter.prompt(state, n, 0.3)) for n in vocab.flat_names}
+    want, labels = published_labels(answers, vocab.flat_names, vocab.name_to_class, 20, 28, 0.0)
+    torch.testing.assert_close(scores, want)
+    assert np.array_equal(seg.predict_labels(rgb), labels.numpy())
+
+
+def test_sam3_regions_are_prompted_with_the_segmenters_names_and_cached(tiny_clip, tmp_path):
+    from clipseg_sparse.segment.segmenter import Segmenter
+
+    stub = StubPrompter({"a": 2, "b": 1})
+    source = Sam3Regions(tmp_path, prompter=stub, confidence=0.4)
+    settings = InferenceSettings(resolution=32, window=0, stages=("regionvote",))
+    seg = Segmenter(tiny_clip, "a,b", "qq/softmax", settings, templates="single", regions=source)
+    rgb = np.random.default_rng(2).integers(0, 256, (12, 16, 3), dtype=np.uint8)
+    regions = seg.region_map(rgb, "x.jpg")
+    assert stub.asked == [("a", 0.4), ("b", 0.4)]
+    masks = [m.numpy() > 0.5 for n in ("a", "b") for m in stub.answer((12, 16), n).masks]
+    order = sorted(range(3), key=lambda i: -masks[i].sum())  # larger masks painted first
+    want = np.full((12, 16), -1)
+    for i in order:
+        want[masks[i]] = i
+    assert np.array_equal(regions, want)
+    seg.predict(rgb, "x.jpg")
+    assert len(stub.asked) == 2  # the second read is the cached map
+    other = Segmenter(tiny_clip, "a,c", "qq/softmax", settings, templates="single", regions=source)
+    other.region_map(rgb, "x.jpg")
+    assert stub.asked[2:] == [("a", 0.4), ("c", 0.4)]  # other names: other masks
+    assert seg.config()["regions"] == "sam3:facebook/sam3:confidence=0.4"
