@@ -165,6 +165,14 @@ def test_eval_runs_the_pipeline_with_the_protocols_constants(tmp_path, dataset):
     assert record["metrics"]["mIoU"] == pytest.approx(100 * segmentation_metrics(total)["mIoU"])
 
 
+def test_other_commands_and_a_clip_model_refuse_the_pipeline(tiny_clip, tmp_path):
+    res = CliRunner().invoke(app, ["segment", str(tmp_path), "--classes", "a,b", "--preset", "sam3", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "only `eval` runs it" in res.stderr.strip().splitlines()[-1], res.stderr
+    make_benchmark("voc21", tmp_path / "d", n=1)
+    with pytest.raises(ValueError, match="its own model"):
+        evaluate(tiny_clip, "voc21", tmp_path / "d", protocol="sam3", progress=False)
+
+
 def test_sam3_refuses_stages():
     with pytest.raises(ValueError, match="no stages"):
         Sam3Segmenter(StubPrompter(), Vocabulary.parse("a,b"), InferenceSettings(pamr=True))

@@ -171,6 +171,10 @@ def resolve_attention(preset: str | None, attn: str | None, default: str = "scli
     from ..attention import PRESETS, AttentionSpec
 
     if attn is None and preset is not None and preset not in PRESETS:
+        from ..segment.pipelines import PIPELINES
+
+        if preset.partition(":")[0] in PIPELINES:
+            fail(f"--preset {preset}: a pipeline, not an attention preset; only `eval` runs it (`ls pipelines`)")
         fail(PRESETS.unknown_message(preset))
     text = attn or preset or default
     spec = AttentionSpec.parse(text)

@@ -88,6 +88,8 @@ def evaluate(
     rank, world = rank_and_world()
     named = find_pipeline(spec if spec is not None else proto.attention)
     pipeline = find_pipeline(proto.pipeline_text(bench.name, spec)) if named else None  # the dataset's constants
+    if pipeline is not None and isinstance(clip, DenseCLIP):
+        raise ValueError(f"{pipeline.name} is a pipeline with its own model, not a CLIP spec: pass the model its Pipeline.load gives")
     if pipeline is not None:  # not a CLIP spec (SAM 3): `clip` is the pipeline's loaded model
         segmenter = pipeline.build(clip, vocabulary, settings)
     else:
