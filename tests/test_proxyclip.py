@@ -27,19 +27,25 @@ from clipseg_sparse.models.proxies import PROXIES, proxy_grid, use_backbone, use
 TINY_TEXT = "ext:dino_vitb8[cos,shift:1.2,scale:3,pos]/{}/cls:0/noffn"
 
 
-@pytest.fixture(scope="module")
-def proxy(tiny_clip):
-    """tiny CLIP + a tiny DINO-layout backbone registered as dino_vitb8 on the CPU (removed after)."""
+def installed_tiny_dino(clip):
+    """A tiny DINO-layout backbone (patch 8) registered as dino_vitb8 on the CPU for `clip`, removed after
+    (a generator for fixtures: yields (clip, backbone))."""
     import timm.models.vision_transformer as vt
 
     torch.manual_seed(0)
     model = vt.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True)
     backbone = Backbone(BACKBONES.get("dino_vitb8"), model, weights="none")
-    use_proxy_weights("auto", clip=tiny_clip)
+    use_proxy_weights("auto", clip=clip)
     use_backbone(backbone, "cpu")
-    yield tiny_clip, backbone
+    yield clip, backbone
     PROXIES.configure(weights="auto")
     PROXIES._loaded.clear()
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_clip):
+    """tiny CLIP + a tiny DINO-layout backbone registered as dino_vitb8 on the CPU (removed after)."""
+    yield from installed_tiny_dino(tiny_clip)
 
 
 def published_proxyclip(clip, backbone, pixels: torch.Tensor, beta=1.2, gamma=3.0) -> torch.Tensor:

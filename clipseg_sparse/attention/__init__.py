@@ -58,6 +58,7 @@ from __future__ import annotations
 from .blocks import EncoderState, edited_block_forward, encode_tokens
 from .combine import _attend, aggregate, attention_weights
 from .presets import list_presets, register_entmax_variant, register_preset, resolve_spec
+from .stitched import blocked_attention, global_attention, stitch_multiple
 from .spec import OPTIONS, PRESETS, SOURCES, AttentionSpec, BlockInput, Group, Preset, Term, register_option
 from .taps import TAPS, BlockContext, Tap
 from .transforms import gaussian_prior
@@ -81,5 +82,5 @@ __all__ = [
     "AttentionSpec", "BlockContext", "BlockInput", "EncoderState", "Group", "OPTIONS", "PRESETS", "Preset",
     "SOURCES", "TAPS", "Tap", "Term", "_attend", "aggregate", "attention_maps", "attention_weights",
     "edited_block_forward", "encode_tokens", "gaussian_prior", "list_presets", "register_entmax_variant",
-    "register_option", "register_preset", "resolve_spec",
+    "register_option", "register_preset", "resolve_spec", "blocked_attention", "global_attention", "stitch_multiple",
 ]

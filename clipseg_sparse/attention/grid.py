@@ -33,10 +33,15 @@ def feature_cosine(feats: torch.Tensor) -> torch.Tensor:
 def region_support(scores: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
     """CorrCLIP's scope, B x M x M bool. regions: B x M integer region ids on the proxy grid, < 0 =
     unsegmented. Allowed: same region, or (either token unsegmented) and S_ij > the image's mean(S)."""
-    same = (regions[:, :, None] == regions[:, None, :]) & (regions[:, :, None] >= 0)
-    unsegmented = (regions[:, :, None] < 0) | (regions[:, None, :] < 0)
-    above = scores > scores.mean(dim=(-2, -1), keepdim=True)
-    return same | (unsegmented & above)
+    return region_rows_support(scores, regions, regions, scores.mean(dim=(-2, -1), keepdim=True))
+
+
+def region_rows_support(scores: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, mean: torch.Tensor | float) -> torch.Tensor:
+    """The scope for some rows of the map (OV-Stitcher's image-wide map, a block of rows at a time):
+    scores ... x R x M, rows ... x R and cols ... x M region ids, mean = mean(S) over the whole map."""
+    same = (rows[..., :, None] == cols[..., None, :]) & (rows[..., :, None] >= 0)
+    unsegmented = (rows[..., :, None] < 0) | (cols[..., None, :] < 0)
+    return same | (unsegmented & (scores > mean))
 
 
 # -- values and windows -------------------------------------------------------------------------------

@@ -34,6 +34,9 @@ from ..runtime.weights import CHECKPOINT_SUFFIXES, RANDOM_WEIGHTS_SEED, WeightsU
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 FEATURES = ("tokens", "qkv", "attn")  # last normed patch tokens, last-block q/k/v, last-block attention maps
+# ViTs also give the penultimate block's output after the final norm (DINO's get_intermediate_layers(n=2)[0]):
+# OV-Stitcher re-runs the last block image-wide on it (segment/stitch.py)
+VIT_FEATURES = FEATURES + ("penult",)
 POS_RULES = ("dino", "antialias", "fixed")
 MASK_KINDS = ("sam2-masks", "sam3-masks")  # mask generators: region sources and the sam3 baseline, no features
 
@@ -84,16 +87,16 @@ def _register(info: BackboneInfo) -> None:
 
 
 _register(BackboneInfo(
-    "dino_vitb8", "vit", "vit_base_patch8_224.dino", 8, IMAGENET_MEAN, IMAGENET_STD, FEATURES, "dino",
+    "dino_vitb8", "vit", "vit_base_patch8_224.dino", 8, IMAGENET_MEAN, IMAGENET_STD, VIT_FEATURES, "dino",
     "torch.hub facebookresearch/dino dino_vitb8 (ProxyCLIP, CorrCLIP)",
 ))
 _register(BackboneInfo(
-    "dino_vitb16", "vit", "vit_base_patch16_224.dino", 16, IMAGENET_MEAN, IMAGENET_STD, FEATURES, "dino",
+    "dino_vitb16", "vit", "vit_base_patch16_224.dino", 16, IMAGENET_MEAN, IMAGENET_STD, VIT_FEATURES, "dino",
     "torch.hub facebookresearch/dino dino_vitb16 (Trident)",
 ))
 _register(BackboneInfo(
     "dinov2_vitb14_reg", "vit", "vit_base_patch14_reg4_dinov2.lvd142m", 14, IMAGENET_MEAN, IMAGENET_STD,
-    FEATURES, "antialias", "torch.hub facebookresearch/dinov2 dinov2_vitb14_reg (ProxyCLIP option)",
+    VIT_FEATURES, "antialias", "torch.hub facebookresearch/dinov2 dinov2_vitb14_reg (ProxyCLIP option)",
 ))
 _register(BackboneInfo(
     "sam_vitb", "samvit", "samvit_base_patch16.sa1b", 16, IMAGENET_MEAN, IMAGENET_STD, FEATURES, "fixed",
@@ -187,7 +190,8 @@ class BackboneFeatures:
     """Patch-token features of one forward pass; h x w = the backbone's patch grid.
 
     tokens: B x h*w x C, the last block's output after the final norm (DINO's get_intermediate_layers)
-    or SAM's neck output (256-d). q, k, v: B x heads x h*w x d of the last block (patch tokens only).
+    or SAM's neck output (256-d). penult: B x h*w x C, the penultimate block's output after the final
+    norm (ViTs). q, k, v: B x heads x h*w x d of the last block (patch tokens only).
     attn: B x heads x h*w x h*w, the last block's attention over patch tokens (softmax including the
     prefix tokens' columns, which are then dropped), or None when not requested.
     """
@@ -197,6 +201,7 @@ class BackboneFeatures:
     q: torch.Tensor | None = None
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    penult: torch.Tensor | None = None
     attn: torch.Tensor | None = None
 
 
@@ -266,6 +271,8 @@ class Backbone:
         last = m.blocks[-1]
         out = BackboneFeatures(grid)
         n_prefix = x.shape[1] - grid[0] * grid[1]
+        if "penult" in want:
+            out.penult = m.norm(x)[:, n_prefix:]
         if "qkv" in want or "attn" in want:
             a = last.attn
             qkv = a.qkv(last.norm1(x)).view(B, x.shape[1], 3, a.num_heads, -1).permute(2, 0, 3, 1, 4)

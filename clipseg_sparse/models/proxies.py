@@ -3,7 +3,8 @@
 `ext:dino_vitb8` runs the registered backbone (`ls backbones`) on the same crop CLIP sees (CLIP's
 normalisation undone, the backbone's applied: ProxyCLIP's `norm(unnorm(img))`) and gives its last
 normed patch tokens as features on its own patch grid, shared by all heads; `ext:dino_vitb8.qk` gives
-q + k of its last block (CorrCLIP). The term's metric, shift/scale and support then apply as for any
+q + k of its last block (CorrCLIP); `ext:dino_vitb8.out` the output of its last block re-run over the
+whole image's stitched grid (OV-Stitcher, only with the `stitch:M` option: `segment/stitch.py`). The term's metric, shift/scale and support then apply as for any
 tap. When that grid differs from CLIP's (DINO B/8: 42 x 42 for a 336 crop vs 21 x 21), CLIP's values
 are bilinearly resized to it and the block's output lives on it (`grid` of the tap), as in ProxyCLIP.
 
@@ -23,7 +24,7 @@ from .backbones import BACKBONES, MASK_KINDS, Backbone, load_backbone
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
-EXT_FEATURES = {"": "tokens", "qk": "qkv"}
+EXT_FEATURES = {"": "tokens", "qk": "qkv", "out": "penult"}
 
 
 @dataclass
@@ -140,7 +141,7 @@ def split_ext(arg: str) -> tuple[str, str]:
     if info.kind in MASK_KINDS:
         raise ValueError(f"ext:{arg}: {name} makes region masks, not features")
     if feature not in EXT_FEATURES:
-        raise ValueError(f"ext:{arg}: unknown feature {feature!r}; use ext:NAME (last normed tokens) or ext:NAME.qk")
+        raise ValueError(f"ext:{arg}: unknown feature {feature!r}; use ext:NAME (last normed tokens), ext:NAME.qk or ext:NAME.out (with stitch:M)")
     return name, feature
 
 
@@ -155,6 +156,8 @@ def proxy_grid(arg: str, pixels: tuple[int, int]) -> tuple[int, int]:
 def ext_features(pixels: torch.Tensor, arg: str) -> torch.Tensor:
     """B x 1 x M x C features of `ext:arg` for CLIP-normalised pixels (B x 3 x H x W)."""
     name, feature = split_ext(arg)
+    if feature == "out":
+        raise ValueError(f"ext:{arg}: the last block re-run over the stitched image needs the stitch:M option (OV-Stitcher)")
     backbone = PROXIES.get(name, pixels.device)
     x = backbone.from_clip_pixels(pixels.float(), PROXIES.clip_mean, PROXIES.clip_std)
     out = backbone.features(x, want=(EXT_FEATURES[feature],))

@@ -16,7 +16,7 @@ _NAMES = {
     "preprocess": ("prepare", "resized_shape", "window_boxes", "round_up_pixels", "to_pixels", "window_geometry", "window_padding"),
     "windows": (
         "iter_window_features", "BAND_ELEMENTS", "ROW_BLOCK", "CosineMap", "DenseMap", "row_bands", "dense_cosine",
-        "spliced_tokens", "splice_windows", "grid_cosine",
+        "spliced_tokens", "splice_windows", "GridSum", "grid_cosine",
     ),
     "labels": ("class_probabilities", "probabilities_to_labels", "kept_classes", "masked_labels", "ClassMaps", "SegmentationResult"),
     "segmenter": ("global_stage", "Segmenter"),

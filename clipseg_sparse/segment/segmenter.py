@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionSpec, resolve_spec
+from ..attention import AttentionSpec, resolve_spec, stitch_multiple
 from ..attention.grid import resize_regions
 from ..models.clip import DenseCLIP
 from ..models.proxies import PROXIES, proxy_config, spec_backbones
@@ -27,6 +27,7 @@ from .labels import ClassMaps, SegmentationResult
 from .preprocess import prepare
 from .regions import region_reader
 from .settings import InferenceSettings
+from .stitch import check_stitched, stitched_features
 from .vocabulary import Vocabulary, embed_names, resolve_templates, templates_id
 from .windows import BAND_ELEMENTS, CosineMap, DenseMap, dense_cosine, grid_cosine, resized_cosine, spliced_tokens
 
@@ -101,6 +102,14 @@ class Segmenter:
         if self.global_stage and self.window_stages:
             raise ValueError(f"stage {self.window_stages[0].name} works on each window's patch map; it cannot run with the global stage {self.global_stage.name}")
         s, patch = self.settings, clip.patch_size
+        self.stitched = stitch_multiple(self.spec) is not None
+        if self.stitched:
+            check_stitched(self.spec, clip.depth)
+            other = [st.name for st in [self.global_stage, *self.window_stages, *self._stages("token")] if st]
+            if not s.window:
+                raise ValueError(f"spec {self.spec} stitches sliding windows: set a window size (not 0)")
+            if other:
+                raise ValueError(f"stage {other[0]} cannot run with spec {self.spec}, whose windows are stitched")
         if self.global_stage and s.window and (s.window % patch or s.stride % patch):
             raise ValueError(f"stage {self.global_stage.name} splices the windows: window and stride must be multiples of the patch size {patch} (got {s.window} / {s.stride})")
         if self.backbones():  # ext: terms see this CLIP's crops (its normalisation, precision)
@@ -159,7 +168,10 @@ class Segmenter:
         scaled = None if regions is None else resize_regions(torch.from_numpy(np.asarray(regions, dtype=np.int64)), tuple(pixels.shape[-2:]))
         at_input = [st for st in self.post_stages if st.at_input]  # run at the network input's size
         out_size = tuple(pixels.shape[-2:]) if at_input else (height, width)
-        if self.global_stage is not None:  # splice the windows, then one stage over the whole image
+        if self.stitched:  # the windows stitched, attention across them (OV-Stitcher): features on the proxy grid
+            feats = stitched_features(self.clip, pixels, self.spec, scaled, s.window, s.stride, s.pos_interp, s.batch_size)
+            factored = grid_cosine(feats, self.text, out_size, via=tuple(pixels.shape[-2:]))
+        elif self.global_stage is not None:  # splice the windows, then one stage over the whole image
             tokens = spliced_tokens(self.clip, pixels, self.spec, s.window, s.stride, s.batch_size, self._stages("token"), s.pos_interp)
             tokens = self.global_stage(tokens, image, self.spec.normalizer)
             factored = grid_cosine(self.clip.project(tokens[0]), self.text, out_size)

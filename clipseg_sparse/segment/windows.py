@@ -275,23 +275,48 @@ def spliced_tokens(
 def splice_windows(feats: torch.Tensor, corners: list[tuple[int, int]], grid: tuple[int, int]) -> torch.Tensor:
     """Trident's splice: window features W x h x w x C placed at their top-left patch corners on an
     image grid (H x W patches), overlaps averaged: H x W x C. Every cell must be covered."""
-    _, h, w, C = feats.shape
-    total = feats.new_zeros(*grid, C)
-    count = feats.new_zeros(*grid, 1)
-    for f, (y, x) in zip(feats, corners):
-        total[y : y + h, x : x + w] += f
-        count[y : y + h, x : x + w] += 1
-    if bool((count == 0).any()):
-        raise ValueError("windows do not cover the whole grid")
-    return total / count
+    total = GridSum(grid)
+    total.add(feats, corners)
+    return total.mean()
 
 
-def grid_cosine(feats: torch.Tensor, text: torch.Tensor, out_size: tuple[int, int]) -> CosineMap:
+class GridSum:
+    """Windows' features placed on an image grid and summed, with a count per cell, so windows can arrive
+    a batch at a time; `mean()` averages the overlaps (the splice and OV-Stitcher's stitch)."""
+
+    def __init__(self, grid: tuple[int, int]) -> None:
+        self.grid = tuple(grid)
+        self.total: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+
+    def add(self, feats: torch.Tensor, corners: Sequence[tuple[int, int]]) -> None:
+        """feats: W x h x w x C, window i's cells placed from corners[i] = (row, col) on."""
+        _, h, w, C = feats.shape
+        if self.total is None:
+            self.total = feats.new_zeros(*self.grid, C)
+            self.count = feats.new_zeros(*self.grid, 1)
+        for f, (y, x) in zip(feats, corners):
+            self.total[y : y + h, x : x + w] += f
+            self.count[y : y + h, x : x + w] += 1
+
+    def mean(self) -> torch.Tensor:
+        """H x W x C, overlaps averaged; ValueError if a cell is not covered."""
+        if self.count is None or bool((self.count == 0).any()):
+            raise ValueError("windows do not cover the whole grid")
+        return self.total / self.count
+
+
+def grid_cosine(feats: torch.Tensor, text: torch.Tensor, out_size: tuple[int, int], via: tuple[int, int] | None = None) -> CosineMap:
     """Cosine of one h x w x D feature grid covering the whole image with N_names x D text, resized
-    bilinearly (align_corners False) to `out_size`, as a CosineMap (Trident's logits on the SAM grid)."""
+    bilinearly (align_corners False) to `out_size`, as a CosineMap (Trident's logits on the SAM grid).
+    via: resized to this size first, then to `out_size` (OV-Stitcher: the network input's, then the original)."""
     h, w, _ = feats.shape
     grid = torch.einsum("hwd,nd->hwn", feats, text.to(feats.device))
-    return _factored(grid, _resize_matrix(h, out_size[0]), _resize_matrix(w, out_size[1]))
+    ly, lx = _resize_matrix(h, out_size[0]), _resize_matrix(w, out_size[1])
+    if via is not None:
+        ly = _resize_matrix(via[0], out_size[0]) @ _resize_matrix(h, via[0])
+        lx = _resize_matrix(via[1], out_size[1]) @ _resize_matrix(w, via[1])
+    return _factored(grid, ly, lx)
 
 
 def _resize_matrix(src: int, dst: int) -> torch.Tensor:
