@@ -76,6 +76,11 @@ RegionsOpt = Annotated[
     typer.Option("--regions", help="Region masks for CorrCLIP (corrclip presets, stage regionvote): a folder with one png/npy/npz per image, named like it, sam2 (SAM2 automatic masks, extra .[proxy]) or sam3 (SAM 3 instance masks for the vocabulary's names, extra .[sam3], CUDA); masks cached."),
 ]
 
+PromptsOpt = Annotated[
+    Optional[Path],
+    typer.Option("--prompts", help='Prompt file: a JSON object of class name -> list of description sentences, averaged with the templates (OV-Stitcher\'s class_biased_template.json), e.g. {"cat": ["a small furry pet."]}.'),
+]
+
 TemplatesOpt = Annotated[
     str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file with one {}-template per line.")
 ]

@@ -21,6 +21,7 @@ from .common import (
     PretrainedOpt,
     ProxyWeightsOpt,
     RegionsOpt,
+    PromptsOpt,
     TemplatesOpt,
     check_out,
     fail,
@@ -54,6 +55,7 @@ def eval_cmd(
     protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip, proxyclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
     class_names: Annotated[Optional[str], typer.Option("--class-names", help="Prompt names: sclip (synonyms, stuff words for background), plain (ClearCLIP's), or a file with one class per line; default: the protocol's.")] = None,
     templates: TemplatesOpt = "openai",
+    prompts: PromptsOpt = None,
     resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
     window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window size in pixels (0 = whole image).")] = None,
     stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride in pixels.")] = None,
@@ -86,6 +88,11 @@ def eval_cmd(
     from ..segment.pipelines import find_pipeline
 
     pipeline = None if attn else find_pipeline(preset if preset is not None else proto.attention)  # sam3: not a CLIP spec
+    from ..segment.vocabulary import resolve_prompts
+
+    prompt_file = resolve_prompts(prompts)  # a bad file fails before the model loads
+    if pipeline is not None and prompt_file is not None:
+        fail(f"--prompts: {pipeline.name} is not a CLIP spec and embeds no prompt file")
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
                      bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
     stages = proto.settings(bench.name, overrides).stage_texts()
@@ -106,7 +113,7 @@ def eval_cmd(
         clip = load_pipeline(pipeline, proxy_weights, pretrained, device)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
-                      limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, regions=region_src)
+                      limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, regions=region_src, prompts=prompt_file)
     if rank > 0:
         return
     note_shown(out, shown)

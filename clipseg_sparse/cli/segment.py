@@ -19,6 +19,7 @@ from .common import (
     PretrainedOpt,
     ProxyWeightsOpt,
     RegionsOpt,
+    PromptsOpt,
     TemplatesOpt,
     check_out,
     fail,
@@ -42,6 +43,7 @@ def segment(
     classes: Annotated[Optional[str], typer.Option("--classes", "-c", help='Classes, comma-separated; "|" joins synonyms: "cat,dog|puppy,sky".')] = None,
     classes_file: Annotated[Optional[Path], typer.Option("--classes-file", help='One class per line, synonyms separated by ", ".')] = None,
     templates: TemplatesOpt = "openai",
+    prompts: PromptsOpt = None,
     resolution: Annotated[Optional[int], typer.Option("--resolution", help="Resize the short side to this (default 336; 0 = keep size).")] = None,
     window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window side (default 224; 0 = whole image).")] = None,
     stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride (default 112).")] = None,
@@ -70,7 +72,7 @@ def segment(
     """
     from ..files.inputs import discover_images
     from ..files.outputs import ClaimConflictError, OutputOptions
-    from ..segment.vocabulary import Vocabulary, resolve_templates
+    from ..segment.vocabulary import Vocabulary, resolve_prompts, resolve_templates
 
     if (classes is None) == (classes_file is None):
         fail("give exactly one of --classes and --classes-file")
@@ -82,6 +84,7 @@ def segment(
         fail("--bg-threshold needs --background (the class that low-confidence pixels become)")
     vocabulary.check_unique()
     prompt_templates = resolve_templates(templates)
+    prompt_file = resolve_prompts(prompts)  # a bad file fails before the model loads
     options = OutputOptions(mask_format=mask_format, save_probs=save_probs, overwrite=overwrite)
     options.check_classes(len(vocabulary))
     found = discover_images(inputs, out)
@@ -107,7 +110,7 @@ def segment(
     rank, world = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     load_proxies(spec, clip, proxy_weights)
-    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0, regions=region_src)
+    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0, regions=region_src, prompts=prompt_file)
     plan = plan_run(found.jobs, out, options, segmenter.config())
     conflict = "{n} image(s) already have outputs this run would replace ({reason}); use --overwrite or another --out"
     if plan.conflicts:

@@ -81,6 +81,7 @@ def sweep(
     protocol: Annotated[Optional[str], typer.Option("--protocol", help="Evaluation protocol (sclip, clearclip, ...).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N images / annotations per cell.")] = None,
     templates: Annotated[Optional[str], typer.Option("--templates", help="Prompt templates: openai, single, none or a file (default: each runner's own).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompt file (JSON: class name -> list of description sentences) for the eval cells, averaged with the templates.")] = None,
     pamr: Annotated[Optional[bool], typer.Option("--pamr/--no-pamr", help=PAMR_HELP + " Default: the protocol's; added to the grid's overrides.", show_default=False)] = None,
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
@@ -103,6 +104,7 @@ def sweep(
         "sources": _split(sources), "normalizers": _split(normalizers), "alphas": _split(alphas), "specs": _split(specs),
         "resolutions": _split(resolutions), "models": _split(models), "pretrained": pretrained,
         "precision": precision.value if precision else None, "protocol": protocol, "limit": limit, "templates": templates,
+        "prompts": str(prompts) if prompts else None,
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     note_softmax_aliases([*given.get("normalizers", []), *(f"entmax:{a}" for a in given.get("alphas", []))])

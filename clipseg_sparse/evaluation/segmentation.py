@@ -26,6 +26,7 @@ from ..runtime.distributed import all_reduce, rank_and_world, shard
 from ..segment.images import load_image
 from ..segment.pipelines import find_pipeline
 from ..segment.segmenter import Segmenter
+from ..segment.vocabulary import Prompts
 from .metrics import areas_to_record, intersect_and_union, record_to_areas, segmentation_metrics
 from ..models.clip import DenseCLIP
 from .protocols import PROTOCOLS
@@ -56,6 +57,7 @@ def evaluate(
     templates: str = "openai",
     cache_dir: str | Path | None = None,
     regions: Callable | None = None,
+    prompts: Prompts | str | Path | None = None,
 ) -> dict:
     """Evaluate `clip` with `spec` on a benchmark and return the result record (see README, schema 1).
 
@@ -69,7 +71,8 @@ def evaluate(
     in the dataset's own label encoding (reduce_zero_label datasets store class k as k + 1).
     Raises DatasetError for a missing / malformed dataset, ConfigMismatchError when `out` or its log
     hold another configuration, ValueError for bad settings. regions: the region source of specs and
-    stages that read region maps (CorrCLIP; see `Segmenter`), called with each sample's id.
+    stages that read region maps (CorrCLIP; see `Segmenter`), called with each sample's id. prompts: a
+    prompt file of sentences per class name (`Segmenter`), recorded in the config.
 
     Under torchrun (an initialised process group) each rank scores every world-th image, the counts are
     summed over ranks and rank 0 writes `out`; every rank returns the same record.
@@ -90,11 +93,13 @@ def evaluate(
     pipeline = find_pipeline(proto.pipeline_text(bench.name, spec)) if named else None  # the dataset's constants
     if pipeline is not None and isinstance(clip, DenseCLIP):
         raise ValueError(f"{pipeline.name} is a pipeline with its own model, not a CLIP spec: pass the model its Pipeline.load gives")
+    if pipeline is not None and prompts is not None:
+        raise ValueError(f"prompts: {pipeline.name} is not a CLIP spec and embeds no prompt file")
     if pipeline is not None:  # not a CLIP spec (SAM 3): `clip` is the pipeline's loaded model
         segmenter = pipeline.build(clip, vocabulary, settings)
     else:
         spec = proto.spec_for(bench.name, spec)  # a preset's per-dataset constants (ResCLIP's)
-        segmenter = Segmenter(clip, vocabulary, spec, settings, templates, cache_dir, progress=progress and rank == 0, regions=regions)
+        segmenter = Segmenter(clip, vocabulary, spec, settings, templates, cache_dir, progress=progress and rank == 0, regions=regions, prompts=prompts)
     config = run_config(segmenter, bench, root, protocol, which, names_version, limit, bench.fingerprint(every_sample))
 
     finished, log = open_run(out, config, overwrite=overwrite, resume=resume, rank=rank, world=world)

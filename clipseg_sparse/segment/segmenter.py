@@ -28,7 +28,7 @@ from .preprocess import prepare
 from .regions import region_reader
 from .settings import InferenceSettings
 from .stitch import check_stitched, stitched_features
-from .vocabulary import Vocabulary, embed_names, resolve_templates, templates_id
+from .vocabulary import Prompts, Vocabulary, embed_names, resolve_prompts, resolve_templates, templates_id
 from .windows import BAND_ELEMENTS, CosineMap, DenseMap, dense_cosine, grid_cosine, resized_cosine, spliced_tokens
 
 
@@ -67,6 +67,8 @@ class Segmenter:
     `regions.RegionFolder` or `regions.Sam2Regions`; `predict(image, name)` passes the image's name. A
     source with `for_vocabulary(names)` (`regions.Sam3Regions`) is given this vocabulary's prompt names.
     A source is required when the spec or a stage reads regions, and ignored (not recorded) otherwise.
+    prompts: a prompt file (`vocabulary.Prompts` or its path) whose sentences per class name join the
+    templates' average (OV-Stitcher's description prompts); recorded in `config()`.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Segmenter:
         cache_dir: str | Path | None = None,
         progress: bool = False,
         regions: Callable[[np.ndarray, str], np.ndarray] | None = None,
+        prompts: Prompts | str | Path | None = None,
     ) -> None:
         if isinstance(vocabulary, str):
             vocabulary = Vocabulary.parse(vocabulary)
@@ -90,6 +93,7 @@ class Segmenter:
         clip.check_spec(self.spec)
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
+        self.prompts = resolve_prompts(prompts)
         self.stages = resolve_stages(self.settings.stage_texts())
         reader = region_reader(self.spec, self.settings.stage_texts())
         if reader and regions is None:
@@ -114,7 +118,7 @@ class Segmenter:
             raise ValueError(f"stage {self.global_stage.name} splices the windows: window and stride must be multiples of the patch size {patch} (got {s.window} / {s.stride})")
         if self.backbones():  # ext: terms see this CLIP's crops (its normalisation, precision)
             PROXIES.configure(clip)
-        self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir, progress=progress)
+        self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir, progress=progress, prompts=self.prompts)
         for stage in self._stages("text"):
             self.text = stage(self.text)
         self.band_elements = BAND_ELEMENTS  # per band of the final resize; lower it to save memory
@@ -129,6 +133,7 @@ class Segmenter:
             **self.clip.config(),
             "attention": str(self.spec),
             "templates": templates_id(self.templates),
+            **({"prompts": self.prompts.id()} if self.prompts is not None else {}),  # absent: templates only
             "classes": [list(syn) for syn in self.vocabulary.names],
             **dataclasses.asdict(self.settings),
             "stages": [s.name for s in self.stages],  # canonical names, PAMR included when on

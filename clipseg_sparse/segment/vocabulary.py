@@ -3,8 +3,9 @@
 A vocabulary is a list of classes, each with one or more names (synonyms). Published class files put
 one class per line with synonyms separated by ", "; on the command line `|` joins synonyms and `,`
 separates classes. Each name is embedded with every template; the template embeddings are
-L2-normalised, averaged and re-normalised (the CLIP zero-shot recipe). Embeddings are cached on disk,
-keyed by model, weights, names and templates, so a vocabulary is embedded once per model.
+L2-normalised, averaged and re-normalised (the CLIP zero-shot recipe). A prompt file (`Prompts`, OV-Stitcher's
+`class_biased_template.json`) adds whole sentences per name to that average. Embeddings are cached on disk,
+keyed by model, weights, names, templates and sentences, so a vocabulary is embedded once per model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +65,51 @@ def read_text_lines(path: Path, what: str) -> list[str]:
     if "\x00" in text:
         raise ValueError(f"{path}: binary data (NUL bytes), not a text file; a {what} has one entry per line")
     return [line for line in text.splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """Description sentences per class name, embedded with the name's templates and averaged with them
+    (atw617/OV-Stitcher@91a9489 `generate_category_embeddings`: each prompt L2-normalised, all of a name's
+    prompts averaged, re-normalised). The file is a JSON object: name -> list of sentences (used as
+    written, no placeholder), e.g. OV-Stitcher's `prompts/class_biased_template.json`; names matched exactly,
+    names it lacks get the templates alone."""
+
+    file: str
+    sentences: Mapping[str, tuple[str, ...]]
+    sha256: str
+
+    @classmethod
+    def read(cls, path: str | Path) -> "Prompts":
+        """ValueError naming the file when it is missing or not a JSON object of lists of sentences."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+            data = json.loads(raw.decode("utf-8-sig"))
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read the prompt file ({e.strerror or e})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a JSON prompt file ({e}); expected {{\"class name\": [\"sentence\", ...]}}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a prompt file is a JSON object of class name -> list of sentences (got {type(data).__name__})")
+        for name, sentences in data.items():
+            if not isinstance(sentences, list) or not all(isinstance(x, str) and x.strip() for x in sentences):
+                raise ValueError(f"{path}: class {name!r}: expected a list of non-empty sentences")
+        sentences = {name: tuple(v) for name, v in data.items()}
+        return cls(str(path), sentences, hashlib.sha256(raw).hexdigest()[:16])
+
+    def id(self) -> dict:
+        """What a result file records: the file's name and a hash of its bytes."""
+        return {"file": Path(self.file).name, "sha256": self.sha256}
+
+    def extra(self, names: Sequence[str]) -> list[tuple[str, ...]]:
+        """The sentences of each name (empty for names the file lacks)."""
+        return [self.sentences.get(n, ()) for n in names]
+
+
+def resolve_prompts(prompts: "Prompts | str | Path | None") -> "Prompts | None":
+    """A Prompts, the path of a prompt file, or None (templates only)."""
+    return prompts if prompts is None or isinstance(prompts, Prompts) else Prompts.read(prompts)
 
 
 def _one_placeholder(template: str) -> bool:
@@ -190,11 +236,12 @@ def _weights_key(clip: "DenseCLIP") -> str | None:
     return clip.pretrained
 
 
-def text_cache_key(clip: "DenseCLIP", names: Sequence[str], templates: Sequence[str]) -> str | None:
+def text_cache_key(clip: "DenseCLIP", names: Sequence[str], templates: Sequence[str], extra: Sequence[Sequence[str]] = ()) -> str | None:
     weights = _weights_key(clip)
     if weights is None:
         return None
-    blob = json.dumps([clip.model_name, weights, clip.precision, clip.quick_gelu, list(names), list(templates)])
+    key = [clip.model_name, weights, clip.precision, clip.quick_gelu, list(names), list(templates)]
+    blob = json.dumps(key + [[list(e) for e in extra]] if any(extra) else key)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -205,8 +252,10 @@ def embed_names(
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
     progress: bool = False,
+    prompts: "Prompts | str | Path | None" = None,
 ) -> "torch.Tensor":
-    """Text embeddings for `names` (N x D, fp32, L2-normalised), averaged over templates.
+    """Text embeddings for `names` (N x D, fp32, L2-normalised), averaged over templates (and over the
+    name's sentences of a prompt file, `Prompts`).
 
     progress: a progress bar (prompts/s, ETA) on stderr while embedding, or a note that the cached
     embeddings are reused.
@@ -215,7 +264,9 @@ def embed_names(
     import torch.nn.functional as F
 
     templates = resolve_templates(templates)
-    key = text_cache_key(clip, names, templates) if use_cache else None
+    prompts = resolve_prompts(prompts)
+    extra = prompts.extra(names) if prompts is not None else []
+    key = text_cache_key(clip, names, templates, extra) if use_cache else None
     cache_file = Path(cache_dir or default_cache_dir()) / "text" / f"{key}.pt" if key else None
     if cache_file is not None and cache_file.is_file():
         try:
@@ -226,10 +277,18 @@ def embed_names(
             if progress:
                 _note(f"text: reusing the cached embeddings of {len(names)} names x {len(templates)} templates ({cache_file})")
             return emb
-    prompts = [t.format(n) for n in names for t in templates]
-    emb = _encode_prompts(clip, prompts, f"text: {len(names)} names x {len(templates)} templates", progress)
-    emb = emb.reshape(len(names), len(templates), -1)
-    emb = F.normalize(F.normalize(emb, dim=-1).mean(1), dim=-1)
+    if any(extra):  # templates, then the name's sentences, all averaged
+        per_name = [[t.format(n) for t in templates] + list(e) for n, e in zip(names, extra)]
+        counts = torch.tensor([len(p) for p in per_name])
+        texts = [p for ps in per_name for p in ps]
+        emb = F.normalize(_encode_prompts(clip, texts, f"text: {len(names)} names x {len(templates)} templates + {len(texts) - len(names) * len(templates)} sentences", progress), dim=-1)
+        total = emb.new_zeros(len(names), emb.shape[-1]).index_add_(0, torch.repeat_interleave(torch.arange(len(names)), counts).to(emb.device), emb)
+        emb = F.normalize(total / counts.to(emb.device, emb.dtype)[:, None], dim=-1)
+    else:
+        texts = [t.format(n) for n in names for t in templates]
+        emb = _encode_prompts(clip, texts, f"text: {len(names)} names x {len(templates)} templates", progress)
+        emb = emb.reshape(len(names), len(templates), -1)
+        emb = F.normalize(F.normalize(emb, dim=-1).mean(1), dim=-1)
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(f".tmp{os.getpid()}")

@@ -27,7 +27,8 @@ class Grid:
     folded into `normalizers`. `resolutions` empty = the protocol's own. `overrides` are further inference
     settings (window, stride, logit_scale, ...) applied to every cell. `class_names` None = the protocol's
     (sclip, plain or a file, see `evaluate`). `templates` None = each runner's
-    own default (the 80 OpenAI templates for eval, captions as written for FG-OVD).
+    own default (the 80 OpenAI templates for eval, captions as written for FG-OVD). `prompts`: a prompt
+    file of description sentences per class name for the eval cells (`segment.vocabulary.Prompts`).
     A model may name its own weights, `NAME:TAG` (`ViT-B-16-quickgelu:metaclip_fullcc`), so one grid can
     cross families and weights of one architecture (grid `families`); `pretrained` is the others' tag."""
 
@@ -48,6 +49,7 @@ class Grid:
     region: str = "pool"
     negatives: int = 10
     templates: str | None = None
+    prompts: str | None = None
 
     def __post_init__(self) -> None:
         from ..attention import PRESETS, AttentionSpec
@@ -77,6 +79,10 @@ class Grid:
             AttentionSpec(source=tuple(source.split("+")))
         for spec in self.specs:
             AttentionSpec.parse(spec)
+        if self.prompts is not None:
+            from ..segment.vocabulary import Prompts
+
+            Prompts.read(self.prompts)  # a bad file fails the grid, not every cell
         if not self.models:
             raise ValueError("the grid names no model")
         from ..models.clip import check_model_name
@@ -165,6 +171,10 @@ class Cell:
                   "templates": g.templates}  # fmt: skip
         if self.kind == "eval":
             config |= {"dataset": self.data, "protocol": g.protocol, "class_names": g.class_names}
+            if g.prompts is not None:  # absent without one, so the hashes of earlier results stand
+                from ..segment.vocabulary import Prompts
+
+                config["prompts"] = Prompts.read(g.prompts).id()
         else:
             config |= {"benchmark": file_id(self.data), "region": g.region, "negatives": g.negatives}
         return config

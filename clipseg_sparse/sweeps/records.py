@@ -25,7 +25,7 @@ NEUTRAL_KEYS = frozenset({"device", "batch_size", "num_workers"})
 # Keys that name a group first (the rest follow alphabetically, the full attention string last), so a
 # table is titled "model=..., dataset=..." rather than by something those imply (a class list, say).
 PREFERRED_KEYS = (
-    "kind", "model", "pretrained", "precision", "dataset", "benchmarks", "protocol", "resolution",
+    "kind", "model", "pretrained", "precision", "dataset", "benchmarks", "protocol", "prompts", "resolution",
     "source", "normalizer", "alpha", "block",
 )  # fmt: skip
 DERIVED_KEYS = ("source", "normalizer", "alpha", "block")
@@ -77,6 +77,8 @@ class Record:
         keys = {"kind": self.kind, **self.config}
         if "attention" in self.config:
             keys.update(attention_keys(self.config["attention"]))
+        prompts = self.config.get("prompts")
+        keys["prompts"] = f"{prompts['file']}@{prompts['sha256'][:8]}" if isinstance(prompts, dict) else "-"  # a row says which prompt file it used
         if "split" in keys:  # FG-OVD: the split plays the part of the dataset
             keys["dataset"] = keys["split"]
         return keys

@@ -127,7 +127,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths, progress: bool = False, overwr
 
         evaluate(clip, cell.data, paths.root(cell.data), cell.attention, protocol=g.protocol, overrides=cell.settings_changes or None,
                  class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=progress, overwrite=overwrite,
-                 regions=paths.region_source(cell.data, str(clip.device)), **templates)  # fmt: skip
+                 regions=paths.region_source(cell.data, str(clip.device)), prompts=g.prompts, **templates)  # fmt: skip
     else:
         from ..evaluation.fgovd import evaluate_fgovd
         from ..segment.settings import InferenceSettings
