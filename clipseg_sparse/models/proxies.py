@@ -157,7 +157,8 @@ def ext_features(pixels: torch.Tensor, arg: str) -> torch.Tensor:
     """B x 1 x M x C features of `ext:arg` for CLIP-normalised pixels (B x 3 x H x W)."""
     name, feature = split_ext(arg)
     if feature == "out":
-        raise ValueError(f"ext:{arg}: the last block re-run over the stitched image needs the stitch:M option (OV-Stitcher)")
+        raise ValueError(f"ext:{arg}: the proxy's last block re-run over the stitched image exists only in the stitched forward "
+                         f"(a spec with stitch:M, run by Segmenter); this call encodes windows alone")
     backbone = PROXIES.get(name, pixels.device)
     x = backbone.from_clip_pixels(pixels.float(), PROXIES.clip_mean, PROXIES.clip_std)
     out = backbone.features(x, want=(EXT_FEATURES[feature],))

@@ -135,6 +135,7 @@ def stitched_features(
     if not window:
         raise ValueError("stitch:M stitches sliding windows: give a window size")
     term = spec.groups[0].terms[0]
+    PROXIES.configure(clip, clip.proxy_weights)  # the proxy follows this CLIP (as `DenseCLIP._tower` has it)
     backbone = PROXIES.get(split_ext(tap_kind(term.tap)[1])[0], clip.device)
     layout = StitchLayout.of(*pixels.shape[-2:], window, stride, stitch_multiple(spec))
     crops = layout.crops(pixels)
