@@ -265,3 +265,17 @@ def test_sam3_regions_are_prompted_with_the_segmenters_names_and_cached(tiny_cli
     other.region_map(rgb, "x.jpg")
     assert stub.asked[2:] == [("a", 0.4), ("c", 0.4)]  # other names: other masks
     assert seg.config()["regions"] == "sam3:facebook/sam3:confidence=0.4"
+
+
+def test_report_puts_sam3_beside_a_clip_preset(tiny_clip, tmp_path):
+    """A sam3 result and a CLIP preset's on the same benchmark land in one table (rows: source)."""
+    from clipseg_sparse.sweeps.records import collect
+    from clipseg_sparse.sweeps.report import pivot
+
+    make_benchmark("voc21", tmp_path / "d", n=1)
+    evaluate(StubPrompter(), "voc21", tmp_path / "d", protocol="sam3", class_names=None, progress=False, out=tmp_path / "r" / "sam3.json")
+    evaluate(tiny_clip, "voc21", tmp_path / "d", "sclip", templates="single", progress=False, out=tmp_path / "r" / "sclip.json",
+             overrides=dict(resolution=64, window=32, stride=16))  # fmt: skip
+    (table,) = pivot(collect([tmp_path / "r"]), rows="source", cols="dataset", metric="mIoU")
+    assert sorted(table.row_values) == ["qq+kk", "sam3:0.5"] and table.col_values == ["voc21"]
+    assert table.cell("sam3:0.5", "voc21") is not None and table.cell("qq+kk", "voc21") is not None

@@ -92,7 +92,9 @@ def explain(
 
     The segmentation uses `settings` (windows included); the attention one whole-image forward of the
     pixels the windows are cut from (`Segmenter.pixels`), with the settings' `pos_interp` and `remainder`.
-    head: one attention head (0-based) instead of the mean over heads.
+    head: one attention head (0-based) instead of the mean over heads. The spec's windows, at-input and post
+    stages act after the attention: the segmentation runs them (`Segmenter.predict`), the attention map is
+    the same with or without them.
     """
 
     rgb = load_image(image)

@@ -249,6 +249,8 @@ def analyze(
     analyze measures the pixels eval scores. Before, it ignored those four, so under the protocols that set
     them (every protocol but proxyclip and corrclip) its numbers differ from older runs.
     stuff: class indices counted as background / stuff (default `stuff_classes(dataset)`).
+    The spec's windows and post stages (`hook:lp:patch`, `hook:tlp`, ...) act on the cosine maps after the
+    attention: they cannot change these statistics and are not run (tests/test_attention_loops.py).
     out: result JSON, resumable through `<out>.progress.jsonl` exactly as `evaluate` (see results.py);
     a finished result of the same configuration is returned, not recomputed, unless `overwrite`.
     Raises DatasetError, ConfigMismatchError or ValueError as `evaluate` does.

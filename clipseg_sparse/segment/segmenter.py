@@ -104,7 +104,10 @@ class Segmenter:
         self.window_stages = hook_stages(self.spec, self.stages, "windows")
         self.post_stages = hook_stages(self.spec, self.stages, "post")
         if self.global_stage and self.window_stages:
-            raise ValueError(f"stage {self.window_stages[0].name} works on each window's patch map; it cannot run with the global stage {self.global_stage.name}")
+            raise ValueError(
+                f"stage {self.window_stages[0].name} works on each window's patch map; it cannot run with the global stage "
+                f"{self.global_stage.name}, which splices the windows into one image-wide map before any map is made"
+            )
         s, patch = self.settings, clip.patch_size
         self.stitched = stitch_multiple(self.spec) is not None
         if self.stitched:

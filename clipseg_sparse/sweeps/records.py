@@ -37,13 +37,18 @@ class ReportError(UserError, ValueError):
 
 
 def attention_keys(attention: str) -> dict[str, Any]:
-    """`qq+kk/entmax:1.5/noffn` -> source qq+kk, normalizer entmax:1.5, alpha 1.5, block noffn.
+    """`qq+kk/entmax:1.5/noffn` -> source qq+kk, normalizer entmax:1.5, alpha 1.5, block noffn; a pipeline
+    (`sam3:0.5`) -> source sam3:0.5, normalizer none, alpha None.
 
     alpha is 1 for softmax and 2 for sparsemax; `block` is "-" when no other edit is made.
     """
     from ..attention import AttentionSpec
     from ..attention.normalizers import Normalizer
+    from ..segment.pipelines import find_pipeline
 
+    pipeline = find_pipeline(attention)
+    if pipeline is not None:  # a pipeline (sam3): not a spec, no normalizer; its text is its source
+        return {"source": pipeline.name, "normalizer": "none", "alpha": None, "block": "-"}
     spec = AttentionSpec.parse(attention)
     options = str(spec).split("/")[2:]
     return {
@@ -57,7 +62,10 @@ def attention_keys(attention: str) -> dict[str, Any]:
 def softmax_attention(attention: str) -> str:
     """The same spec with its normalizer set to softmax: the reference a delta is taken against."""
     from ..attention import AttentionSpec
+    from ..segment.pipelines import find_pipeline
 
+    if find_pipeline(attention) is not None:  # a pipeline has no normalizer: it is its own reference
+        return attention
     return str(AttentionSpec.parse(attention).replace(normalizer="softmax"))
 
 
