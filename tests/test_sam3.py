@@ -196,6 +196,20 @@ def test_eval_on_a_cpu_is_one_line(tmp_path):
     assert res.exit_code == 2 and len(lines) == 1 and "CUDA only" in lines[0], res.stderr
 
 
+def test_regions_sam3_on_a_cpu_or_without_the_package_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
+    make_benchmark("voc21", tmp_path, n=1)
+    args = ["eval", "--dataset", "voc21", "--root", str(tmp_path), "--protocol", "corrclip", "--regions", "sam3", "--device", "cpu",
+            "--pretrained", "no-such-tag"]  # fmt: skip  (a model load would fail on the tag: the regions must fail first)
+    for missing, message in ((False, "CUDA only"), (True, ".[sam3]")):
+        if missing:
+            monkeypatch.setitem(sys.modules, "sam3", None)
+        elif not HAS_SAM3:
+            continue
+        res = CliRunner().invoke(app, args)
+        lines = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and message in lines[0], res.stderr
+
+
 @pytest.fixture(scope="module")
 def tiny_prompter():
     if not HAS_SAM3:

@@ -115,6 +115,12 @@ def clip_bpe_path() -> str:
     return os.path.join(os.path.dirname(open_clip.__file__), "bpe_simple_vocab_16e6.txt.gz")
 
 
+def check_device(device: str | torch.device) -> None:
+    """WeightsUnavailableError (one line) unless `device` is a CUDA device (see the module doc)."""
+    if torch.device(device).type != "cuda":
+        raise WeightsUnavailableError(f"SAM 3 runs on CUDA only (sam3 0.1.4 builds its model with CUDA calls); got device {device}: use --device cuda")
+
+
 def load_sam3(weights: str | None = "hub", device: str | torch.device = "cuda") -> Sam3Prompter:
     """SAM 3's image model: weights "hub" (`facebook/sam3`, then the Hub cache), a local checkpoint file, or
     None / "none" (random weights). MissingExtraError without the package; WeightsUnavailableError (one
@@ -126,8 +132,7 @@ def load_sam3(weights: str | None = "hub", device: str | torch.device = "cuda") 
     weights = None if weights in (None, "", "none") else weights
     if weights is not None and weights != "hub" and not os.path.isfile(weights):
         raise WeightsUnavailableError(f"{weights}: SAM 3 checkpoint file not found (give sam3.pt, 'hub' or 'none')")
-    if device.type != "cuda":
-        raise WeightsUnavailableError(f"SAM 3 runs on CUDA only (sam3 0.1.4 builds its model with CUDA calls); got device {device}: use --device cuda")
+    check_device(device)
     path = None
     if weights == "hub":
         try:

@@ -217,7 +217,10 @@ def _sam2_source(cache_dir: Path, device: str) -> Sam2Regions:
 
 
 def _sam3_source(cache_dir: Path, device: str) -> Sam3Regions:
+    from ..models.sam3 import check_device
+
     require_extra("sam3", "--regions sam3", extra="sam3")
+    check_device(device)  # before any model loads
     return Sam3Regions(cache_dir / "regions-sam3", device=device)
 
 
