@@ -56,19 +56,23 @@ def dino_qk(clip, backbone, pixels):
     return F.normalize((f.q + f.k).transpose(1, 2).reshape(B, M, H * d), dim=-1)
 
 
-def published_corrclip(clip, backbone, pixels, regions, eps, first=1, last=2, alpha=1.0, beta=0.5, tau=4.0):
+def published_corrclip(clip, backbone, pixels, regions, eps, first=1, last=2, alpha=1.0, beta=0.5, tau=4.0, dino_feats=None, pos_interp="size"):
     """zdk258/CorrCLIP@103bc18 VisionTransformer.forward (v1: mask merging on) for one window, plain torch:
     MCTs concatenated in front of the tokens with an explicit attention mask in every block. regions: H x W
-    ids with -1 present (the published code takes the window's minimum as unsegmented)."""
+    ids with -1 present (the published code takes the window's minimum as unsegmented). CorrCLIPv2
+    (CorrCLIPv2/open_clip/transformer.py): dino_feats given (1 x M x C on twice CLIP's grid, the whole
+    image's VFM features cropped, resized and normalised by the caller) and eps None (merging commented out).
+    Other grids than the tiny CLIP's native 4 x 4 take the engine's positional embedding (`pos_interp`; the
+    published DINO-style rule is the engine's "scale", tested in test_model)."""
     v = clip.visual
     _, _, H, W = pixels.shape
     token_size, feat_shape = (H // 16, W // 16), (H // 8, W // 8)
-    dino_feats = dino_qk(clip, backbone, pixels)
+    dino_feats = dino_qk(clip, backbone, pixels) if dino_feats is None else dino_feats
     similarity = torch.einsum("b m c, b n c -> b m n", dino_feats, dino_feats)
     masks = F.interpolate(regions[None, None].float(), size=feat_shape, mode="nearest").int().squeeze(1)
     mask_values = torch.unique(masks[0])
     merges = 0
-    if mask_values.shape[0] > 2:  # mask merging
+    if eps is not None and mask_values.shape[0] > 2:  # mask merging
         region_masks = [idx == masks[0] for idx in mask_values]
         dino_feat = dino_feats[0].reshape(*feat_shape, -1)
         instance_feats = F.normalize(torch.stack([dino_feat[m].mean(dim=0) for m in region_masks]), dim=1)[1:]
@@ -89,7 +93,8 @@ def published_corrclip(clip, backbone, pixels, regions, eps, first=1, last=2, al
     masks = F.interpolate(masks.float().unsqueeze(1), size=token_size, mode="nearest").int().squeeze(1)[0]
     region_masks = torch.stack([idx == masks for idx in torch.unique(masks)])
     x = v.conv1(pixels).reshape(1, v.conv1.out_channels, -1).permute(0, 2, 1)
-    x = v.ln_pre(torch.cat([v.class_embedding.view(1, 1, -1), x], dim=1) + v.positional_embedding)
+    pos = v.positional_embedding if token_size == (4, 4) else clip.positional_embedding(token_size, pos_interp)  # tiny CLIP: 4 x 4 native
+    x = v.ln_pre(torch.cat([v.class_embedding.view(1, 1, -1), x], dim=1) + pos)
     R = len(region_masks)
     x = torch.cat([x[:, :1].repeat(1, R, 1), x], dim=1)
     allowed = torch.zeros(x.shape[1], x.shape[1], dtype=torch.bool)

@@ -149,7 +149,8 @@ def encode_tokens(
     x: B x (1 + h*w) x C after ln_pre. token_hooks: token stages (`stages.py`) to run after the spec's
     own (`hook:`), before the edited blocks. sink: see `edited_block_forward` (filled by the last
     edited block's main path). context: what a `feedback` term's first pass reads (`text`, `logit_scale`;
-    see feedback.py): the edited blocks run once without it, their labels make the map the final run reads.
+    see feedback.py): the edited blocks run once without it, their labels make the map the final run reads;
+    and `image_features` (backbone name -> B x C x H x W crops of whole-image features, `ext:NAME.image`).
     regions: B x H x W region ids of the input's pixels (-1 unsegmented), for specs that read regions
     (`scope.py`). branches: with `mct:BETA`, a list that receives the (weight, B x M x C tokens) of the
     extra inputs and the semantic branch instead of adding them to the main output (`encode_normed`)."""
@@ -168,6 +169,8 @@ def encode_tokens(
     if late:
         raise ValueError(f"spec {spec} reads block {late[0]}, which is edited or past the last block; taps and inputs must come from blocks 1..{n_plain}")
     state = EncoderState(x, grid, pixels=pixels)
+    for name, feats in (context or {}).get("image_features", {}).items():  # whole-image backbone features, per window
+        state.extra[("image", name)] = feats
     if needs_regions(spec):
         prepare_regions(spec, regions, pixels, grid, state.extra)
     beta = semantic_weight(spec)

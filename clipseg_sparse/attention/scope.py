@@ -5,7 +5,7 @@ Each window arrives with its crop of the image's region map (B x H x W integer i
 -1 = unsegmented, padded areas one more region, as the published code pads with 10000). Before any block
 runs, `prepare_regions` resizes it (nearest) to the attention grid and, for a `region:EPS` term, merges
 regions whose mean features (the term's own, L2-normalised) are linked by DBSCAN (eps EPS, min_samples 1)
-on max(sim) - sim; the support then reads these B x M ids from `BlockContext.extra["regions"]`.
+on max(sim) - sim (a bare `region` keeps the regions as given); the support then reads these B x M ids from `BlockContext.extra["regions"]`.
 
 `mct:BETA`: one copy of the CLS token per region of the (merged) map resized to CLIP's grid ("mask
 class tokens", every id present, the unsegmented one included). In every block MCT r attends to the CLS
@@ -53,6 +53,9 @@ def prepare_regions(spec: AttentionSpec, regions: torch.Tensor | None, pixels: t
         if len({t.support_arg for t in terms}) > 1:
             raise ValueError(f"spec {spec}: region terms with different merge distances")
         term = terms[0]
+        if term.support_arg is None:  # bare `region`: no merging (CorrCLIPv2 comments its DBSCAN out)
+            terms = []
+    if terms:
         kind, arg = tap_kind(term.tap)
         if kind != "ext":
             raise ValueError(f"term {term}: the region support needs features from the image alone (an ext:NAME tap)")

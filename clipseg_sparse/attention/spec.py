@@ -114,14 +114,14 @@ class Term:
             raise ValueError(f"term {self.tap!r}: iter needs a self-similarity tap (qq, kk, vv or x@L)")
         if self.support not in SUPPORTS:
             raise ValueError(f"term {self.tap!r}: support {self.support!r}; choose {', '.join(SUPPORTS)}")
-        if (self.support_arg is None) != (self.support in ("all", "pos")):
+        if self.support != "region" and (self.support_arg is None) != (self.support in ("all", "pos")):
             raise ValueError(f"term {self.tap!r}: support {self.support} {'takes no' if self.support in ('all', 'pos') else 'needs an'} argument")
         if self.support == "topk" and not (self.support_arg >= 1 and float(self.support_arg).is_integer()):
             raise ValueError(f"term {self.tap!r}: topk needs an integer >= 1 (got {self.support_arg})")
         if self.support == "topp" and not 0 < self.support_arg <= 1:
             raise ValueError(f"term {self.tap!r}: topp needs 0 < p <= 1 (got {self.support_arg})")
-        if self.support == "region" and not self.support_arg >= 0:
-            raise ValueError(f"term {self.tap!r}: region needs a merge distance EPS >= 0 (got {self.support_arg})")
+        if self.support == "region" and self.support_arg is not None and not self.support_arg >= 0:
+            raise ValueError(f"term {self.tap!r}: region needs a merge distance EPS >= 0, or no argument for no merging (got {self.support_arg})")
 
     @property
     def kind(self) -> str:
@@ -171,13 +171,13 @@ def _parse_modifier(mod: str, term: str) -> dict:
         return {"shift": _num(arg, what)}
     if name == "scale" and arg:
         return {"scale": _num(arg, what)}
-    if name in ("all", "pos") and not arg:
+    if name in ("all", "pos", "region") and not arg:  # bare region: the region maps as given, no merging
         return {"support": name}
     if name in ("thresh", "topk", "topp", "region") and arg:
         return {"support": name, "support_arg": _num(arg, what)}
     raise ValueError(
         f"bad {what}; modifiers: cos, dot, temp:T|auto, iter:N, shift:BETA, scale:GAMMA, "
-        f"pos, thresh:T, topk:K, topp:P, region:EPS"
+        f"pos, thresh:T, topk:K, topp:P, region[:EPS]"
     )
 
 

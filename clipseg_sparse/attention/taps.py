@@ -76,7 +76,9 @@ class Tap:
     """features(ctx, arg) -> (a, b), each B x H' x N x d (H' = 1 or heads); or maps(ctx, arg) -> B x H' x N x N
     already normalised; or scores(ctx, arg) -> B x H' x N x N scores mixed before the normalizer as they are
     (no metric; ResCLIP's `feedback`). check(arg) raises ValueError for a bad argument. hidden(arg) / blocks(arg): the
-    hidden states / CLIP attention maps (1-based block indices) the tap reads, kept while CLIP runs."""
+    hidden states / CLIP attention maps (1-based block indices) the tap reads, kept while CLIP runs. grid(arg,
+    pixels, clip_grid): the token grid the tap's features live on for a crop of `pixels` (H, W) whose CLIP
+    patch grid is `clip_grid` (None: CLIP's)."""
 
     features: Features | None = None
     maps: Maps | None = None
@@ -84,7 +86,7 @@ class Tap:
     check: Callable[[str], None] = lambda arg: None
     hidden: Callable[[str], set[int]] = lambda arg: set()
     blocks: Callable[[str], set[int]] = lambda arg: set()
-    grid: Callable[[str, tuple[int, int]], tuple[int, int]] | None = None
+    grid: Callable[[str, tuple[int, int], tuple[int, int]], tuple[int, int]] | None = None
 
 
 # Built here: the q/k/v pairs, x@L, attn@A-B; elsewhere: ResCLIP's feedback (an engine axis) and `ext:` (models).
@@ -117,7 +119,7 @@ def attention_grid(spec, pixels: tuple[int, int], grid: tuple[int, int]) -> tupl
         for term in group.terms:
             kind, arg = tap_kind(term.tap)
             tap = TAPS.get(kind)
-            grids.add(tuple(tap.grid(arg, tuple(pixels))) if tap.grid else tuple(grid))
+            grids.add(tuple(tap.grid(arg, tuple(pixels), tuple(grid))) if tap.grid else tuple(grid))
     if len(grids) > 1:
         raise ValueError(f"spec {spec} mixes terms on different token grids {sorted(grids)}; use taps of one grid")
     return grids.pop() if grids else tuple(grid)

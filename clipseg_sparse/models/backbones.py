@@ -3,7 +3,10 @@
 ProxyCLIP, CorrCLIP and Trident borrow the last block's attention from a second, vision-only model.
 Those repositories load it through torch.hub (the DINO repository's own ViT) or SAM's own code; here
 the same weights come from timm (Hugging Face Hub tags `timm/...`, cached like CLIP's), and SAM2's
-automatic mask generator from the `sam2` package (extra `.[proxy]`). `BACKBONES` (`ls backbones`)
+automatic mask generator from the `sam2` package (extra `.[proxy]`). CorrCLIPv2's foundation models
+(C-RADIOv3, DINOv3, DINOv2-L with registers) are kind "dense": timm's `forward_intermediates` gives their
+last-block feature map, on a window (`ext:NAME`) or once on the whole image (`image_features`, the
+published `vfms/factory.py` `extract_dense`). `BACKBONES` (`ls backbones`)
 records for each: its timm name, normalisation, patch size, the features it exposes, how the
 published code resizes its positional embedding, and how that code loads it.
 
@@ -33,11 +36,13 @@ from ..runtime.weights import CHECKPOINT_SUFFIXES, RANDOM_WEIGHTS_SEED, WeightsU
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 FEATURES = ("tokens", "qkv", "attn")  # last normed patch tokens, last-block q/k/v, last-block attention maps
 # ViTs also give the penultimate block's output after the final norm (DINO's get_intermediate_layers(n=2)[0]):
 # OV-Stitcher re-runs the last block image-wide on it (segment/stitch.py)
 VIT_FEATURES = FEATURES + ("penult",)
-POS_RULES = ("dino", "antialias", "fixed")
+POS_RULES = ("dino", "antialias", "fixed", "timm")
 MASK_KINDS = ("sam2-masks", "sam3-masks")  # mask generators: region sources and the sam3 baseline, no features
 
 
@@ -49,11 +54,12 @@ class BackboneInfo:
     generators (`MASK_KINDS`) the Hugging Face model id of the checkpoint. pos_rule: how positional embeddings
     are resized to the input's grid: "dino" (DINO repository: bicubic, scale_factor (n + 0.1) / sqrt(N)),
     "antialias" (exact size, bicubic with antialias: DINOv2-reg hub and timm), "fixed" (input resized to
-    `input_size`, SAM). features: which of FEATURES the backbone exposes.
+    `input_size`, SAM), "timm" (the timm model's own rule at any size: RADIO's cropped position
+    embeddings, DINOv3's RoPE). features: which of FEATURES the backbone exposes.
     """
 
     name: str
-    kind: str  # "vit" | "samvit" | one of MASK_KINDS
+    kind: str  # "vit" | "samvit" | "dense" (timm forward_intermediates feature maps) | one of MASK_KINDS
     timm_name: str
     patch_size: int
     mean: tuple[float, float, float]
@@ -65,10 +71,14 @@ class BackboneInfo:
     # LayerNorm eps of the published model where timm's default differs (timm's samvit keeps torch's 1e-5;
     # segment_anything builds its image encoder with 1e-6); None: timm's (DINO, DINOv2: 1e-6, as published)
     norm_eps: float | None = None
+    final_norm: bool = False  # dense: the last feature map passes the model's final norm (DINO get_intermediate_layers)
+    dynamic_size: bool = False  # built with timm's dynamic_img_size=True (any input size; NaFlexViT needs no flag)
 
     def timm_kwargs(self) -> dict:
-        """Keyword arguments that make timm build the model as the published code does."""
-        return {"norm_layer": partial(torch.nn.LayerNorm, eps=self.norm_eps)} if self.norm_eps is not None else {}
+        """Keyword arguments that make timm build the model as the published code does (and at any input
+        size for the dense backbones that need timm's flag)."""
+        kwargs = {"norm_layer": partial(torch.nn.LayerNorm, eps=self.norm_eps)} if self.norm_eps is not None else {}
+        return {**kwargs, **({"dynamic_img_size": True} if self.dynamic_size else {})}
 
     def describe(self, help: str) -> dict[str, str]:
         """`ls backbones`: timm tag, patch, features, positional rule and the published loader (which the
@@ -110,6 +120,31 @@ _register(BackboneInfo(
 _register(BackboneInfo(
     "sam3", "sam3-masks", "facebook/sam3", 14, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), (), "fixed",
     "sam3 build_sam3_image_model + Sam3Processor, text-prompted (SegEarth-OV3; preset sam3, --regions sam3)", input_size=1008,
+))
+
+
+# CorrCLIPv2's foundation models (zdk258/CorrCLIP@103bc18 CorrCLIPv2/vfms/factory.py): whole-image features
+# at the nearest multiple of the patch (RADIO's get_nearest_supported_resolution, NVlabs/RADIO
+# radio/radio_model.py; the DINO branch's round(H / patch) * patch), last feature map as NCHW. RADIO: [0, 1]
+# input, OpenAI CLIP mean/std inside its input conditioner, the model's final norm replaced by Identity
+# (spatial features without norm, as timm's port); DINOv2/v3: ImageNet mean/std, get_intermediate_layers'
+# final norm.
+_DENSE = "dense"
+for _size, _arch in (("b", "base"), ("l", "large"), ("h", "huge")):
+    _register(BackboneInfo(
+        f"c_radio_v3_{_size}", _DENSE, f"naflexvit_{_arch}_patch16_radio_v3.c_radio", 16, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD,
+        ("tokens",), "timm",
+        f"torch.hub NVlabs/RADIO radio_model version='c-radio_v3-{_size}'" + (" (CorrCLIPv2's VFM)" if _size == "l" else ""),
+    ))
+for _size, _arch in (("s", "small"), ("b", "base"), ("l", "large")):
+    _register(BackboneInfo(
+        f"dinov3_vit{_size}16", _DENSE, f"vit_{_arch}_patch16_dinov3.lvd1689m", 16, IMAGENET_MEAN, IMAGENET_STD, ("tokens",),
+        "timm", f"DINOv3 hub dinov3_vit{_size}16" + (" (CorrCLIPv2 option)" if _size == "l" else ""), final_norm=True,
+        dynamic_size=True,
+    ))
+_register(BackboneInfo(
+    "dinov2_vitl14_reg", _DENSE, "vit_large_patch14_reg4_dinov2.lvd142m", 14, IMAGENET_MEAN, IMAGENET_STD, ("tokens",),
+    "timm", "torch.hub facebookresearch/dinov2 dinov2_vitl14_reg (CorrCLIPv2 option)", final_norm=True, dynamic_size=True,
 ))
 
 
@@ -250,7 +285,41 @@ class Backbone:
         pixels = pixels.to(device=self.device, dtype=self.dtype)
         if self.info.kind == "samvit":
             return self._sam_features(pixels, want)
+        if self.info.kind == _DENSE:
+            feats = self.feature_map(pixels)
+            out = BackboneFeatures(tuple(feats.shape[-2:]))
+            out.tokens = feats.flatten(2).transpose(1, 2)
+            return out
         return self._vit_features(pixels, want)
+
+    def feature_map(self, pixels: torch.Tensor) -> torch.Tensor:
+        """B x C x h x w last feature map of a dense backbone (timm `forward_intermediates`) for normalised
+        pixels, cut to whole patches (h = H // patch)."""
+        p = self.info.patch_size
+        H, W = pixels.shape[-2:]
+        pixels = pixels[..., : H // p * p, : W // p * p].to(device=self.device, dtype=self.dtype)
+        return self.model.forward_intermediates(pixels, indices=1, norm=self.info.final_norm, output_fmt="NCHW", intermediates_only=True)[-1]
+
+    def supported_size(self, height: int, width: int) -> tuple[int, int]:
+        """The input size the published whole-image extraction resizes an image to: each side rounded to the
+        nearest multiple of the patch, at least one patch (Python's round, as published)."""
+        p = self.info.patch_size
+        return max(int(round(height / p) * p), p), max(int(round(width / p) * p), p)
+
+    @torch.inference_mode()
+    def image_features(self, rgb: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """CorrCLIPv2's whole-image features: `rgb` (H x W x 3 uint8, the original image) in [0, 1], resized
+        bilinearly to `supported_size`, normalised, run once; the feature map resized bilinearly
+        (align_corners False) to `size` (the network input) and L2-normalised per pixel: 1 x C x h x w fp32."""
+        if self.info.kind != _DENSE:
+            raise ValueError(f"backbone {self.info.name} gives no whole-image feature map; use a dense backbone (`ls backbones`)")
+        x = torch.as_tensor(rgb).permute(2, 0, 1)[None].float().div(255.0)
+        target = self.supported_size(*x.shape[-2:])
+        if target != tuple(x.shape[-2:]):
+            x = F.interpolate(x, size=target, mode="bilinear", align_corners=False)
+        view = lambda t: torch.tensor(t).view(1, 3, 1, 1)  # noqa: E731
+        feats = self.feature_map((x - view(self.info.mean)) / view(self.info.std)).float()
+        return F.normalize(F.interpolate(feats, size=tuple(size), mode="bilinear", align_corners=False), dim=1)
 
     def _vit_features(self, pixels: torch.Tensor, want: Sequence[str]) -> BackboneFeatures:
         m = self.model

@@ -4,7 +4,10 @@
 normalisation undone, the backbone's applied: ProxyCLIP's `norm(unnorm(img))`) and gives its last
 normed patch tokens as features on its own patch grid, shared by all heads; `ext:dino_vitb8.qk` gives
 q + k of its last block (CorrCLIP); `ext:dino_vitb8.out` the output of its last block re-run over the
-whole image's stitched grid (OV-Stitcher, only with the `stitch:M` option: `segment/stitch.py`). The term's metric, shift/scale and support then apply as for any
+whole image's stitched grid (OV-Stitcher, only with the `stitch:M` option: `segment/stitch.py`); `ext:NAME.image`
+reads a dense backbone's features computed once on the whole image (`Backbone.image_features`, CorrCLIPv2: at
+the network input's size, L2-normalised), cropped like the window, resized bilinearly to twice CLIP's patch grid
+and L2-normalised again (a grid of the published `feat_shape`, not the backbone's patch grid). The term's metric, shift/scale and support then apply as for any
 tap. When that grid differs from CLIP's (DINO B/8: 42 x 42 for a 336 crop vs 21 x 21), CLIP's values
 are bilinearly resized to it and the block's output lives on it (`grid` of the tap), as in ProxyCLIP.
 
@@ -18,13 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..attention.taps import TAPS, Tap, tap_kind
 from .backbones import BACKBONES, MASK_KINDS, Backbone, load_backbone
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
-EXT_FEATURES = {"": "tokens", "qk": "qkv", "out": "penult"}
+EXT_FEATURES = {"": "tokens", "qk": "qkv", "out": "penult", "image": "tokens"}
+#: `ext:NAME.image` lives on this many cells per CLIP patch side (CorrCLIPv2's feat_shape = 2 x CLIP's grid)
+IMAGE_GRID_SCALE = 2
 
 
 @dataclass
@@ -119,6 +125,17 @@ def ext_backbones(spec) -> list[str]:
     return names
 
 
+def image_backbones(spec) -> list[str]:
+    """Names of the backbones whose whole-image features a spec's `ext:NAME.image` terms read."""
+    names = []
+    for group in spec.groups:
+        for term in group.terms:
+            kind, arg = tap_kind(term.tap)
+            if kind == "ext" and split_ext(arg)[1] == "image" and split_ext(arg)[0] not in names:
+                names.append(split_ext(arg)[0])
+    return names
+
+
 def spec_backbones(spec) -> list[str]:
     """Names of the external backbones a spec runs: its `ext:` terms', then its stages' (`hook:sam`)."""
     from ..stages import resolve_stages
@@ -141,13 +158,22 @@ def split_ext(arg: str) -> tuple[str, str]:
     if info.kind in MASK_KINDS:
         raise ValueError(f"ext:{arg}: {name} makes region masks, not features")
     if feature not in EXT_FEATURES:
-        raise ValueError(f"ext:{arg}: unknown feature {feature!r}; use ext:NAME (last normed tokens), ext:NAME.qk or ext:NAME.out (with stitch:M)")
+        raise ValueError(f"ext:{arg}: unknown feature {feature!r}; use ext:NAME (last normed tokens), ext:NAME.qk, ext:NAME.out (with stitch:M) or ext:NAME.image")
+    if feature == "qk" and "qkv" not in info.features:
+        raise ValueError(f"ext:{arg}: {name} exposes no last-block q/k; use ext:{name} or ext:{name}.image")
+    if feature == "image" and info.kind != "dense":
+        raise ValueError(f"ext:{arg}: {name} gives no whole-image feature map; .image needs a dense backbone (`ls backbones`)")
     return name, feature
 
 
-def proxy_grid(arg: str, pixels: tuple[int, int]) -> tuple[int, int]:
-    """The backbone's patch grid for a crop of `pixels` (H, W)."""
-    info = BACKBONES.get(split_ext(arg)[0])
+def proxy_grid(arg: str, pixels: tuple[int, int], clip_grid: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The backbone's patch grid for a crop of `pixels` (H, W); for `.image`, IMAGE_GRID_SCALE x CLIP's grid."""
+    name, feature = split_ext(arg)
+    info = BACKBONES.get(name)
+    if feature == "image":
+        if clip_grid is None:
+            raise ValueError(f"ext:{arg}: the grid of whole-image features follows CLIP's patch grid (none given)")
+        return clip_grid[0] * IMAGE_GRID_SCALE, clip_grid[1] * IMAGE_GRID_SCALE
     if info.input_size:
         return (info.input_size // info.patch_size,) * 2
     return pixels[0] // info.patch_size, pixels[1] // info.patch_size
@@ -170,17 +196,31 @@ def ext_features(pixels: torch.Tensor, arg: str) -> torch.Tensor:
     return f[:, None].to(pixels.dtype)
 
 
+def window_image_features(crops: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """B x 1 x M x C: the windows' crops of whole-image features (B x C x h x w) resized bilinearly
+    (align_corners False) to `grid` and L2-normalised (CorrCLIPv2's forward_feature)."""
+    f = F.interpolate(crops.float(), size=tuple(grid), mode="bilinear", align_corners=False)
+    return F.normalize(f.flatten(2).transpose(1, 2), dim=-1)[:, None]
+
+
 def _ext_tap(ctx, arg: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The tap's features, computed once per batch of windows (kept in ctx.extra: the extra inputs of the
     block and CorrCLIP's region merging read the same backbone run)."""
     key = ("ext", arg)
     if key not in ctx.extra:
-        ctx.extra[key] = ext_features(ctx.pixels, arg)
+        name, feature = split_ext(arg)
+        if feature == "image":
+            if ("image", name) not in ctx.extra:
+                raise ValueError(f"ext:{arg} reads whole-image features: run it through Segmenter (it computes them once per image)")
+            grid = proxy_grid(arg, tuple(ctx.pixels.shape[-2:]), ctx.grid)
+            ctx.extra[key] = window_image_features(ctx.extra[("image", name)], grid).to(ctx.pixels.dtype)
+        else:
+            ctx.extra[key] = ext_features(ctx.pixels, arg)
     return (ctx.extra[key],) * 2
 
 
 TAPS.register(
     "ext",
     Tap(features=_ext_tap, check=lambda arg: split_ext(arg) and None, grid=proxy_grid),
-    help="ext:NAME[.qk] (an external backbone's last tokens or last-block q+k, `ls backbones`)",
+    help="ext:NAME[.qk|.image] (an external backbone's last tokens, last-block q+k, or whole-image features on 2x CLIP's grid; `ls backbones`)",
 )

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..attention import AttentionSpec, resolve_spec, stitch_multiple
 from ..attention.grid import resize_regions
 from ..models.clip import DenseCLIP
-from ..models.proxies import PROXIES, proxy_config, spec_backbones
+from ..models.proxies import PROXIES, image_backbones, proxy_config, spec_backbones
 from ..stages import Stage, resolve_stages
 from .images import load_image
 from .labels import ClassMaps, SegmentationResult
@@ -187,6 +187,7 @@ class Segmenter:
             factored = dense_cosine(
                 self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, out_size,
                 self._stages("token"), s.pos_interp, s.remainder, s.logit_scale, scaled, self.window_stages,
+                self.image_features(image, tuple(pixels.shape[-2:]), image_backbones(self.spec)),
             )  # fmt: skip
         if at_input:
             cos = factored.rows(0, out_size[0])
@@ -204,6 +205,11 @@ class Segmenter:
         for stage in post:
             cos = self._run_post(stage, cos, guide)
         return DenseMap(cos)
+
+    def image_features(self, image: np.ndarray, size: tuple[int, int], names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Backbone name -> 1 x C x h x w whole-image features of the original RGB image at the network
+        input's `size` (`Backbone.image_features`: one run per image, CorrCLIPv2)."""
+        return {name: PROXIES.get(name, self.clip.device).image_features(torch.from_numpy(np.ascontiguousarray(image)), size) for name in names}
 
     def _run_post(self, stage: Stage, cos: torch.Tensor, guide: torch.Tensor) -> torch.Tensor:
         """One post stage (stages.py), with the text embeddings when it reads them."""

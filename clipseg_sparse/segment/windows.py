@@ -34,6 +34,7 @@ def iter_window_features(
     with_cls: bool = False,
     context: dict | None = None,
     regions: torch.Tensor | None = None,
+    image_features: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple]:
     """Dense features of the sliding windows of `pixels` (1 x 3 x H x W), one batch at a time.
 
@@ -47,6 +48,8 @@ def iter_window_features(
     passed to `clip.encode_dense` (the text a `feedback` term's first pass reads).
     regions: H x W integer region ids of `pixels` (-1 unsegmented), cropped like each window; padded
     pixels form one more region (CorrCLIP pads its masks with 10000), for specs that read regions.
+    image_features: backbone name -> 1 x C x H x W whole-image features of `pixels` (`ext:NAME.image`), cropped
+    like each window and padded by replicating the border (CorrCLIPv2), given to the taps through the context.
     """
     _, _, H, W = pixels.shape
     boxes = window_boxes(H, W, window, stride)
@@ -59,6 +62,9 @@ def iter_window_features(
         if regions is not None:
             crop_regions = torch.stack([regions[y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
             crop_regions = F.pad(crop_regions, (left, right, top, bottom), value=int(regions.max()) + 1)
+        if image_features:
+            crops_of = {name: pad_replicate(torch.cat([f[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk]), (left, right, top, bottom)) for name, f in image_features.items()}
+            context = dict(context or {}, image_features=crops_of)
         if encode is not None:
             yield chunk, encode(crops, spec, pos_interp=pos_interp)
         else:
@@ -66,6 +72,12 @@ def iter_window_features(
             ctx = dict(context, windows=windows) if context and min(right, bottom) < 0 else context
             out = clip.encode_dense(crops, spec, token_stages, with_cls, pos_interp=pos_interp, context=ctx, regions=crop_regions)
             yield (chunk, *out) if with_cls else (chunk, out)
+
+
+def pad_replicate(x: torch.Tensor, pad: tuple[int, int, int, int]) -> torch.Tensor:
+    """F.pad (left, right, top, bottom) repeating the border for positive amounts; negative amounts cut."""
+    x = F.pad(x, tuple(min(p, 0) for p in pad))
+    return F.pad(x, tuple(max(p, 0) for p in pad), mode="replicate") if max(pad) > 0 else x
 
 
 #: elements of one band of rows of the N x H x W cosine map (and of each temporary made from it): the final
@@ -176,6 +188,7 @@ def dense_cosine(
     logit_scale: float = 40.0,
     regions: torch.Tensor | None = None,
     window_stages: Sequence[Stage] = (),
+    image_features: dict[str, torch.Tensor] | None = None,
 ) -> CosineMap:
     """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size
     (or at `out_size`, as if that map were then resized bilinearly), as a CosineMap (rows on demand).
@@ -191,7 +204,8 @@ def dense_cosine(
     with a `feedback` term (ResCLIP) gets the text and `logit_scale` for its first pass.
     regions: H x W region ids of `pixels`, for specs that read regions (see `iter_window_features`).
     window_stages: windows stages (stages.py) run on all windows' patch cosines at once, before the
-    upsampling (LPOSS's joint patch graph).
+    upsampling (LPOSS's joint patch graph). image_features: whole-image backbone features (see
+    `iter_window_features`).
     """
     _, _, H, W = pixels.shape
     text = text.to(clip.device)
@@ -199,7 +213,8 @@ def dense_cosine(
     boxes, cos = [], []
     context = {"text": text, "logit_scale": logit_scale}
     windows = iter_window_features(
-        clip, pixels, spec, window, stride, batch_size, token_stages, pos_interp, remainder, with_cls=bool(match), context=context, regions=regions
+        clip, pixels, spec, window, stride, batch_size, token_stages, pos_interp, remainder, with_cls=bool(match), context=context, regions=regions,
+        image_features=image_features,
     )
     for chunk, feats, *cls in windows:
         boxes += chunk

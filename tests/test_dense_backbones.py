@@ -1,0 +1,160 @@
+"""Dense foundation backbones (C-RADIOv3, DINOv3, DINOv2-L) and whole-image proxy features (CorrCLIPv2).
+
+Tiny random timm models of the registered architectures stand in for the real ones (no weights here); the
+expected values follow the published extraction (zdk258/CorrCLIP@103bc18 CorrCLIPv2/vfms/factory.py
+`extract_dense`, NVlabs/RADIO radio/radio_model.py `forward` and `get_nearest_supported_resolution`) written
+with timm's `forward_features`, a different path from the code under test (`forward_intermediates`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clipseg_sparse.models.backbones import BACKBONES, Backbone, load_backbone
+from clipseg_sparse.models.proxies import PROXIES, split_ext, use_backbone, use_proxy_weights, window_image_features
+from clipseg_sparse.segment.windows import iter_window_features
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_radio() -> Backbone:
+    """A 2-block NaFlexViT in C-RADIOv3's layout (CLS + registers, CPE positions, no final norm)."""
+    import timm.models.naflexvit as nf
+
+    torch.manual_seed(1)
+    model = nf.NaFlexVit(cfg=nf._radio_vit_cfg(embed_dim=32, depth=2, num_heads=2, reg_tokens=3), num_classes=0)
+    return Backbone(BACKBONES.get("c_radio_v3_l"), model)
+
+
+def tiny_dinov3() -> Backbone:
+    import timm
+
+    torch.manual_seed(2)
+    model = timm.create_model("vit_small_patch16_dinov3", pretrained=False, num_classes=0, dynamic_img_size=True, embed_dim=32, depth=2, num_heads=2)
+    return Backbone(BACKBONES.get("dinov3_vitl16"), model)
+
+
+def published_extract_dense(backbone: Backbone, rgb: np.ndarray) -> torch.Tensor:
+    """extract_dense transcribed: RADIO [0, 1] -> nearest supported size (round(H / 16) * 16) -> conditioner
+    (mean/std) -> patch tokens of forward_features without the prefix; DINO: ToTensor + Normalize, resize to
+    the nearest patch multiple, get_intermediate_layers (final norm) reshaped. 1 x C x h x w."""
+    m, info = backbone.model, backbone.info
+    x = torch.from_numpy(rgb).permute(2, 0, 1)[None].float() / 255.0
+    H, W = x.shape[-2:]
+    step = info.patch_size
+    size = (max(int(round(H / step) * step), step), max(int(round(W / step) * step), step))
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (info.mean, info.std))
+    if info.name.startswith("c_radio"):
+        x = (F.interpolate(x, size, mode="bilinear", align_corners=False) - mean) / std
+    else:
+        x = F.interpolate((x - mean) / std, size, mode="bilinear", align_corners=False)
+    with torch.no_grad():
+        y = m.forward_features(x)  # RADIO: model.norm is Identity (its final norm is dropped); DINOv3: normed
+    grid = (size[0] // step, size[1] // step)
+    return y[:, m.num_prefix_tokens :].transpose(1, 2).reshape(1, -1, *grid)
+
+
+def test_ls_backbones_lists_radio_dinov3_and_dinov2_large():
+    names = set(BACKBONES.names())
+    assert {"c_radio_v3_b", "c_radio_v3_l", "c_radio_v3_h", "dinov3_vits16", "dinov3_vitb16", "dinov3_vitl16", "dinov2_vitl14_reg"} <= names
+    radio, dino = BACKBONES.get("c_radio_v3_l"), BACKBONES.get("dinov3_vitl16")
+    assert radio.timm_name == "naflexvit_large_patch16_radio_v3.c_radio" and radio.mean == (0.48145466, 0.4578275, 0.40821073)
+    assert dino.timm_name == "vit_large_patch16_dinov3.lvd1689m" and dino.final_norm and not radio.final_norm
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli import app
+
+    out = CliRunner().invoke(app, ["ls", "backbones"], env={"COLUMNS": "300"})
+    assert out.exit_code == 0 and "c_radio_v3_l" in out.output and "dinov3_vitl16" in out.output
+
+
+@pytest.mark.parametrize("make", [tiny_radio, tiny_dinov3])
+@pytest.mark.parametrize("shape", [(37, 53), (64, 48), (8, 90)])
+def test_whole_image_features_equal_the_published_extraction(make, shape):
+    backbone = make()
+    rgb = np.random.default_rng(3).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    size = (48, 72)
+    got = backbone.image_features(torch.from_numpy(rgb), size)
+    expected = F.normalize(F.interpolate(published_extract_dense(backbone, rgb), size, mode="bilinear", align_corners=False), dim=1)
+    assert got.shape == (1, 32, *size)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_supported_size_rounds_like_radio():
+    bb = tiny_radio()
+    assert bb.supported_size(375, 500) == (368, 496)  # 23.4 -> 23, 31.25 -> 31
+    assert bb.supported_size(8, 7) == (16, 16)  # at least one patch
+    assert bb.supported_size(24, 40) == (32, 32)  # Python's round: 1.5 -> 2, 2.5 -> 2
+
+
+def test_random_weights_build_the_registered_architectures():
+    bb = load_backbone("dinov3_vits16", None, device="cpu")
+    feats = bb.feature_map(torch.zeros(1, 3, 48, 80))
+    assert feats.shape == (1, 384, 3, 5)
+    assert bb.features(torch.zeros(1, 3, 48, 80)).tokens.shape == (1, 15, 384)
+
+
+def test_offline_hub_weights_of_radio_fail_fast_with_one_line(tmp_path):
+    code = (
+        "from clipseg_sparse.models.backbones import load_backbone\n"
+        "from clipseg_sparse.models.clip import WeightsUnavailableError\n"
+        "try:\n    load_backbone('c_radio_v3_l', 'hub', device='cpu')\n"
+        "except WeightsUnavailableError as e:\n    print('ERR', e)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    lines = [line for line in out.stdout.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("ERR could not obtain weights 'hub' for backbone c_radio_v3_l")
+
+
+def test_image_feature_tap_needs_a_dense_backbone():
+    assert split_ext("c_radio_v3_l.image") == ("c_radio_v3_l", "image")
+    with pytest.raises(ValueError, match="dense backbone"):
+        split_ext("dino_vitb8.image")
+    with pytest.raises(ValueError, match="no last-block q/k"):
+        split_ext("c_radio_v3_l.qk")
+
+
+def test_window_crops_of_whole_image_features(tiny_clip, monkeypatch):
+    """Each window gets its crop of the whole-image features, padded by replicating the border (the
+    published forward_slide pads with mode='replicate'), and the tap resizes it to 2x CLIP's grid."""
+    from clipseg_sparse.attention import resolve_spec
+
+    feats = torch.randn(1, 5, 40, 72)
+    pixels = torch.randn(1, 3, 40, 72)
+    captured = []
+    encode_dense = type(tiny_clip).encode_dense
+
+    def spy(self, crops, spec, *args, context=None, regions=None, **kw):
+        captured.append(context["image_features"]["x"])
+        return encode_dense(self, crops, spec, *args, context=context, regions=regions, **kw)
+
+    monkeypatch.setattr(type(tiny_clip), "encode_dense", spy)
+    windows = iter_window_features(tiny_clip, pixels, resolve_spec("sclip"), 36, 18, 2, context={}, image_features={"x": feats})
+    boxes = [b for chunk, _ in windows for b in chunk]
+    crops = torch.cat(captured)
+    assert len(boxes) == len(crops) == 6
+    for (y1, y2, x1, x2), crop in zip(boxes, crops):  # windows padded bottom/right to whole patches (48)
+        expected = F.pad(feats[..., y1:y2, x1:x2], (0, 48 - (x2 - x1), 0, 48 - (y2 - y1)), mode="replicate")[0]
+        assert torch.equal(crop, expected)
+    grid = window_image_features(crops, (6, 6))
+    expected = F.normalize(F.interpolate(crops, (6, 6), mode="bilinear", align_corners=False).flatten(2).transpose(1, 2), dim=-1)
+    torch.testing.assert_close(grid[:, 0], expected)
+
+
+@pytest.fixture()
+def tiny_radio_proxy(tiny_clip):
+    bb = tiny_radio()
+    use_proxy_weights("auto", clip=tiny_clip)
+    use_backbone(bb, "cpu")
+    yield bb
+    PROXIES.configure(weights="auto")
+    PROXIES._loaded.clear()
