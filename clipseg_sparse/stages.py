@@ -28,6 +28,13 @@ the call each kind's function receives:
   one with `at_input=True` runs first, at the network input's size: cosine = N_names x h x w there, guide
   = the network input as RGB in [0, 1] (3 x h x w), and its result is resized bilinearly to the original
   size (LPOSS+'s pixel graph). A spec may name post stages (`hook:tlp`); they run before the settings'.
+- retrieval: `fn(cosine, regions, retrieve) -> cosine` once per image at the network input's size, after the
+  windows' maps are averaged and before the at-input post stages: cosine = N_names x h x w raw cosine there,
+  regions = the h x w region ids there (nearest; -1 unsegmented), retrieve(k) = the N_names x h x w support
+  logits of the Segmenter's image bank (`segment/bank.py`: per region, the stored CLIP embeddings of its k
+  nearest bank regions by the bank's key-backbone features, cosine with the text). The result is resized
+  bilinearly to the original size. Needs a bank (`Segmenter(bank=...)`, `--bank`) and region maps; e.g.
+  CorrCLIPv2's `retrieve`. A spec may name it (`hook:retrieve`).
 - global: `fn(tokens, image, normalizer) -> tokens` once per image, with splicing: tokens = 1 x h x w x C
   last-block patch tokens before ln_post, every window's placed on the resized image's patch grid
   (overlaps averaged); image = the original H x W x 3 uint8 RGB image; normalizer = the spec's. Returns
@@ -58,7 +65,7 @@ import torch.nn.functional as F
 
 from .registry import ENTRY_POINT_GROUP, Registry, caller_module
 
-KINDS = ("token", "text", "match", "windows", "post", "global", "labels", "refine")
+KINDS = ("token", "text", "match", "windows", "retrieval", "post", "global", "labels", "refine")
 
 
 @dataclass(frozen=True)
@@ -96,11 +103,11 @@ def parse_stage(text: str) -> Stage:
 
 
 #: stage kinds a spec may name with `hook:` (the others belong to the settings: text, labels, refine)
-HOOK_KINDS = ("token", "match", "global", "windows", "post")
+HOOK_KINDS = ("token", "match", "global", "windows", "retrieval", "post")
 
 
 def check_hook(text: str) -> str:
-    """The canonical text of a token, match, global, windows or post stage named by a spec's `hook:`; ValueError naming them."""
+    """The canonical text of a token, match, global, windows, retrieval or post stage named by a spec's `hook:`; ValueError naming them."""
     try:
         stage = parse_stage(text)
     except (KeyError, ValueError) as e:

@@ -22,6 +22,7 @@ METHODS = (
     "proxyclip",  # ProxyCLIP (ECCV 2024): a proxy backbone's feature cosine (ext:)
     "corrclip",  # CorrCLIP (ICCV 2025) on ProxyCLIP: region scope, mask class tokens; the regionvote stage
     "ovstitcher",  # OV-Stitcher (CVPR 2026): CorrCLIP with the windows stitched into image-wide attention
+    "corrclipv2",  # CorrCLIPv2 on CorrCLIP: whole-image RADIO features, the retrieve stage (image bank)
     "trident",  # Trident (ICCV 2025): DINO proxy per window, splice; the sam stage
     "trident_refine",  # Trident's SAM prompt refinement: the samrefine stage, protocol trident-samrefine
     "lposs",  # LPOSS / LPOSS+ (CVPR 2025): the lp stages (joint patch graph over windows, Lab pixel graph)

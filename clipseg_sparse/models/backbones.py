@@ -308,9 +308,15 @@ class Backbone:
 
     @torch.inference_mode()
     def image_features(self, rgb: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        """CorrCLIPv2's whole-image features: `rgb` (H x W x 3 uint8, the original image) in [0, 1], resized
-        bilinearly to `supported_size`, normalised, run once; the feature map resized bilinearly
-        (align_corners False) to `size` (the network input) and L2-normalised per pixel: 1 x C x h x w fp32."""
+        """CorrCLIPv2's whole-image features: `image_feature_map` resized bilinearly (align_corners False)
+        to `size` (the network input) and L2-normalised per pixel: 1 x C x h x w fp32."""
+        feats = self.image_feature_map(rgb)
+        return F.normalize(F.interpolate(feats, size=tuple(size), mode="bilinear", align_corners=False), dim=1)
+
+    @torch.inference_mode()
+    def image_feature_map(self, rgb: torch.Tensor) -> torch.Tensor:
+        """The published `extract_dense`: `rgb` (H x W x 3 uint8, the original image) in [0, 1], resized
+        bilinearly to `supported_size`, normalised, run once: 1 x C x h x w fp32 on the patch grid."""
         if self.info.kind != _DENSE:
             raise ValueError(f"backbone {self.info.name} gives no whole-image feature map; use a dense backbone (`ls backbones`)")
         x = torch.as_tensor(rgb).permute(2, 0, 1)[None].float().div(255.0)
@@ -318,8 +324,7 @@ class Backbone:
         if target != tuple(x.shape[-2:]):
             x = F.interpolate(x, size=target, mode="bilinear", align_corners=False)
         view = lambda t: torch.tensor(t).view(1, 3, 1, 1)  # noqa: E731
-        feats = self.feature_map((x - view(self.info.mean)) / view(self.info.std)).float()
-        return F.normalize(F.interpolate(feats, size=tuple(size), mode="bilinear", align_corners=False), dim=1)
+        return self.feature_map((x - view(self.info.mean)) / view(self.info.std)).float()
 
     def _vit_features(self, pixels: torch.Tensor, want: Sequence[str]) -> BackboneFeatures:
         m = self.model

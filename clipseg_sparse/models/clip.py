@@ -367,7 +367,8 @@ class DenseCLIP:
         path's, i.e. CLIP's image embedding), for match stages such as CLIP Surgery's feature surgery.
         pos_interp: the positional-embedding rule, "size" or the published repositories' "scale" (see
         `positional_embedding`). context: what a spec's `feedback` term (ResCLIP) reads: `text`, the
-        T x D L2-normalised name embeddings, and `logit_scale` (see `attention.feedback`).
+        T x D L2-normalised name embeddings, and `logit_scale` (see `attention.feedback`); `raw_features`
+        True: the features unnormalised; `image_features` (see `attention.blocks.encode_tokens`).
         regions: B x H x W integer region ids of the pixels (-1 unsegmented), for specs that read region
         maps (CorrCLIP's `region:EPS` support and `mct:BETA` branch).
         """
@@ -388,7 +389,9 @@ class DenseCLIP:
         x, grid = self._embed(pixels, pos_interp)
         x = attention_blocks.encode_normed(self._tower(spec), x, spec, grid, self.visual.ln_post, pixels, token_hooks, regions, context)
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
-        feats = self._features(x[:, -out_grid[0] * out_grid[1] :]).reshape(x.shape[0], *out_grid, -1)
+        tokens = x[:, -out_grid[0] * out_grid[1] :]
+        raw = (context or {}).get("raw_features")  # unnormalised projections (CorrCLIPv2's bank values)
+        feats = ((tokens @ self.visual.proj).float() if raw else self._features(tokens)).reshape(x.shape[0], *out_grid, -1)
         return (feats, self._image_embedding(x)) if with_cls else feats
 
     @torch.inference_mode()

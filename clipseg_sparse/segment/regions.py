@@ -242,8 +242,8 @@ def open_regions(value: str, device: str = "cpu", names: Sequence[str] = ()) -> 
 
 
 def region_reader(spec, stages: Sequence[str] = ()) -> str | None:
-    """What reads region maps: the attention spec (a `region:EPS` support or `mct:` branch) or a labels
-    stage (regionvote), as text for error messages; None when nothing does."""
+    """What reads region maps: the attention spec (a `region:EPS` support or `mct:` branch), a labels
+    stage (regionvote) or a retrieval stage, as text for error messages; None when nothing does."""
     from ..attention import resolve_spec
     from ..attention.scope import needs_regions
     from ..stages import resolve_stages
@@ -251,4 +251,4 @@ def region_reader(spec, stages: Sequence[str] = ()) -> str | None:
     spec = resolve_spec(spec)
     if needs_regions(spec):
         return f"attention {spec}"
-    return next((f"stage {st.name}" for st in resolve_stages(stages) if st.kind == "labels"), None)
+    return next((f"stage {st.name}" for st in resolve_stages(tuple(spec.hooks) + tuple(stages)) if st.kind in ("labels", "retrieval")), None)

@@ -23,6 +23,7 @@ from ..models.clip import DenseCLIP
 from ..models.proxies import PROXIES, image_backbones, proxy_config, spec_backbones
 from ..stages import Stage, resolve_stages
 from .images import load_image
+from .bank import ImageBank, clip_id, retrieval_logits
 from .labels import ClassMaps, SegmentationResult
 from .preprocess import prepare
 from .regions import region_reader
@@ -69,6 +70,10 @@ class Segmenter:
     A source is required when the spec or a stage reads regions, and ignored (not recorded) otherwise.
     prompts: a prompt file (`vocabulary.Prompts` or its path) whose sentences per class name join the
     templates' average (OV-Stitcher's description prompts); recorded in `config()`.
+    bank: an opened image bank (`segment.bank.ImageBank`) for retrieval stages (CorrCLIPv2's `retrieve`);
+    required by them, refused when built with another CLIP or key backbone, ignored (not recorded) otherwise.
+    Its other CLIPs' stores (CorrCLIPv2's DFN) get their own text embeddings: from `bank_clips` when one of
+    them is that CLIP, else loaded here by the manifest's model and weights names.
     """
 
     def __init__(
@@ -82,6 +87,8 @@ class Segmenter:
         progress: bool = False,
         regions: Callable[[np.ndarray, str], np.ndarray] | None = None,
         prompts: Prompts | str | Path | None = None,
+        bank: ImageBank | None = None,
+        bank_clips: Sequence[DenseCLIP] = (),
     ) -> None:
         if isinstance(vocabulary, str):
             vocabulary = Vocabulary.parse(vocabulary)
@@ -103,6 +110,12 @@ class Segmenter:
         self.global_stage = global_stage(self.spec, self.stages)
         self.window_stages = hook_stages(self.spec, self.stages, "windows")
         self.post_stages = hook_stages(self.spec, self.stages, "post")
+        self.retrieval_stages = hook_stages(self.spec, self.stages, "retrieval")
+        if self.retrieval_stages and bank is None:
+            raise ValueError(f"stage {self.retrieval_stages[0].name} needs an image bank: give --bank BANK (build one with `clipseg-sparse bank build`)")
+        if self.retrieval_stages and self.global_stage:
+            raise ValueError(f"stage {self.retrieval_stages[0].name} works on the windows' averaged map; it cannot run with the global stage {self.global_stage.name}")
+        self.bank = bank if self.retrieval_stages else None
         if self.global_stage and self.window_stages:
             raise ValueError(
                 f"stage {self.window_stages[0].name} works on each window's patch map; it cannot run with the global stage "
@@ -124,7 +137,24 @@ class Segmenter:
         self.text = embed_names(clip, vocabulary.flat_names, self.templates, cache_dir=cache_dir, progress=progress, prompts=self.prompts)
         for stage in self._stages("text"):
             self.text = stage(self.text)
+        self.store_texts = self._store_texts(bank_clips, cache_dir, progress) if self.bank is not None else {}
         self.band_elements = BAND_ELEMENTS  # per band of the final resize; lower it to save memory
+
+    def _store_texts(self, given: Sequence[DenseCLIP], cache_dir, progress: bool) -> dict[str, torch.Tensor]:
+        """Bank store -> the text embeddings its logits use: this CLIP's for its own store, each other
+        store's CLIP (loaded for its text tower, then dropped) for the others. Checks the bank first."""
+        from ..models.clip import load_clip
+
+        self.bank.check(self.clip, PROXIES.config([self.bank.proxy])[self.bank.proxy])
+        texts = {}
+        for store in self.bank.manifest["values"]:
+            if store["clip"] == clip_id(self.clip):
+                texts[store["clip"]] = self.text
+                continue
+            other = next((c for c in given if clip_id(c) == store["clip"]), None)
+            other = other or load_clip(store["model"], store["pretrained"], device=self.clip.device)
+            texts[store["clip"]] = embed_names(other, self.vocabulary.flat_names, self.templates, cache_dir=cache_dir, progress=progress, prompts=self.prompts)
+        return texts
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -142,6 +172,7 @@ class Segmenter:
             "stages": [s.name for s in self.stages],  # canonical names, PAMR included when on
             **proxy_config(self.backbones()),  # backbones of ext: terms and stages, their tags and weights
             **({"regions": self.regions.source()} if self.regions is not None else {}),
+            **({"bank": self.bank.record()} if self.bank is not None else {}),
         }
 
     def backbones(self) -> list[str]:
@@ -149,6 +180,7 @@ class Segmenter:
         its other stages' (samrefine: SAM's weights)."""
         extra = [*(self.global_stage.backbones if self.global_stage else ()), *(b for s in self.stages for b in s.backbones)]
         extra += [b for s in self.window_stages + self.post_stages for b in s.backbones]
+        extra += [self.bank.proxy] if getattr(self, "bank", None) is not None else []
         return list(dict.fromkeys(spec_backbones(self.spec) + extra))
 
     def _stages(self, kind: str) -> list[Stage]:
@@ -175,10 +207,12 @@ class Segmenter:
         pixels = self.pixels(image)
         scaled = None if regions is None else resize_regions(torch.from_numpy(np.asarray(regions, dtype=np.int64)), tuple(pixels.shape[-2:]))
         at_input = [st for st in self.post_stages if st.at_input]  # run at the network input's size
-        out_size = tuple(pixels.shape[-2:]) if at_input else (height, width)
+        size = tuple(pixels.shape[-2:])
+        out_size = size if at_input or self.retrieval_stages else (height, width)
+        image_feats = self.image_features(image, size, list(dict.fromkeys(image_backbones(self.spec) + ([self.bank.proxy] if self.bank else []))))
         if self.stitched:  # the windows stitched, attention across them (OV-Stitcher): features on the proxy grid
             feats = stitched_features(self.clip, pixels, self.spec, scaled, s.window, s.stride, s.pos_interp, s.batch_size)
-            factored = grid_cosine(feats, self.text, out_size, via=tuple(pixels.shape[-2:]))
+            factored = grid_cosine(feats, self.text, out_size, via=size)
         elif self.global_stage is not None:  # splice the windows, then one stage over the whole image
             tokens = spliced_tokens(self.clip, pixels, self.spec, s.window, s.stride, s.batch_size, self._stages("token"), s.pos_interp)
             tokens = self.global_stage(tokens, image, self.spec.normalizer)
@@ -187,10 +221,20 @@ class Segmenter:
             factored = dense_cosine(
                 self.clip, pixels, self.text, self.spec, s.window, s.stride, s.batch_size, out_size,
                 self._stages("token"), s.pos_interp, s.remainder, s.logit_scale, scaled, self.window_stages,
-                self.image_features(image, tuple(pixels.shape[-2:]), image_backbones(self.spec)),
+                {n: image_feats[n] for n in image_backbones(self.spec)},
             )  # fmt: skip
+        if self.retrieval_stages:  # the image bank's support logits, fused at the network input's size
+            cos = factored.rows(0, size[0])
+            feats = image_feats[self.bank.proxy][0].to(cos.device)
+            retrieve = lambda k: retrieval_logits(scaled, feats, self.bank, self.store_texts, k)  # noqa: E731
+            for stage in self.retrieval_stages:
+                cos = stage(cos, scaled, retrieve)
+            if not at_input:
+                factored = resized_cosine(cos, (height, width))
+            else:
+                factored = DenseMap(cos)
         if at_input:
-            cos = factored.rows(0, out_size[0])
+            cos = factored.rows(0, out_size[0]) if isinstance(factored, CosineMap) else factored.values
             mean, std = (torch.tensor(v, device=cos.device).view(3, 1, 1) for v in (self.clip.mean, self.clip.std))
             rgb = pixels[0].to(cos.device) * std + mean  # the network input in [0, 1]
             for stage in at_input:
@@ -209,7 +253,7 @@ class Segmenter:
     def image_features(self, image: np.ndarray, size: tuple[int, int], names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Backbone name -> 1 x C x h x w whole-image features of the original RGB image at the network
         input's `size` (`Backbone.image_features`: one run per image, CorrCLIPv2)."""
-        return {name: PROXIES.get(name, self.clip.device).image_features(torch.from_numpy(np.ascontiguousarray(image)), size) for name in names}
+        return {name: PROXIES.get(name, self.clip.device).image_features(torch.from_numpy(np.array(image)), size) for name in names}
 
     def _run_post(self, stage: Stage, cos: torch.Tensor, guide: torch.Tensor) -> torch.Tensor:
         """One post stage (stages.py), with the text embeddings when it reads them."""

@@ -189,6 +189,7 @@ def dense_cosine(
     regions: torch.Tensor | None = None,
     window_stages: Sequence[Stage] = (),
     image_features: dict[str, torch.Tensor] | None = None,
+    raw: bool = False,
 ) -> CosineMap:
     """Cosine between patch features and each text embedding, N_names x H x W at the pixels' size
     (or at `out_size`, as if that map were then resized bilinearly), as a CosineMap (rows on demand).
@@ -205,13 +206,14 @@ def dense_cosine(
     regions: H x W region ids of `pixels`, for specs that read regions (see `iter_window_features`).
     window_stages: windows stages (stages.py) run on all windows' patch cosines at once, before the
     upsampling (LPOSS's joint patch graph). image_features: whole-image backbone features (see
-    `iter_window_features`).
+    `iter_window_features`). raw: the patch features unnormalised (with `text` the identity, the map is
+    the dense feature map itself: CorrCLIPv2's bank values).
     """
     _, _, H, W = pixels.shape
     text = text.to(clip.device)
     match = [st for st in resolve_stages(spec.hooks) if st.kind == "match"]  # e.g. CLIP Surgery's
     boxes, cos = [], []
-    context = {"text": text, "logit_scale": logit_scale}
+    context = {"text": text, "logit_scale": logit_scale, **({"raw_features": True} if raw else {})}
     windows = iter_window_features(
         clip, pixels, spec, window, stride, batch_size, token_stages, pos_interp, remainder, with_cls=bool(match), context=context, regions=regions,
         image_features=image_features,

@@ -1,0 +1,405 @@
+"""An image bank for region retrieval (CorrCLIPv2, zdk258/CorrCLIP@103bc18 CorrCLIPv2/memory_bank_builder and
+corrclip_segmentor.py `_faiss_search` / `get_support_clip_logits`).
+
+A bank is a folder built once from unlabeled images (`build_bank`, `clipseg-sparse bank build`): for every
+region of every image (region maps from any region source, the unsegmented pixels left out) one **key**, the
+region mean of a dense backbone's whole-image features (`Backbone.image_features` at the image's own size),
+and one **value** per CLIP named, the L2-normalised region mean of that CLIP's dense pixel features (the
+windows' unnormalised projected features, averaged and resized bilinearly to the image's size, as the
+published `generate_clip_embeddings.py`). Layout:
+
+    BANK/manifest.json   models, weights tags and settings of keys and values, row count, content hash
+    BANK/keys.npy        rows x C float16 (raw region means, as the published store)
+    BANK/values-I.npy    rows x D float16, one per CLIP (row r of every store is the same region)
+    BANK/rows.npy        rows x 2 int64: (image index in the manifest's list, region id)
+    BANK/index.faiss     inner-product index over the L2-normalised keys; row ids are store rows
+    BANK/parts/          one .npz per image while building (written atomically; a kill loses at most the
+                         image in flight), merged into the files above at the end
+
+The stores are opened memory-mapped (`np.load(mmap_mode="r")`): retrieval reads only the rows it needs.
+Index: flat inner product below `FLAT_BELOW` rows, else the published IVF-PQ (nlist = 8 sqrt(N), m 32, 8 bits,
+nprobe min(256, nlist)). Retrieval (`retrieval_logits`): per region of the image's map (each value, the
+unsegmented one too) q = L2(region mean of the whole-image features), the k nearest keys by inner product,
+support = L2(mean of their stored values), logits = support . text, painted on the region; with more stores
+than one (the published DFN auxiliary CLIP), each store's logits with its own CLIP's text, averaged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserValueError
+from ..runtime.atomic import atomic_path, write_json_atomic
+
+BANK_FORMAT = 1
+MANIFEST = "manifest.json"
+KEYS = "keys.npy"
+ROWS = "rows.npy"
+INDEX = "index.faiss"
+PARTS = "parts"
+#: the published index (generate_vfm_embeddings.py): IVF-PQ, nlist = 8 sqrt(N), m = 32 sub-quantizers of 8 bits
+IVFPQ_M, IVFPQ_NBITS, NLIST_FACTOR, NPROBE_MAX = 32, 8, 8, 256
+#: below this many rows the index is exact (flat inner product); the published code also keeps small banks flat
+FLAT_BELOW = 20_000
+INDEX_KINDS = ("auto", "flat", "ivfpq")
+NUM_SUPPORT = 20  # published num_support
+SUPPORT_WEIGHT = 0.5  # published alpha: logits = alpha * own + (1 - alpha) * support
+
+
+class BankError(UserValueError):
+    """A bank that is missing, unfinished, or built with other models or settings than asked for."""
+
+
+def values_file(i: int) -> str:
+    return f"values-{i}.npy"
+
+
+def clip_id(clip) -> str:
+    """`MODEL:WEIGHTS` naming a loaded DenseCLIP in a bank's manifest."""
+    return f"{clip.model_name}:{clip.pretrained}"
+
+
+def _faiss():
+    import faiss  # faiss-cpu, a core dependency; imported on first use (it is slow to import)
+
+    return faiss
+
+
+# -- index --------------------------------------------------------------------------------------------
+def normalized_keys(keys: np.ndarray) -> np.ndarray:
+    """float32 rows divided by their norm + 1e-12 (the published normalisation before the index)."""
+    k = np.asarray(keys, dtype=np.float32)
+    return np.ascontiguousarray(k / (np.linalg.norm(k, axis=1, keepdims=True) + 1e-12))
+
+
+def build_index(keys: np.ndarray, kind: str = "auto", seed: int = 0):
+    """A FAISS inner-product index over the L2-normalised keys, ids = row numbers. kind: flat, ivfpq (the
+    published IndexIVFPQ(IndexFlatIP(C), C, 8 sqrt(N), 32, 8) in an IndexIDMap2) or auto (flat below FLAT_BELOW)."""
+    faiss = _faiss()
+    if kind not in INDEX_KINDS:
+        raise BankError(f"index kind must be one of {', '.join(INDEX_KINDS)} (got {kind!r})")
+    vecs = normalized_keys(keys)
+    n, dim = vecs.shape
+    if kind == "flat" or (kind == "auto" and n < FLAT_BELOW):
+        index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+    else:
+        if dim % IVFPQ_M:
+            raise BankError(f"IVF-PQ needs a key width divisible by {IVFPQ_M} (got {dim}); use --index flat")
+        nlist = max(1, int(NLIST_FACTOR * math.sqrt(n)))
+        if n < max(nlist, 1 << IVFPQ_NBITS):
+            raise BankError(f"IVF-PQ needs at least {max(nlist, 1 << IVFPQ_NBITS)} regions to train (the bank has {n}); use --index flat")
+        ivf = faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, nlist, IVFPQ_M, IVFPQ_NBITS)
+        ivf.cp.seed = seed
+        ivf.train(vecs)
+        index = faiss.IndexIDMap2(ivf)
+    index.add_with_ids(vecs, np.arange(n, dtype=np.int64))
+    return index
+
+
+def search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inner products, store rows) of the k nearest keys of each query row; -1 where fewer exist
+    (`_faiss_search`: nprobe min(256, nlist) for IVF indexes)."""
+    faiss = _faiss()
+    inner = faiss.downcast_index(index.index) if hasattr(index, "index") else index
+    if hasattr(inner, "nprobe"):
+        inner.nprobe = min(NPROBE_MAX, inner.nlist)
+    return index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
+
+
+# -- the bank -----------------------------------------------------------------------------------------
+@dataclass
+class ImageBank:
+    """An opened bank: manifest, memory-mapped stores and the index (see the module docstring)."""
+
+    path: Path
+    manifest: dict
+    keys: np.ndarray
+    values: dict[str, np.ndarray]
+    index: object = field(repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "ImageBank":
+        path = Path(path)
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            hint = " (an unfinished build: run `bank build` again to finish it)" if (path / PARTS).is_dir() else ""
+            raise BankError(f"{path}: not an image bank, no {MANIFEST}{hint}")
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format") != BANK_FORMAT:
+            raise BankError(f"{path}: bank format {manifest.get('format')!r}, this version reads {BANK_FORMAT}")
+        keys = np.load(path / KEYS, mmap_mode="r")
+        values = {store["clip"]: np.load(path / values_file(i), mmap_mode="r") for i, store in enumerate(manifest["values"])}
+        index = _faiss().read_index(str(path / INDEX))
+        return cls(path, manifest, keys, values, index)
+
+    @property
+    def content_hash(self) -> str:
+        return self.manifest["hash"]
+
+    @property
+    def proxy(self) -> str:
+        """The backbone whose whole-image features are the keys (and must make the queries)."""
+        return self.manifest["keys"]["backbone"]
+
+    @property
+    def rows(self) -> int:
+        return int(self.manifest["rows"])
+
+    def record(self) -> dict:
+        """What names this bank in a result file: its content hash, key backbone and value CLIPs."""
+        return {"hash": self.content_hash, "keys": self.manifest["keys"]["backbone"], "values": [s["clip"] for s in self.manifest["values"]]}
+
+    def check(self, clip, proxy: dict) -> None:
+        """BankError unless the values hold `clip`'s store and the keys came from the backbone, weights and
+        precision of `proxy` (`ProxyBackbones.config` of the key backbone)."""
+        stores = [s["clip"] for s in self.manifest["values"]]
+        if clip_id(clip) not in stores:
+            raise BankError(f"{self.path}: bank values were built with {', '.join(stores)}, not {clip_id(clip)}; build a bank with this model")
+        built = self.manifest["keys"]
+        for what in ("timm", "weights"):
+            if built.get(what) != proxy.get(what):
+                raise BankError(f"{self.path}: bank keys were built with {built['backbone']} {what} {built.get(what)!r}, not {proxy.get(what)!r}")
+
+    def support(self, store: str, rows: np.ndarray) -> torch.Tensor:
+        """R x D: L2(mean of the stored values of each row set) (rows: R x k store rows, -1 ignored); a
+        region without any neighbour gets a zero vector (the published code would give NaN)."""
+        values = self.values[store]
+        out = np.zeros((len(rows), values.shape[1]), dtype=np.float32)
+        for r, ids in enumerate(rows):
+            ids = ids[ids >= 0]
+            if len(ids):
+                out[r] = np.asarray(values[np.sort(ids)], dtype=np.float32).mean(0)
+        return F.normalize(torch.from_numpy(out), dim=-1)
+
+
+def region_queries(regions: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R region values, R x C queries): each value of the h x w map (the unsegmented one too), the
+    L2-normalised mean of the C x h x w features over its pixels."""
+    values, inverse = torch.unique(regions, return_inverse=True)
+    flat = features.flatten(1).float()
+    sums = torch.zeros(len(values), flat.shape[0]).index_add_(0, inverse.flatten().cpu(), flat.T.cpu())
+    counts = torch.bincount(inverse.flatten().cpu(), minlength=len(values)).clamp(min=1)
+    return values, F.normalize(sums / counts[:, None], dim=-1)
+
+
+def retrieval_logits(
+    regions: torch.Tensor, features: torch.Tensor, bank: ImageBank, texts: dict[str, torch.Tensor], k: int = NUM_SUPPORT
+) -> torch.Tensor:
+    """N x h x w support logits of an image (published `forward_slide` + `get_support_clip_logits`):
+    regions h x w ids, features C x h x w whole-image key-backbone features at the same size, texts
+    store -> N x D text embeddings (one per CLIP store used; their logits averaged)."""
+    values, queries = region_queries(regions, features)
+    _, rows = search(bank.index, queries.numpy(), k)
+    logits = sum(bank.support(store, rows) @ text.float().cpu().T for store, text in texts.items()) / len(texts)  # R x N
+    inverse = torch.searchsorted(values, regions.flatten().cpu())
+    return logits[inverse].T.reshape(-1, *regions.shape).to(features.device)
+
+
+# -- building -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ValueModel:
+    """One CLIP whose values a bank stores, with the spec and settings of its dense pixel features."""
+
+    clip: object
+    spec: object  # AttentionSpec
+    settings: object  # InferenceSettings (resolution, windows, ...)
+
+    def record(self) -> dict:
+        """Its manifest entry: the store's CLIP id, model, weights, width, spec and settings."""
+        return {
+            "clip": clip_id(self.clip), "model": self.clip.model_name, "pretrained": self.clip.pretrained, "precision": self.clip.precision,
+            "dim": int(self.clip.visual.proj.shape[1]), "spec": str(self.spec), "settings": dataclasses.asdict(self.settings),
+        }  # fmt: skip
+
+    def feature_map(self, rgb: np.ndarray, regions: np.ndarray, image_features: dict | None = None):
+        """D x H x W unnormalised dense features at the image's size, rows on demand (a CosineMap against
+        the identity: the published builder's window-averaged projections resized bilinearly)."""
+        from ..attention.grid import resize_regions
+        from .preprocess import prepare
+        from .windows import dense_cosine
+
+        s = self.settings
+        pixels = prepare(rgb, self.clip, s)
+        scaled = resize_regions(torch.from_numpy(np.asarray(regions, dtype=np.int64)), tuple(pixels.shape[-2:]))
+        eye = torch.eye(int(self.clip.visual.proj.shape[1]))
+        return dense_cosine(
+            self.clip, pixels, eye, self.spec, s.window, s.stride, s.batch_size, tuple(rgb.shape[:2]), (), s.pos_interp, s.remainder,
+            s.logit_scale, scaled, (), image_features, raw=True,
+        )  # fmt: skip
+
+
+def key_rows(feature_map: torch.Tensor, size: tuple[int, int]) -> Callable[[int, int], torch.Tensor]:
+    """Rows y0..y1 of the 1 x C x h x w map resized bilinearly (align_corners False) to `size` and
+    L2-normalised per pixel (the published keys' per-pixel features), without the C x H x W map."""
+    from .windows import _resize_matrix
+
+    f = feature_map[0].float().cpu()
+    ly, lx = _resize_matrix(f.shape[1], size[0]), _resize_matrix(f.shape[2], size[1])
+    return lambda y0, y1: F.normalize(torch.einsum("bh,chw,xw->cbx", ly[y0:y1], f, lx), dim=0)
+
+
+def region_means(feature_rows: Callable[[int, int], torch.Tensor], height: int, regions: np.ndarray, ids: np.ndarray, band: int = 64) -> np.ndarray:
+    """len(ids) x C region means (float64 sums) of a C x H x W map read a band of rows at a time
+    (`feature_rows(y0, y1)`); ids: sorted region values, pixels of other values ignored."""
+    sorted_ids = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+    reg = torch.from_numpy(np.asarray(regions, dtype=np.int64))
+    sums, counts = None, torch.zeros(len(ids), dtype=torch.float64)
+    for y0 in range(0, height, band):
+        f = feature_rows(y0, min(y0 + band, height)).cpu().double().flatten(1)  # C x pixels
+        r = reg[y0 : min(y0 + band, height)].flatten()
+        pos = torch.searchsorted(sorted_ids, r).clamp(max=max(len(ids) - 1, 0))
+        keep = sorted_ids[pos] == r if len(ids) else torch.zeros_like(r, dtype=torch.bool)
+        part = torch.zeros(len(ids), f.shape[0], dtype=torch.float64).index_add_(0, pos[keep], f[:, keep].T)
+        sums = part if sums is None else sums + part
+        counts += torch.bincount(pos[keep], minlength=len(ids)).double()
+    return (sums / counts.clamp(min=1)[:, None]).float().numpy()
+
+
+def image_part(rgb: np.ndarray, regions: np.ndarray, key_map: torch.Tensor, models: Sequence[ValueModel]) -> dict[str, np.ndarray]:
+    """One image's rows: region ids (sorted, unsegmented left out), keys (float16 region means of the key
+    backbone's per-pixel normalised features at the image's size; key_map: its 1 x C x h x w raw map) and
+    one values array per model (float16 L2-normalised region means of its unnormalised pixel features)."""
+    ids = np.unique(regions)
+    ids = ids[ids >= 0].astype(np.int64)
+    H, W = rgb.shape[:2]
+    part = {"ids": ids, "keys": region_means(key_rows(key_map, (H, W)), H, regions, ids).astype(np.float16)}
+    for i, model in enumerate(models):
+        means = torch.from_numpy(region_means(model.feature_map(rgb, regions).rows, H, regions, ids))
+        part[f"values{i}"] = F.normalize(means, dim=-1).numpy().astype(np.float16)
+    return part
+
+
+def part_path(bank: Path, index: int) -> Path:
+    return bank / PARTS / f"{index:08d}.npz"
+
+
+def write_part(bank: Path, index: int, part: dict[str, np.ndarray]) -> None:
+    """Atomically (a kill leaves no torn part: resuming skips only complete ones)."""
+    with atomic_path(part_path(bank, index)) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(f, **part)
+
+
+def claim_manifest(bank: Path, settings: dict) -> None:
+    """Record the build settings in BANK/parts/settings.json; a bank begun with other settings is refused
+    by name (resuming must not mix two builds)."""
+    path = bank / PARTS / "settings.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        if before != json.loads(json.dumps(settings)):
+            changed = sorted(k for k in set(before) | set(settings) if before.get(k) != json.loads(json.dumps(settings)).get(k))
+            raise BankError(f"{bank}: a bank build with other settings ({', '.join(changed)}) is in this folder; choose another --out")
+    else:
+        write_json_atomic(path, settings)
+
+
+def finish_bank(bank: Path, settings: dict, images: Sequence[str], index_kind: str = "auto") -> dict:
+    """Merge the parts (image order, then region id) into the memory-mapped stores, build the index, hash
+    the contents and write the manifest last (a bank without one is unfinished). Returns the manifest."""
+    parts = [np.load(part_path(bank, i)) for i in range(len(images))]
+    n = sum(len(p["ids"]) for p in parts)
+    if n == 0:
+        raise BankError(f"{bank}: the images hold no regions; nothing to store")
+    digest = hashlib.sha256()
+    arrays = {KEYS: "keys", **{values_file(i): f"values{i}" for i in range(len(settings["values"]))}}
+    for name, key in arrays.items():
+        width = parts[0][key].shape[1]
+        with atomic_path(bank / name) as tmp:
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(n, width))
+            row = 0
+            for p in parts:
+                out[row : row + len(p["ids"])] = p[key]
+                row += len(p["ids"])
+            out.flush()
+            digest.update(name.encode())
+            digest.update(np.ascontiguousarray(out).tobytes())
+            del out
+    rows = np.concatenate([np.stack([np.full(len(p["ids"]), i), p["ids"]], 1) for i, p in enumerate(parts)]).astype(np.int64)
+    with atomic_path(bank / ROWS) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, rows)
+    digest.update(rows.tobytes())
+    index = build_index(np.load(bank / KEYS, mmap_mode="r"), index_kind)
+    with atomic_path(bank / INDEX) as tmp:
+        _faiss().write_index(index, str(tmp))
+    digest.update(json.dumps(settings, sort_keys=True).encode())
+    manifest = {"format": BANK_FORMAT, **settings, "images": list(images), "rows": n, "index": type(_faiss().downcast_index(index.index)).__name__, "hash": digest.hexdigest()[:16]}
+    write_json_atomic(bank / MANIFEST, manifest)
+    return manifest
+
+
+def pending(bank: Path, order: Iterable[int]) -> list[int]:
+    """Image indices (in `order`) without a finished part."""
+    return [i for i in order if not part_path(bank, i).is_file()]
+
+
+def build_bank(
+    jobs: Sequence[tuple[Path, str]],
+    out: str | Path,
+    models: Sequence[ValueModel],
+    key_backbone,
+    key_record: dict,
+    regions: Callable[[np.ndarray, str], np.ndarray],
+    region_source: str,
+    index_kind: str = "auto",
+    progress: bool = False,
+) -> dict:
+    """Build (or finish) a bank from `jobs` ((image file, name) pairs, in a fixed order) into `out`.
+    Resumable: each image's rows go to their own part, written atomically, and finished parts are skipped;
+    under torchrun each rank takes every world-th image and rank 0 merges. A bank or an unfinished build
+    with other settings in `out` is refused by name. Returns the manifest."""
+    from ..runtime.distributed import barrier, rank_and_world
+    from ..runtime.progress import progress_bar
+    from .images import load_image
+
+    if index_kind not in INDEX_KINDS:
+        raise BankError(f"index kind must be one of {', '.join(INDEX_KINDS)} (got {index_kind!r})")
+    out = Path(out)
+    names = [name for _, name in jobs]
+    settings = {"keys": {"backbone": key_backbone.info.name, **key_record}, "values": [m.record() for m in models], "regions": region_source, "index_kind": index_kind}
+    wanted = json.loads(json.dumps({**settings, "images": names}, default=str))
+    if (out / MANIFEST).is_file():
+        done = json.loads((out / MANIFEST).read_text())
+        if {k: done.get(k) for k in wanted} == wanted:
+            return done
+        changed = sorted(k for k in wanted if done.get(k) != wanted[k])
+        raise BankError(f"{out}: a bank built with other settings ({', '.join(changed)}) is there; choose another --out")
+    rank, world = rank_and_world()
+    if rank == 0:
+        claim_manifest(out, wanted)
+    barrier()
+    if rank:
+        claim_manifest(out, wanted)
+    todo = pending(out, range(rank, len(jobs), world))
+    bar = progress_bar("images") if progress and rank == 0 else None
+    task = bar.add_task("bank build", total=len(todo)) if bar else None
+    if bar:
+        bar.start()
+    try:
+        for i in todo:
+            path, name = jobs[i]
+            rgb = load_image(path)
+            region_map = np.asarray(regions(rgb, name))
+            if region_map.shape != rgb.shape[:2]:
+                raise BankError(f"{name}: region map {region_map.shape} differs from the image {rgb.shape[:2]}")
+            key_map = key_backbone.image_feature_map(torch.from_numpy(np.array(rgb)))
+            write_part(out, i, image_part(rgb, region_map, key_map, models))
+            if bar:
+                bar.advance(task)
+    finally:
+        if bar:
+            bar.stop()
+    barrier()
+    manifest = finish_bank(out, settings, names, index_kind) if rank == 0 else None
+    barrier()
+    return manifest if manifest is not None else json.loads((out / MANIFEST).read_text())

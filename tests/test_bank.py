@@ -1,0 +1,246 @@
+"""Image banks and the retrieval stage (CorrCLIPv2): building, FAISS search, retrieval vs brute force,
+resuming, refusal of other models, and corrclipv2 end to end against the published forward_slide.
+
+Tiny random models: the 3-block CLIP of conftest (values), a second tiny CLIP of another width (the DFN
+store), a tiny NaFlexViT as C-RADIOv3-L (keys), a tiny DINO as dino_vitb8 (the values' CorrCLIP body).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from test_corrclipv2 import Given, published_forward_slide, published_postprocess, query_idx_of
+from test_dense_backbones import tiny_radio
+from test_proxyclip import proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO installed as dino_vitb8)
+
+from clipseg_sparse import load_clip
+from clipseg_sparse.attention import resolve_spec
+from clipseg_sparse.models.proxies import PROXIES, use_backbone
+from clipseg_sparse.segment import bank as banks
+from clipseg_sparse.segment.bank import BankError, ImageBank, ValueModel, build_bank, build_index, retrieval_logits, search
+from clipseg_sparse.segment.segmenter import Segmenter
+from clipseg_sparse.segment.settings import InferenceSettings
+from clipseg_sparse.segment.vocabulary import Vocabulary
+
+ROOT = Path(__file__).resolve().parents[1]
+VALUES = "ext:dino_vitb8.qk[cos,scale:4,region]/softmax/cls:0/noffn/in:mean@1-2/mct:0.5"
+VALUE_SETTINGS = InferenceSettings(resolution=64, window=48, stride=32)
+TINY_V2 = "ext:c_radio_v3_l.image[cos,scale:4,region]/softmax/cls:0/noffn/in:mean@1-2/mct:0.5/hook:retrieve:3:0.5"
+NAMES = [["cat", "kitten"], ["grass"], ["sky"], ["road"]]
+
+
+@pytest.fixture()
+def models(proxy, tmp_path_factory):  # noqa: F811
+    """(main tiny CLIP, aux tiny CLIP, tiny RADIO installed as c_radio_v3_l)."""
+    clip = proxy[0]
+    config = tmp_path_factory.mktemp("aux") / "tiny-aux.json"
+    spec = json.loads((ROOT / "tests/data/tiny-vit.json").read_text())
+    config.write_text(json.dumps({**spec, "embed_dim": 48}))
+    torch.manual_seed(5)
+    aux = load_clip(str(config), pretrained=None, device="cpu")
+    radio = tiny_radio()
+    use_backbone(radio, "cpu")
+    yield clip, aux, radio
+    PROXIES._loaded.pop(("c_radio_v3_l", "cpu"), None)
+
+
+def write_images(folder: Path, n: int, seed: int = 0) -> tuple[list[tuple[Path, str]], dict[str, np.ndarray]]:
+    """n smooth random RGB images (sizes vary) and their blocky region maps (-1 unsegmented)."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    jobs, regions = [], {}
+    for i in range(n):
+        H, W = [(60, 80), (72, 56), (64, 64)][i % 3]
+        base = rng.integers(0, 256, (H // 8 + 2, W // 8 + 2, 3)).astype(np.float32)
+        rgb = F.interpolate(torch.from_numpy(base).permute(2, 0, 1)[None], (H, W), mode="bilinear", align_corners=False)[0]
+        rgb = rgb.permute(1, 2, 0).clamp(0, 255).round().to(torch.uint8).numpy()
+        name = f"img{i:02d}.png"
+        Image.fromarray(rgb).save(folder / name)
+        cells = rng.integers(-1, 4, (H // 8 + 1, W // 8 + 1))
+        regions[name] = np.kron(cells, np.ones((8, 8), dtype=np.int64))[:H, :W]
+        jobs.append((folder / name, name))
+    return jobs, regions
+
+
+class ByName:
+    """A region source from a dict; `fail_at` raises at that image (a build killed there)."""
+
+    def __init__(self, regions: dict[str, np.ndarray], fail_at: str | None = None) -> None:
+        self.regions, self.fail_at = regions, fail_at
+
+    def __call__(self, rgb, name):
+        if name == self.fail_at:
+            raise KeyboardInterrupt("killed")
+        return self.regions[name]
+
+
+def build(out, jobs, regions, clips, radio, index="flat", fail_at=None):
+    values = [ValueModel(c, resolve_spec(VALUES), VALUE_SETTINGS) for c in clips]
+    record = PROXIES.config(["c_radio_v3_l"])["c_radio_v3_l"]
+    return build_bank(jobs, out, values, radio, record, ByName(regions, fail_at), "test", index)
+
+
+def brute_force_keys(radio, rgb, regions) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, keys): region means of the key features resized to the image with F.interpolate (not bands)."""
+    f = F.normalize(F.interpolate(radio.image_feature_map(torch.from_numpy(rgb)), rgb.shape[:2], mode="bilinear", align_corners=False), dim=1)[0]
+    ids = np.unique(regions)
+    ids = ids[ids >= 0]
+    return ids, np.stack([f[:, torch.from_numpy(regions == i)].mean(1).numpy() for i in ids])
+
+
+def test_bank_rows_are_the_region_means(models, tmp_path):
+    clip, aux, radio = models
+    jobs, regions = write_images(tmp_path / "images", 3)
+    manifest = build(tmp_path / "bank", jobs, regions, [clip, aux], radio)
+    bank = ImageBank.open(tmp_path / "bank")
+    assert isinstance(bank.keys, np.memmap) and all(isinstance(v, np.memmap) for v in bank.values.values())
+    rows = np.load(tmp_path / "bank" / banks.ROWS)
+    assert manifest["rows"] == len(rows) == bank.keys.shape[0] == bank.values["tiny-vit:none"].shape[0]
+    assert [s["clip"] for s in manifest["values"]] == ["tiny-vit:none", "tiny-aux:none"]
+    for i, (path, name) in enumerate(jobs):
+        rgb = np.array(Image.open(path))
+        ids, keys = brute_force_keys(radio, rgb, regions[name])
+        mine = rows[:, 0] == i
+        assert np.array_equal(rows[mine, 1], ids)
+        np.testing.assert_allclose(bank.keys[mine].astype(np.float32), keys, atol=2e-3)  # float16 store
+        # values: L2 of the region mean of the unnormalised dense features at the image's size
+        fmap = ValueModel(clip, resolve_spec(VALUES), VALUE_SETTINGS).feature_map(rgb, regions[name]).rows(0, rgb.shape[0])
+        expected = F.normalize(torch.stack([fmap[:, torch.from_numpy(regions[name] == r)].mean(1) for r in ids]), dim=-1).numpy()
+        np.testing.assert_allclose(bank.values["tiny-vit:none"][mine].astype(np.float32), expected, atol=2e-3)
+    assert not np.allclose(np.linalg.norm(fmap.flatten(1).numpy(), axis=0), 1.0)  # raw features, not unit vectors
+
+
+def test_flat_search_equals_brute_force():
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((500, 32)).astype(np.float16)
+    queries = F.normalize(torch.randn(17, 32), dim=-1).numpy()
+    scores, rows = search(build_index(keys, "flat"), queries, 20)
+    k = keys.astype(np.float32)
+    ip = queries @ (k / (np.linalg.norm(k, axis=1, keepdims=True) + 1e-12)).T
+    expected = np.argsort(-ip, axis=1, kind="stable")[:, :20]
+    assert np.array_equal(rows, expected)
+    np.testing.assert_allclose(scores, np.take_along_axis(ip, expected, 1), atol=1e-5)
+    _, few = search(build_index(keys[:5], "flat"), queries, 20)
+    assert (few[:, 5:] == -1).all() and (few[:, :5] >= 0).all()
+
+
+def test_ivfpq_recall_on_clustered_keys(capsys):
+    """The published IVF-PQ (nlist 8 sqrt(N), m 32, 8 bits, nprobe min(256, nlist)) against exact search."""
+    rng = np.random.default_rng(1)
+    centres = rng.standard_normal((40, 64))
+    keys = (centres[rng.integers(0, 40, 4000)] + 0.3 * rng.standard_normal((4000, 64))).astype(np.float16)
+    queries = F.normalize(torch.from_numpy(keys[:200].astype(np.float32) + 0.1 * rng.standard_normal((200, 64)).astype(np.float32)), dim=-1).numpy()
+    index = build_index(keys, "ivfpq")
+    inner = banks._faiss().downcast_index(index.index)
+    assert type(inner).__name__ == "IndexIVFPQ" and inner.nlist == int(8 * np.sqrt(4000)) and inner.pq.M == 32 and inner.pq.nbits == 8
+    _, approx = search(index, queries, 20)
+    _, exact = search(build_index(keys, "flat"), queries, 20)
+    recall = np.mean([len(set(a) & set(e)) / 20 for a, e in zip(approx, exact)])
+    with capsys.disabled():
+        print(f"\nIVF-PQ recall@20 on 4000 clustered 64-d keys (nprobe {inner.nprobe} of {inner.nlist}): {recall:.3f}")
+    assert recall > 0.5  # far above chance (20 / 4000)
+    with pytest.raises(BankError, match="at least"):
+        build_index(keys[:100], "ivfpq")
+
+
+def numpy_support(bank: ImageBank, regions: np.ndarray, feats: np.ndarray, texts: dict[str, np.ndarray], k: int) -> np.ndarray:
+    """Brute force: per region value (unsegmented too) q = L2(mean feature), the k largest inner products
+    with the L2-normalised keys, support = L2(mean of the stored values), logits averaged over stores."""
+    keys = np.asarray(bank.keys, dtype=np.float64)
+    keys /= np.linalg.norm(keys, axis=1, keepdims=True) + 1e-12
+    out = np.zeros((len(next(iter(texts.values()))), *regions.shape))
+    for v in np.unique(regions):
+        m = regions == v
+        q = feats[:, m].mean(1)
+        q /= np.linalg.norm(q)
+        top = np.argsort(-(keys @ q), kind="stable")[:k]
+        logits = 0
+        for store, text in texts.items():
+            s = np.asarray(bank.values[store][top], dtype=np.float64).mean(0)
+            logits = logits + text @ (s / np.linalg.norm(s))
+        out[:, m] = (logits / len(texts))[:, None]
+    return out
+
+
+def test_retrieval_logits_equal_brute_force(models, tmp_path):
+    clip, aux, radio = models
+    jobs, regions = write_images(tmp_path / "images", 4)
+    build(tmp_path / "bank", jobs, regions, [clip, aux], radio)
+    bank = ImageBank.open(tmp_path / "bank")
+    query_jobs, query_regions = write_images(tmp_path / "query", 1, seed=9)
+    rgb = np.array(Image.open(query_jobs[0][0]))
+    reg = torch.from_numpy(query_regions[query_jobs[0][1]])
+    feats = radio.image_features(torch.from_numpy(rgb), rgb.shape[:2])[0]
+    texts = {"tiny-vit:none": F.normalize(torch.randn(5, 64), dim=-1), "tiny-aux:none": F.normalize(torch.randn(5, 48), dim=-1)}
+    got = retrieval_logits(reg, feats, bank, texts, k=3)
+    expected = numpy_support(bank, reg.numpy(), feats.numpy(), {s: t.numpy().astype(np.float64) for s, t in texts.items()}, 3)
+    np.testing.assert_allclose(got.numpy(), expected, atol=1e-5)
+    one = retrieval_logits(reg, feats, bank, {"tiny-vit:none": texts["tiny-vit:none"]}, k=3)
+    assert not torch.allclose(one, got)  # the second store changes the logits
+
+
+def test_corrclipv2_with_a_bank_equals_the_published_forward_slide(models, tmp_path):
+    clip, aux, radio = models
+    jobs, regions = write_images(tmp_path / "images", 4)
+    build(tmp_path / "bank", jobs, regions, [clip, aux], radio)
+    bank = ImageBank.open(tmp_path / "bank")
+    from test_corrclipv2 import image_and_regions
+
+    rgb, reg = image_and_regions(seed=3)
+    settings = InferenceSettings(resolution=112, window=112, stride=56, stages=("regionvote",), bg_threshold=0.15)
+    seg = Segmenter(clip, Vocabulary.from_names(NAMES), spec=TINY_V2, settings=settings, regions=Given(reg), bank=bank, bank_clips=[aux])
+    assert set(seg.store_texts) == {"tiny-vit:none", "tiny-aux:none"} and seg.store_texts["tiny-aux:none"].shape[1] == 48
+    pixels = seg.pixels(rgb)
+    scaled = F.interpolate(torch.from_numpy(reg)[None, None].float(), size=pixels.shape[-2:], mode="nearest")[0, 0].long().numpy()
+    feats = radio.image_features(torch.from_numpy(rgb), tuple(pixels.shape[-2:]))[0].numpy()
+    support = numpy_support(bank, scaled, feats, {s: t.numpy().astype(np.float64) for s, t in seg.store_texts.items()}, 3)
+    expected = published_forward_slide(seg, radio, rgb, reg, seg.text, support=torch.from_numpy(support).float())
+    cos = seg.cosine(rgb, reg).rows(0, rgb.shape[0])
+    torch.testing.assert_close(cos, expected, atol=5e-5, rtol=1e-4)
+    probs, labels = published_postprocess(expected, query_idx_of(NAMES), reg, prob_thd=0.15)
+    result = seg.predict(rgb, "q.png")
+    assert np.array_equal(result.labels, labels.numpy())
+    assert result.settings["bank"] == {"hash": bank.content_hash, "keys": "c_radio_v3_l", "values": ["tiny-vit:none", "tiny-aux:none"]}
+    assert "retrieve:3:0.5" in result.settings["attention"]
+
+
+def test_a_bank_of_other_models_is_refused_by_name(models, tmp_path):
+    clip, aux, radio = models
+    jobs, regions = write_images(tmp_path / "images", 2)
+    build(tmp_path / "bank", jobs, regions, [aux], radio)
+    bank = ImageBank.open(tmp_path / "bank")
+    with pytest.raises(BankError, match=r"built with tiny-aux:none, not tiny-vit:none"):
+        Segmenter(clip, Vocabulary.from_names(NAMES), spec=TINY_V2, regions=Given(regions["img00.png"]), bank=bank)
+    bank.manifest["keys"]["weights"] = "some.pth"
+    with pytest.raises(BankError, match="c_radio_v3_l weights 'some.pth'"):
+        Segmenter(aux, Vocabulary.from_names(NAMES), spec=TINY_V2, regions=Given(regions["img00.png"]), bank=bank)
+    with pytest.raises(ValueError, match="needs an image bank"):
+        Segmenter(clip, Vocabulary.from_names(NAMES), spec=TINY_V2, regions=Given(regions["img00.png"]))
+    with pytest.raises(BankError, match="other settings"):  # no silent overwrite of a finished bank
+        build(tmp_path / "bank", jobs, regions, [clip], radio)
+
+
+def test_killed_then_resumed_equals_uninterrupted(models, tmp_path):
+    clip, _, radio = models
+    jobs, regions = write_images(tmp_path / "images", 4)
+    whole = build(tmp_path / "whole", jobs, regions, [clip], radio)
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path / "resumed", jobs, regions, [clip], radio, fail_at="img02.png")
+    assert sorted(p.name for p in (tmp_path / "resumed" / banks.PARTS).glob("*.npz")) == ["00000000.npz", "00000001.npz"]
+    with pytest.raises(BankError, match="unfinished build"):
+        ImageBank.open(tmp_path / "resumed")
+    with pytest.raises(BankError, match="other settings"):  # resuming with other settings would mix two builds
+        build(tmp_path / "resumed", jobs, regions, [clip], radio, index="auto")
+    resumed = build(tmp_path / "resumed", jobs, regions, [clip], radio)
+    assert resumed["hash"] == whole["hash"]
+    for name in (banks.KEYS, banks.values_file(0), banks.ROWS):
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes()
