@@ -244,3 +244,99 @@ def test_killed_then_resumed_equals_uninterrupted(models, tmp_path):
     assert resumed["hash"] == whole["hash"]
     for name in (banks.KEYS, banks.values_file(0), banks.ROWS):
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes()
+
+
+def write_masks(folder: Path, regions: dict[str, np.ndarray]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, r in regions.items():
+        np.save(folder / f"{Path(name).stem}.npy", r)
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "300"})
+
+
+def test_bank_build_info_and_segment_with_bank_on_the_command_line(models, tmp_path):
+    from conftest import TINY_CONFIG
+
+    clip, _, radio = models
+    jobs, regions = write_images(tmp_path / "images", 3)
+    write_masks(tmp_path / "masks", regions)
+    common = ["--model", TINY_CONFIG, "--pretrained", "none", "--device", "cpu"]
+    built = cli("bank", "build", tmp_path / "images", "--out", tmp_path / "bank", "--regions", tmp_path / "masks", *common,
+                "--values-attn", VALUES, "--resolution", 64, "--window", 48, "--stride", 32, "--index", "flat")  # fmt: skip
+    assert built.exit_code == 0, built.output
+    bank = ImageBank.open(tmp_path / "bank")
+    assert bank.content_hash in built.output, built.output
+    assert bank.manifest["images"] == ["img00", "img01", "img02"]  # the images' paths under the input, without suffix
+    info = cli("bank", "info", tmp_path / "bank")
+    assert info.exit_code == 0 and bank.content_hash in info.output and "c_radio_v3_l" in info.output and "tiny-vit:none" in info.output
+    named = [(path, Path(name).stem) for path, name in jobs]
+    direct = build(tmp_path / "direct", named, {Path(n).stem: r for n, r in regions.items()}, [clip], radio)  # through the library
+    assert direct["rows"] == bank.rows and (tmp_path / "direct" / banks.KEYS).read_bytes() == (tmp_path / "bank" / banks.KEYS).read_bytes()
+
+    query, query_regions = write_images(tmp_path / "query", 1, seed=4)
+    write_masks(tmp_path / "qmasks", query_regions)
+    seg = ["segment", tmp_path / "query", "--classes", "cat,grass|lawn,sky", *common, "--templates", "single", "--resolution", "0",
+           "--window", "64", "--stride", "32", "--attn", TINY_V2, "--regions", tmp_path / "qmasks"]  # fmt: skip
+    missing = cli(*seg, "--out", tmp_path / "out0")
+    assert missing.exit_code == 2 and "needs an image bank: give --bank BANK" in missing.output
+    done = cli(*seg, "--bank", tmp_path / "bank", "--out", tmp_path / "out")
+    assert done.exit_code == 0, done.output
+    record = json.loads(next((tmp_path / "out").glob("*.json")).read_text())
+    assert json.dumps(record).count(bank.content_hash) >= 1
+    unfinished = cli(*seg, "--bank", tmp_path / "images", "--out", tmp_path / "out2")
+    assert unfinished.exit_code == 2 and "not an image bank" in unfinished.output
+
+
+GLOO_SCRIPT = """
+import json, sys
+import numpy as np, torch
+sys.path.insert(0, {tests!r})
+from conftest import TINY_CONFIG
+from test_bank import ByName, VALUES, VALUE_SETTINGS, write_images
+from test_dense_backbones import tiny_radio
+from clipseg_sparse import load_clip
+from clipseg_sparse.attention import resolve_spec
+from clipseg_sparse.models.backbones import BACKBONES, Backbone
+from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
+from clipseg_sparse.runtime.distributed import init_from_env
+from clipseg_sparse.segment.bank import ValueModel, build_bank
+import timm.models.vision_transformer as vt
+from pathlib import Path
+
+init_from_env()
+torch.set_num_threads(1)
+clip = load_clip(TINY_CONFIG, pretrained=None, device="cpu")
+torch.manual_seed(0)
+dino = vt.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True)
+use_proxy_weights("auto", clip=clip)
+use_backbone(Backbone(BACKBONES.get("dino_vitb8"), dino, weights="none"), "cpu")
+radio = tiny_radio()
+use_backbone(radio, "cpu")
+jobs, regions = write_images(Path({images!r}), 5)
+values = [ValueModel(clip, resolve_spec(VALUES), VALUE_SETTINGS)]
+build_bank(jobs, {out!r}, values, radio, PROXIES.config(["c_radio_v3_l"])["c_radio_v3_l"], ByName(regions), "test", "flat")
+"""
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+def test_two_gloo_ranks_build_the_same_bank_as_one_process(tmp_path):
+    outs = {}
+    for procs in (1, 2):
+        script = tmp_path / f"build{procs}.py"
+        out = tmp_path / f"bank{procs}"
+        script.write_text(GLOO_SCRIPT.format(tests=str(ROOT / "tests"), images=str(tmp_path / f"images{procs}"), out=str(out)))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs), str(script)],
+                             env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        outs[procs] = out
+    one, two = (json.loads((outs[p] / banks.MANIFEST).read_text()) for p in (1, 2))
+    assert one["hash"] == two["hash"] and one["rows"] == two["rows"] > 0
+    for name in (banks.KEYS, banks.values_file(0), banks.ROWS):
+        assert (outs[1] / name).read_bytes() == (outs[2] / name).read_bytes()

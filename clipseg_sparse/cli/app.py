@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from . import analysis, bench, dna, evaluate, ls, segment, sweep
+from . import analysis, bank, bench, dna, evaluate, ls, segment, sweep
 from .common import flags_show_no_value_type
 from ..runtime.progress import err_console
 
@@ -45,6 +45,7 @@ def build_app() -> typer.Typer:
         root.add_typer(group)
     root.add_typer(evaluate.convert_app, name="convert")
     root.add_typer(dna.dna_app, name="dna")
+    root.add_typer(bank.bank_app, name="bank")
     return root
 
 

@@ -81,6 +81,11 @@ PromptsOpt = Annotated[
     typer.Option("--prompts", help='Prompt file: a JSON object of class name -> list of description sentences, averaged with the templates (OV-Stitcher\'s class_biased_template.json), e.g. {"cat": ["a small furry pet."]}.'),
 ]
 
+BankOpt = Annotated[
+    Optional[Path],
+    typer.Option("--bank", help="An image bank (`clipseg-sparse bank build`) for retrieval stages (corrclipv2: stage retrieve); results record its content hash."),
+]
+
 TemplatesOpt = Annotated[
     str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file with one {}-template per line.")
 ]
@@ -198,6 +203,21 @@ def note_softmax_aliases(normalizers) -> None:
             alias = False
         if alias:
             err_console.print(f"note: {text} is softmax (entmax's alpha -> 1 limit); it runs and is recorded as softmax", highlight=False)
+
+
+def open_bank(value: Path | None, spec, stages: Sequence[str] = ()):
+    """The --bank (`segment.bank.ImageBank`, memory-mapped), opened before any model loads; None when no
+    retrieval stage runs (a note says it is unused). A retrieval stage without --bank is an error."""
+    from ..segment.bank import ImageBank
+    from ..stages import resolve_stages
+
+    needs = [st.name for st in resolve_stages(tuple(spec.hooks) + tuple(stages)) if st.kind == "retrieval"]
+    if needs and value is None:
+        fail(f"stage {needs[0]} needs an image bank: give --bank BANK (build one with `clipseg-sparse bank build`)")
+    if value is not None and not needs:
+        err_console.print(f"note: --bank {value} is unused: no retrieval stage runs (preset corrclipv2 has one)", highlight=False, soft_wrap=True)
+        return None
+    return ImageBank.open(value) if value is not None else None
 
 
 def load_model(model: str, pretrained: str, device: Device, precision: Precision):

@@ -12,6 +12,7 @@ import typer
 from .common import (
     PAMR_HELP,
     AttnOpt,
+    BankOpt,
     Device,
     DeviceOpt,
     ModelOpt,
@@ -29,6 +30,7 @@ from .common import (
     load_pipeline,
     load_proxies,
     load_regions,
+    open_bank,
     note_shown,
     out_console,
     resolve_attention,
@@ -50,6 +52,7 @@ def eval_cmd(
     precision: PrecisionOpt = Precision.fp32,
     proxy_weights: ProxyWeightsOpt = "auto",
     regions: RegionsOpt = None,
+    bank: BankOpt = None,
     preset: PresetOpt = None,
     attn: AttnOpt = None,
     protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip, proxyclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
@@ -101,10 +104,11 @@ def eval_cmd(
         from ..segment.regions import region_reader
 
         region_src = load_regions(regions, [s.id for s in samples], device, region_reader(spec, stages))
-    elif regions is not None:
-        fail(f"--regions: {pipeline.name} reads no region masks")
+        image_bank = open_bank(bank, spec, stages)
+    elif regions is not None or bank is not None:
+        fail(f"--{'regions' if regions is not None else 'bank'}: {pipeline.name} reads no {'region masks' if regions is not None else 'image bank'}")
     else:
-        spec, region_src = preset, None
+        spec, region_src, image_bank = preset, None, None
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     if pipeline is None:
         clip = load_model(model, pretrained, device, precision)
@@ -113,7 +117,7 @@ def eval_cmd(
         clip = load_pipeline(pipeline, proxy_weights, pretrained, device)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
-                      limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, regions=region_src, prompts=prompt_file)
+                      limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, regions=region_src, prompts=prompt_file, bank=image_bank)
     if rank > 0:
         return
     note_shown(out, shown)

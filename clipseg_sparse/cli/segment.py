@@ -10,6 +10,7 @@ import typer
 from .common import (
     PAMR_HELP,
     AttnOpt,
+    BankOpt,
     Device,
     DeviceOpt,
     ModelOpt,
@@ -26,6 +27,7 @@ from .common import (
     load_model,
     load_proxies,
     load_regions,
+    open_bank,
     out_console,
     resolve_attention,
     user_errors,
@@ -59,6 +61,7 @@ def segment(
     precision: PrecisionOpt = Precision.fp32,
     proxy_weights: ProxyWeightsOpt = "auto",
     regions: RegionsOpt = None,
+    bank: BankOpt = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Windows per forward pass (default 16).")] = None,
     pamr: Annotated[bool, typer.Option("--pamr", help=PAMR_HELP)] = False,
     save_probs: Annotated[bool, typer.Option("--save-probs", help="Also write per-class probabilities (float16, compressed npz).")] = False,
@@ -107,10 +110,11 @@ def segment(
     from ..segment.regions import region_reader
 
     region_src = load_regions(regions, [str(job.rel) for job in found.jobs], device, region_reader(spec, settings.stage_texts()))
+    image_bank = open_bank(bank, spec, settings.stage_texts())
     rank, world = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     load_proxies(spec, clip, proxy_weights)
-    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0, regions=region_src, prompts=prompt_file)
+    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0, regions=region_src, prompts=prompt_file, bank=image_bank)
     plan = plan_run(found.jobs, out, options, segmenter.config())
     conflict = "{n} image(s) already have outputs this run would replace ({reason}); use --overwrite or another --out"
     if plan.conflicts:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import analysis as cli_analysis
-from .common import PAMR_HELP, Device, DeviceOpt, Precision, check_out, fail, note_softmax_aliases, out_console, user_errors
+from .common import PAMR_HELP, BankOpt, Device, DeviceOpt, Precision, check_out, fail, note_softmax_aliases, out_console, user_errors
 from .ls import Listable, registry_table
 from ..runtime.progress import err_console
 
@@ -86,6 +86,7 @@ def sweep(
     root: RootOpt = None,
     images_root: ImagesRootOpt = None,
     regions: SweepRegionsOpt = None,
+    bank: BankOpt = None,
     device: DeviceOpt = Device.auto,
     shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: run only the I-th of N disjoint parts of the grid (every N-th cell), e.g. one per job of a job array.")] = None,
 ) -> None:
@@ -122,7 +123,11 @@ def sweep(
     if pamr is not None:
         the_grid = dataclasses.replace(the_grid, overrides={**the_grid.overrides, "pamr": pamr})
     roots.update(parse_roots(root or []))
-    paths = SweepPaths(out=out, roots=roots, images_root=images_root or images, regions=parse_roots(regions or []))
+    if bank is not None:
+        from ..segment.bank import ImageBank
+
+        ImageBank.open(bank)  # a missing or unfinished bank fails before any cell runs
+    paths = SweepPaths(out=out, roots=roots, images_root=images_root or images, regions=parse_roots(regions or []), bank=bank)
     summary, _ = _run_grid(the_grid, paths, device, shard=shard)
     if summary.failed:
         raise typer.Exit(1)

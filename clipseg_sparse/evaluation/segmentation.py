@@ -58,6 +58,7 @@ def evaluate(
     cache_dir: str | Path | None = None,
     regions: Callable | None = None,
     prompts: Prompts | str | Path | None = None,
+    bank=None,
 ) -> dict:
     """Evaluate `clip` with `spec` on a benchmark and return the result record (see README, schema 1).
 
@@ -72,7 +73,8 @@ def evaluate(
     Raises DatasetError for a missing / malformed dataset, ConfigMismatchError when `out` or its log
     hold another configuration, ValueError for bad settings. regions: the region source of specs and
     stages that read region maps (CorrCLIP; see `Segmenter`), called with each sample's id. prompts: a
-    prompt file of sentences per class name (`Segmenter`), recorded in the config.
+    prompt file of sentences per class name (`Segmenter`), recorded in the config. bank: the image
+    bank of retrieval stages (CorrCLIPv2; `segment.bank.ImageBank`), recorded by its content hash.
 
     Under torchrun (an initialised process group) each rank scores every world-th image, the counts are
     summed over ranks and rank 0 writes `out`; every rank returns the same record.
@@ -99,7 +101,7 @@ def evaluate(
         segmenter = pipeline.build(clip, vocabulary, settings)
     else:
         spec = proto.spec_for(bench.name, spec)  # a preset's per-dataset constants (ResCLIP's)
-        segmenter = Segmenter(clip, vocabulary, spec, settings, templates, cache_dir, progress=progress and rank == 0, regions=regions, prompts=prompts)
+        segmenter = Segmenter(clip, vocabulary, spec, settings, templates, cache_dir, progress=progress and rank == 0, regions=regions, prompts=prompts, bank=bank)
     config = run_config(segmenter, bench, root, protocol, which, names_version, limit, bench.fingerprint(every_sample))
 
     finished, log = open_run(out, config, overwrite=overwrite, resume=resume, rank=rank, world=world)

@@ -34,12 +34,30 @@ class SweepPaths:
     roots: Mapping[str, Path] = field(default_factory=dict)
     images_root: Path | None = None
     regions: Mapping[str, Path] = field(default_factory=dict)
+    bank: Path | None = None  # the image bank of cells whose spec runs a retrieval stage (corrclipv2)
 
     def result(self, cell: Cell) -> Path:
-        return self.out / f"{cell.hash}.json"
+        return self.out / f"{self._name(cell)}.json"
 
     def error(self, cell: Cell) -> Path:
-        return self.out / f"{cell.hash}.error.json"
+        return self.out / f"{self._name(cell)}.error.json"
+
+    def _name(self, cell: Cell) -> str:
+        """The cell's hash, plus the bank's content hash for a cell that reads the bank (results of two
+        banks never share a file)."""
+        bank = self.image_bank(cell)
+        return cell.hash if bank is None else f"{cell.hash}.bank-{bank.content_hash}"
+
+    def image_bank(self, cell: Cell):
+        """The opened bank (`segment.bank.ImageBank`) for an eval cell whose spec runs a retrieval stage."""
+        if self.bank is None or cell.kind != "eval":
+            return None
+        from ..attention import resolve_spec
+        from ..stages import resolve_stages
+
+        if not any(st.kind == "retrieval" for st in resolve_stages(resolve_spec(cell.attention).hooks)):
+            return None
+        return _open_bank(str(self.bank))
 
     def region_source(self, dataset: str, device: str = "cpu"):
         """The region source of `dataset`'s cells (`regions.open_regions`), None when none was given."""
@@ -109,6 +127,13 @@ def data_changed(paths: SweepPaths, cell: Cell) -> bool:
 
 
 @lru_cache(maxsize=None)
+def _open_bank(path: str):
+    from ..segment.bank import ImageBank
+
+    return ImageBank.open(path)
+
+
+@lru_cache(maxsize=None)
 def _fingerprint(dataset: str, root: str) -> str:
     from ..datasets import DATASETS
 
@@ -127,7 +152,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths, progress: bool = False, overwr
 
         evaluate(clip, cell.data, paths.root(cell.data), cell.attention, protocol=g.protocol, overrides=cell.settings_changes or None,
                  class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=progress, overwrite=overwrite,
-                 regions=paths.region_source(cell.data, str(clip.device)), prompts=g.prompts, **templates)  # fmt: skip
+                 regions=paths.region_source(cell.data, str(clip.device)), prompts=g.prompts, bank=paths.image_bank(cell), **templates)  # fmt: skip
     else:
         from ..evaluation.fgovd import evaluate_fgovd
         from ..segment.settings import InferenceSettings
