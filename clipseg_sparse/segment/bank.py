@@ -182,14 +182,14 @@ class ImageBank:
         return F.normalize(torch.from_numpy(out), dim=-1)
 
 
-def region_queries(regions: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(R region values, R x C queries): each value of the h x w map (the unsegmented one too), the
-    L2-normalised mean of the C x h x w features over its pixels."""
-    values, inverse = torch.unique(regions, return_inverse=True)
-    flat = features.flatten(1).float()
-    sums = torch.zeros(len(values), flat.shape[0]).index_add_(0, inverse.flatten().cpu(), flat.T.cpu())
-    counts = torch.bincount(inverse.flatten().cpu(), minlength=len(values)).clamp(min=1)
-    return values, F.normalize(sums / counts[:, None], dim=-1)
+def region_queries(regions: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(R region values, R x C queries, h*w index of each pixel's region): each value of the h x w map (the
+    unsegmented one too) and the L2-normalised mean of the C x h x w features over its pixels (one matrix
+    product with the pixels' one-hot region matrix)."""
+    values, inverse = torch.unique(regions.cpu(), return_inverse=True)
+    onehot = F.one_hot(inverse.flatten(), len(values)).float()  # h*w x R
+    sums = features.flatten(1).float().cpu() @ onehot  # C x R
+    return values, F.normalize((sums / onehot.sum(0)).T, dim=-1), inverse.flatten()
 
 
 def retrieval_logits(
@@ -198,11 +198,10 @@ def retrieval_logits(
     """N x h x w support logits of an image (published `forward_slide` + `get_support_clip_logits`):
     regions h x w ids, features C x h x w whole-image key-backbone features at the same size, texts
     store -> N x D text embeddings (one per CLIP store used; their logits averaged)."""
-    values, queries = region_queries(regions, features)
+    _, queries, inverse = region_queries(regions, features)
     _, rows = search(bank.index, queries.numpy(), k)
     logits = sum(bank.support(store, rows) @ text.float().cpu().T for store, text in texts.items()) / len(texts)  # R x N
-    inverse = torch.searchsorted(values, regions.flatten().cpu())
-    return logits[inverse].T.reshape(-1, *regions.shape).to(features.device)
+    return logits.T.contiguous()[:, inverse].reshape(-1, *regions.shape).to(features.device)  # painted: N x h x w
 
 
 # -- building -----------------------------------------------------------------------------------------
