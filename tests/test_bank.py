@@ -340,3 +340,36 @@ def test_two_gloo_ranks_build_the_same_bank_as_one_process(tmp_path):
     assert one["hash"] == two["hash"] and one["rows"] == two["rows"] > 0
     for name in (banks.KEYS, banks.values_file(0), banks.ROWS):
         assert (outs[1] / name).read_bytes() == (outs[2] / name).read_bytes()
+
+
+def test_eval_with_a_bank_records_its_hash_and_sweep_files_name_it(models, tmp_path):
+    from conftest import TINY_CONFIG
+    from fake_benchmarks import make_benchmark
+
+    from clipseg_sparse.datasets import DATASETS
+    from clipseg_sparse.sweeps.grid import Grid
+    from clipseg_sparse.sweeps.run import SweepPaths
+
+    clip, _, radio = models
+    jobs, regions = write_images(tmp_path / "images", 2)
+    build(tmp_path / "bank", jobs, regions, [clip], radio)
+    bank = ImageBank.open(tmp_path / "bank")
+    make_benchmark("voc21", tmp_path / "voc", n=2, size=(48, 64))
+    samples = DATASETS.get("voc21").samples(tmp_path / "voc")
+    (tmp_path / "masks").mkdir()
+    rng = np.random.default_rng(6)
+    for s in samples:
+        np.save(tmp_path / "masks" / f"{s.id}.npy", np.kron(rng.integers(-1, 4, (6, 8)), np.ones((8, 8), dtype=np.int64)).astype(np.int32))
+    args = ["eval", "--dataset", "voc21", "--root", tmp_path / "voc", "--protocol", "corrclipv2", "--attn", TINY_V2, "--model", TINY_CONFIG,
+            "--pretrained", "none", "--device", "cpu", "--templates", "single", "--resolution", 64, "--window", 64, "--stride", 32,
+            "--regions", tmp_path / "masks", "--out", tmp_path / "voc.json"]  # fmt: skip
+    res = cli(*args, "--bank", tmp_path / "bank")
+    assert res.exit_code == 0, res.output
+    config = json.loads((tmp_path / "voc.json").read_text())["config"]
+    assert config["bank"]["hash"] == bank.content_hash and config["stages"] == ["regionvote"]
+    # sweep: a cell that reads the bank names it in its result file; one that does not keeps its name
+    cells = Grid.from_dict({"datasets": ["voc21"], "presets": ["corrclipv2", "sclip"]}).cells()
+    paths = SweepPaths(out=tmp_path / "sweep", bank=tmp_path / "bank")
+    (v2,), (sclip,) = ([c for c in cells if ("retrieve" in str(c.attention)) == want] for want in (True, False))
+    assert paths.result(v2).name == f"{v2.hash}.bank-{bank.content_hash}.json" and paths.result(sclip).name == f"{sclip.hash}.json"
+    assert paths.image_bank(v2).content_hash == bank.content_hash and paths.image_bank(sclip) is None
