@@ -164,17 +164,18 @@ def test_missing_checkpoint_is_one_line(tmp_path):
     assert "\n" not in str(e.value) and "nope.pth" in str(e.value)
 
 
-def test_offline_hub_weights_fail_fast_with_one_line(tmp_path):
+@pytest.mark.parametrize("name", ["dino_vitb16", "c_radio_v3_l"])
+def test_offline_hub_weights_fail_fast_with_one_line(tmp_path, name):
     code = (
         "from clipseg_sparse.models.backbones import load_backbone\n"
         "from clipseg_sparse.models.clip import WeightsUnavailableError\n"
-        "try:\n    load_backbone('dino_vitb16', 'hub', device='cpu')\n"
+        f"try:\n    load_backbone({name!r}, 'hub', device='cpu')\n"
         "except WeightsUnavailableError as e:\n    print('ERR', e)\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     lines = [line for line in out.stdout.splitlines() if line]
-    assert len(lines) == 1 and lines[0].startswith("ERR could not obtain weights 'hub' for backbone dino_vitb16")
+    assert len(lines) == 1 and lines[0].startswith(f"ERR could not obtain weights 'hub' for backbone {name}")
     assert "HF_HUB_OFFLINE" in lines[0]
 
 

@@ -211,7 +211,7 @@ def open_bank(value: Path | None, spec, stages: Sequence[str] = ()):
     from ..segment.bank import ImageBank
     from ..stages import resolve_stages
 
-    needs = [st.name for st in resolve_stages(tuple(spec.hooks) + tuple(stages)) if st.kind == "retrieval"]
+    needs = [st.name for st in (*resolve_stages(spec.hooks), *resolve_stages(stages)) if st.kind == "retrieval"]
     if needs and value is None:
         fail(f"stage {needs[0]} needs an image bank: give --bank BANK (build one with `clipseg-sparse bank build`)")
     if value is not None and not needs:

@@ -251,4 +251,4 @@ def region_reader(spec, stages: Sequence[str] = ()) -> str | None:
     spec = resolve_spec(spec)
     if needs_regions(spec):
         return f"attention {spec}"
-    return next((f"stage {st.name}" for st in resolve_stages(tuple(spec.hooks) + tuple(stages)) if st.kind in ("labels", "retrieval")), None)
+    return next((f"stage {st.name}" for st in (*resolve_stages(spec.hooks), *resolve_stages(stages)) if st.kind in ("labels", "retrieval")), None)
