@@ -135,3 +135,24 @@ def _vocab():
     from clipseg_sparse.segment.vocabulary import Vocabulary
 
     return Vocabulary.from_names(NAMES)
+
+
+def test_presets_and_protocol_follow_the_published_configs():
+    """CorrCLIPv2/configs/cfg_*.py (+ the segmentor defaults slide_crop 336, slide_stride 112, logit_scale 40)."""
+    from clipseg_sparse.attention import PRESETS
+    from clipseg_sparse.evaluation.protocols import PROTOCOLS
+
+    for name in ("corrclipv2", "corrclipv2-entmax", "corrclipv2-l14", "corrclipv2-l14-entmax", "corrclipv2-values"):
+        assert name in PRESETS
+    spec = PRESETS.get("corrclipv2").spec
+    assert str(spec).startswith("ext:c_radio_v3_l.image[cos,scale:4,region]/softmax") and "hook:retrieve" in str(spec)
+    assert "in:mean@11-22" in str(PRESETS.get("corrclipv2-l14").spec) and "entmax:1.5" in str(PRESETS.get("corrclipv2-entmax").spec)
+    p = PROTOCOLS.get("corrclipv2")
+    published = {
+        "voc21": (336, 336, 112, 0.2), "context60": (336, 336, 112, 0.15), "coco-object": (336, 336, 112, 0.25),
+        "voc20": (336, 336, 112, 0.0), "context59": (336, 336, 112, 0.0), "ade20k": (448, 336, 112, 0.0), "cityscapes": (784, 224, 112, 0.0),
+    }  # fmt: skip
+    for dataset, (short, window, stride, thd) in published.items():
+        s = p.settings(dataset)
+        assert (s.resolution, s.window, s.stride, s.bg_threshold, s.logit_scale) == (short, window, stride, thd, 40.0), dataset
+        assert s.stages == ("regionvote",)
