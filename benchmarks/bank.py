@@ -9,7 +9,7 @@ memory of a memory-mapped bank much larger than what the process keeps, side by 
    median seconds per image (search + reading the neighbours' values + painting the logits).
 3. memory: a bank of --big regions (512-d float16 values on disk, 32-d keys in a flat index) opened
    memory-mapped; peak resident set of a child process that opens it and retrieves for 20 images, next to
-   the values file's size.
+   the values file's size, and how much of the resident set is mapped file pages.
 
     python benchmarks/bank.py [--images 4] [--short 336] [--keys c_radio_v3_b] [--big 2000000] [--threads 2] [--skip build]
 """
@@ -82,7 +82,9 @@ def memory_child(folder: str, regions: int, classes: int) -> None:
     for seed in range(20):
         reg, feats = query_image(regions, key_dim=bank.keys.shape[1], seed=seed)
         banks.retrieval_logits(reg, feats, bank, text)
-    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    kib = lambda key: float(status.get(key, "0 kB").split()[0]) / 1024  # noqa: E731
+    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "file_mib": kib("RssFile"), "anon_mib": kib("RssAnon")}))
 
 
 def build_rate(images: int, short: int, keys: str, clip_name: str) -> float:
@@ -147,8 +149,10 @@ def main() -> None:
             size = (folder / banks.values_file(0)).stat().st_size / 2**20
             child = subprocess.run([sys.executable, __file__, "--child", str(folder), "--regions", str(args.regions), "--classes", str(args.classes)],
                                    capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))  # fmt: skip
-            peak = json.loads(child.stdout.strip().splitlines()[-1])["peak_mib"]
-            print(f"memory: values store {size:.0f} MiB on disk ({args.big} regions x 512 float16), flat 32-d index in RAM; peak RSS of a process retrieving for 20 images: {peak:.0f} MiB ({peak / size:.2f} x the store)")
+            got = json.loads(child.stdout.strip().splitlines()[-1])
+            print(f"memory: values store {size:.0f} MiB on disk ({args.big} regions x 512 float16), flat 32-d index in RAM; a process retrieving "
+                  f"for 20 images: peak RSS {got['peak_mib']:.0f} MiB ({got['peak_mib'] / size:.2f} x the store), at the end {got['file_mib']:.0f} MiB "
+                  f"of it file-backed (mapped store pages) and {got['anon_mib']:.0f} MiB anonymous (torch, faiss, the index)")
 
 
 if __name__ == "__main__":

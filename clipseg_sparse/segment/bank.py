@@ -137,8 +137,8 @@ class ImageBank:
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("format") != BANK_FORMAT:
             raise BankError(f"{path}: bank format {manifest.get('format')!r}, this version reads {BANK_FORMAT}")
-        keys = np.load(path / KEYS, mmap_mode="r")
-        values = {store["clip"]: np.load(path / values_file(i), mmap_mode="r") for i, store in enumerate(manifest["values"])}
+        keys = random_access(np.load(path / KEYS, mmap_mode="r"))
+        values = {store["clip"]: random_access(np.load(path / values_file(i), mmap_mode="r")) for i, store in enumerate(manifest["values"])}
         index = _faiss().read_index(str(path / INDEX))
         return cls(path, manifest, keys, values, index)
 
@@ -180,6 +180,17 @@ class ImageBank:
             if len(ids):
                 out[r] = np.asarray(values[np.sort(ids)], dtype=np.float32).mean(0)
         return F.normalize(torch.from_numpy(out), dim=-1)
+
+
+def random_access(array: np.memmap) -> np.memmap:
+    """The memory map with the kernel's readahead off (MADV_RANDOM): reading 20 scattered rows would
+    otherwise map hundreds of kilobytes around each, so the resident set grew with the store."""
+    import mmap
+
+    m = getattr(array, "_mmap", None)
+    if m is not None and hasattr(mmap, "MADV_RANDOM"):
+        m.madvise(mmap.MADV_RANDOM)
+    return array
 
 
 def region_queries(regions: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
