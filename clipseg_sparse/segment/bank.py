@@ -16,7 +16,8 @@ published `generate_clip_embeddings.py`). Layout:
     BANK/parts/          one .npz per image while building (written atomically; a kill loses at most the
                          image in flight), merged into the files above at the end
 
-The stores are opened memory-mapped (`np.load(mmap_mode="r")`): retrieval reads only the rows it needs.
+The stores are opened memory-mapped (`np.load(mmap_mode="r")`, nothing loaded into RAM); retrieval reads only
+the rows it needs, with pread (`read_rows`), so the process's resident set does not grow with the store.
 Index: flat inner product below `FLAT_BELOW` rows, else the published IVF-PQ (nlist = 8 sqrt(N), m 32, 8 bits,
 nprobe min(256, nlist)). Retrieval (`retrieval_logits`): per region of the image's map (each value, the
 unsegmented one too) q = L2(region mean of the whole-image features), the k nearest keys by inner product,
@@ -30,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -137,8 +139,8 @@ class ImageBank:
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("format") != BANK_FORMAT:
             raise BankError(f"{path}: bank format {manifest.get('format')!r}, this version reads {BANK_FORMAT}")
-        keys = random_access(np.load(path / KEYS, mmap_mode="r"))
-        values = {store["clip"]: random_access(np.load(path / values_file(i), mmap_mode="r")) for i, store in enumerate(manifest["values"])}
+        keys = np.load(path / KEYS, mmap_mode="r")
+        values = {store["clip"]: np.load(path / values_file(i), mmap_mode="r") for i, store in enumerate(manifest["values"])}
         index = _faiss().read_index(str(path / INDEX))
         return cls(path, manifest, keys, values, index)
 
@@ -178,19 +180,21 @@ class ImageBank:
         for r, ids in enumerate(rows):
             ids = ids[ids >= 0]
             if len(ids):
-                out[r] = np.asarray(values[np.sort(ids)], dtype=np.float32).mean(0)
+                out[r] = read_rows(values, np.sort(ids)).astype(np.float32).mean(0)
         return F.normalize(torch.from_numpy(out), dim=-1)
 
 
-def random_access(array: np.memmap) -> np.memmap:
-    """The memory map with the kernel's readahead off (MADV_RANDOM): reading 20 scattered rows would
-    otherwise map hundreds of kilobytes around each, so the resident set grew with the store."""
-    import mmap
-
-    m = getattr(array, "_mmap", None)
-    if m is not None and hasattr(mmap, "MADV_RANDOM"):
-        m.madvise(mmap.MADV_RANDOM)
-    return array
+def read_rows(array: np.memmap, rows: np.ndarray) -> np.ndarray:
+    """Rows of a memory-mapped 2-D store read from its file with pread, not through the mapping: touching the
+    mapping would also map the neighbouring pages the kernel keeps cached (fault-around), so the resident set
+    grew to the whole store after a few images; read this way it does not grow with the store."""
+    width = array.shape[1] * array.itemsize
+    fd = os.open(array.filename, os.O_RDONLY)
+    try:
+        data = b"".join(os.pread(fd, width, array.offset + int(r) * width) for r in rows)
+    finally:
+        os.close(fd)
+    return np.frombuffer(data, dtype=array.dtype).reshape(len(rows), array.shape[1])
 
 
 def region_queries(regions: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
