@@ -1,6 +1,8 @@
-"""Trident's SAM prompt refinement (stage samrefine): prompts from a hand BFS, the score rule by hand with a
-stubbed predictor, and the stage end to end through Segmenter with a tiny random-init SAM (segment_anything's
-modules with a 1-block, 32-wide image encoder; its prompt encoder and mask decoder at their real sizes)."""
+"""Trident's SAM prompt refinement (stage samrefine): prompts from a hand BFS, the half-resolution maps
+against F.interpolate, the score rule by hand with a stubbed predictor, and the stage end to end through
+Segmenter with a tiny random-init SAM (segment_anything's modules with a 1-block, 32-wide image encoder; its
+prompt encoder and mask decoder at their real sizes). The whole rule against a transcription of the
+published `sam_refinement`: tests/test_trident_published.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections import deque
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from conftest import TINY_CONFIG
@@ -21,15 +24,29 @@ from clipseg_sparse.runtime.weights import WeightsUnavailableError
 from clipseg_sparse.stages import parse_stage
 
 
-def bfs_components(half: np.ndarray, top: np.ndarray, min_area: int) -> set:
-    """(class, box, point) of every 8-connected same-class component of `half` (class >= 0) with area >=
-    min_area, by breadth-first search; coordinates doubled as full-resolution pixels."""
+class Maps:
+    """A ClassMaps stand-in: C x H x W probabilities served in bands of `step` rows."""
+
+    def __init__(self, probs: torch.Tensor, step: int = 7) -> None:
+        self.probs, self.shape = probs, tuple(probs.shape)
+        self.bands = [(y, min(y + step, probs.shape[1])) for y in range(0, probs.shape[1], step)]
+
+    def rows(self, y0: int, y1: int) -> torch.Tensor:
+        return self.probs[:, y0:y1]
+
+
+def bfs_components(half: np.ndarray, probs: torch.Tensor, coarse_thresh: float, min_area: int) -> set:
+    """(class, box, point) of every 8-connected same-class component of `half` with area >= min_area, by
+    breadth-first search, where the top probability reaches coarse_thresh; classes whose probability never
+    does skipped; box corners inclusive; point: the first pixel (row-major) of highest class probability."""
     h, w = half.shape
+    top = probs.max(0).values.numpy()
+    usable = (top >= coarse_thresh) if coarse_thresh > 0 else np.ones_like(half, dtype=bool)
     seen = np.zeros_like(half, dtype=bool)
     out = set()
     for y in range(h):
         for x in range(w):
-            if seen[y, x] or half[y, x] < 0:
+            if seen[y, x] or not usable[y, x]:
                 continue
             c, queue, pixels = half[y, x], deque([(y, x)]), []
             seen[y, x] = True
@@ -39,78 +56,77 @@ def bfs_components(half: np.ndarray, top: np.ndarray, min_area: int) -> set:
                 for dy in (-1, 0, 1):
                     for dx in (-1, 0, 1):
                         ny, nx = py + dy, px + dx
-                        if 0 <= ny < h and 0 <= nx < w and not seen[ny, nx] and half[ny, nx] == c:
+                        if 0 <= ny < h and 0 <= nx < w and not seen[ny, nx] and usable[ny, nx] and half[ny, nx] == c:
                             seen[ny, nx] = True
                             queue.append((ny, nx))
-            if len(pixels) < min_area:
+            if len(pixels) < min_area or probs[c].max() < coarse_thresh:
                 continue
             ys, xs = [p[0] for p in pixels], [p[1] for p in pixels]
-            by, bx = max(pixels, key=lambda p: top[p])
-            out.add((int(c), (min(xs) * 2, min(ys) * 2, max(xs) * 2 + 1, max(ys) * 2 + 1), (bx * 2, by * 2)))
+            by, bx = min(pixels, key=lambda p: (-probs[c][p].item(), p))
+            out.add((int(c), (min(xs), min(ys), max(xs), max(ys)), (bx, by)))
     return out
 
 
 def test_component_prompts_equal_a_bfs():
     rng = np.random.default_rng(0)
-    coarse = np.repeat(np.repeat(rng.integers(-1, 3, size=(9, 11)), 5, 0), 5, 1)[:41, :53]  # blocks, odd size
-    top = rng.random(coarse.shape)
-    prompts = sr.component_prompts(coarse, top, min_area=4)
-    expected = bfs_components(coarse[::2, ::2], top[::2, ::2], 4)
-    assert len(expected) > 5 and {(p.cls, p.box, p.point) for p in prompts} == expected
-    assert len(prompts) == len(expected)
-    for p in prompts:  # the full-size mask: the component's half-resolution pixels repeated 2 x 2
-        half = p.mask[::2, ::2]
-        assert np.array_equal(p.mask, np.repeat(np.repeat(half, 2, 0), 2, 1)[:41, :53]) and p.mask[p.point[1], p.point[0]]
-        assert (coarse[::2, ::2][half] == p.cls).all() and half.sum() >= 4
-    assert sr.component_prompts(coarse, top, min_area=10**6) == []
+    half = np.repeat(np.repeat(rng.integers(0, 3, size=(9, 11)), 5, 0), 5, 1)[:41, :53]  # blocks, odd size
+    probs = torch.from_numpy(rng.random((3, *half.shape))).float()
+    for coarse in (0.0, 0.5):
+        prompts = sr.component_prompts(half, probs, coarse, min_area=4)
+        expected = bfs_components(half, probs, coarse, 4)
+        assert len(expected) > 5 and len(prompts) == len(expected)
+        assert {(p.cls, p.box, p.point) for p in prompts} == expected
+        assert [p.cls for p in prompts] == sorted(p.cls for p in prompts)  # class order
+    assert sr.component_prompts(half, probs, 0.0, min_area=10**6) == []
+    assert sr.component_prompts(half, probs * 0.1, 0.2, min_area=1) == []  # nothing reaches coarse_thresh
+
+
+@pytest.mark.parametrize("size", [(30, 40), (31, 45), (17, 9)])
+def test_half_probabilities_equal_interpolate_band_by_band(size):
+    probs = torch.rand(4, *size)
+    want = F.interpolate(probs[None], size=(size[0] // 2, size[1] // 2), mode="bilinear", align_corners=False)[0]
+    for step in (1, 4, 100):
+        torch.testing.assert_close(sr.half_probabilities(Maps(probs, step)), want, atol=1e-6, rtol=0)
 
 
 def test_refine_rule_by_hand():
+    """The rule of `map_refinement_coarse`: per class the max over its kept masks of sigmoid(logit) x its
+    probability, times the union of those masks; classes without a kept mask 0; labels change where any
+    class scores above 0; dropped masks change nothing. The mask input is the class's half-resolution
+    probability resized to the 256 frame, x 0.005 above coarse_thresh."""
     rng = np.random.default_rng(1)
-    h, w, coarse_thresh, iou_thresh = 5, 6, 0.3, 0.8
-    classes = [0, 2, 5]
-    probs = torch.from_numpy(rng.random((3, h, w))).float()
+    h, w, coarse, iou_thresh = 10, 12, 0.3, 0.8
+    probs = torch.from_numpy(rng.random((6, h, w))).float()
+    half = sr.half_probabilities(Maps(probs))
     labels = torch.from_numpy(rng.integers(0, 6, (h, w)))
-    region = np.zeros((h, w), dtype=bool)
-    region[1:3, 2:5] = True
-    prompts = [sr.Prompt(c, (0, 0, 1, 1), (0, 0), region) for c in (0, 2, 0, 5)]
-    logits = torch.from_numpy(rng.normal(0, 3, (4, h, w))).float()
-    ious = torch.tensor([0.9, 0.5, 0.95, 0.85])  # class 2's mask fails
-    seen = []
+    prompts = [sr.Prompt(c, (k, k, k + 1, k + 1), (k, k)) for k, c in enumerate((0, 2, 0, 5, 5))]
+    logits = torch.from_numpy(rng.normal(0, 3, (5, h, w))).float()
+    ious = torch.tensor([0.9, 0.5, 0.95, 0.85, 0.3])  # class 2's mask and one of class 5's fail
+    calls = []
 
-    def predict(part, masks):
-        start = sum(len(s) for s in seen)
-        seen.append(masks)
-        return logits[start : start + len(part)], ious[start : start + len(part)]
+    def predict(part, masks):  # prompt k gets logits[k], ious[k]
+        calls.append((part, masks))
+        rows = [prompts.index(q) for q in part]
+        return logits[rows], ious[rows]
 
-    out = sr.refine_labels(labels, probs, classes, prompts, predict, coarse_thresh, iou_thresh, chunk=3)
-    assert [len(m) for m in seen] == [3, 1]
-    for i, m in enumerate(torch.cat(seen)):  # the mask input: probability x 0.005 above coarse_thresh, else 0
-        p = probs[classes.index(prompts[i].cls)]
-        for y in range(h):
-            for x in range(w):
-                assert m[y, x].item() == pytest.approx(p[y, x].item() * 0.005 if p[y, x] > coarse_thresh else 0.0)
-    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    out = sr.refine_labels(labels, Maps(probs), half, prompts, predict, coarse, iou_thresh, chunk=1)
+    assert [[q.cls for q in part] for part, _ in calls] == [[0], [0], [2], [5], [5]]  # one class per call, in order
+    low = (int(h * 256 / w + 0.5), 256)
+    for part, masks in calls:
+        r = F.interpolate(half[part[0].cls][None, None], size=low, mode="bilinear", align_corners=False)[0, 0]
+        assert masks.shape == (1, 256, 256) and (masks[0, low[0] :] == 0).all()
+        torch.testing.assert_close(masks[0, : low[0]], torch.where(r > coarse, r * 0.005, torch.zeros_like(r)))
+    sig = torch.sigmoid(logits)
     for y in range(h):
         for x in range(w):
-            scores = {
-                0: max(sig(logits[0, y, x].item()), sig(logits[2, y, x].item())) * probs[0, y, x].item(),
-                2: probs[1, y, x].item(),  # no kept mask: the coarse probability
-                5: sig(logits[3, y, x].item()) * probs[2, y, x].item(),
-            }
-            inside = any(logits[k, y, x] > 0 for k in (0, 2, 3))  # kept masks only
-            want = max(scores, key=scores.get) if inside else labels[y, x].item()
+            scores = {}
+            for c, kept in ((0, (0, 2)), (5, (3,))):
+                covered = any(logits[k, y, x] > 0 for k in kept)
+                scores[c] = max(sig[k, y, x].item() * probs[c, y, x].item() for k in kept) if covered else 0.0
+            want = max(scores, key=scores.get) if max(scores.values()) > 0 else labels[y, x].item()
             assert out[y, x].item() == want
-    # every mask dropped: the labels unchanged; a dropped component keeps its class probability inside it
-    assert torch.equal(sr.refine_labels(labels, probs, classes, prompts, predict, coarse_thresh, 0.99), labels)
-    # class 0 with one kept and one dropped mask: inside the dropped component its probability stays
-    other = np.zeros((h, w), dtype=bool)
-    other[3:, :3] = True
-    pair = [prompts[0], sr.Prompt(0, (0, 0, 1, 1), (0, 0), other)]
-    two = sr.refine_labels(labels, probs, classes, pair, lambda part, m: (logits[:2], torch.tensor([0.9, 0.5])), coarse_thresh, iou_thresh)
-    score0 = torch.maximum(torch.sigmoid(logits[0]) * probs[0], torch.from_numpy(other) * probs[0])
-    best = torch.stack([score0, probs[1], probs[2]]).argmax(0)
-    assert torch.equal(two, torch.where(logits[0] > 0, torch.tensor(classes)[best], labels))
+    calls.clear()
+    assert torch.equal(sr.refine_labels(labels, Maps(probs), half, prompts, predict, coarse, 0.99), labels)  # all dropped
 
 
 def tiny_predictor():
@@ -118,7 +134,10 @@ def tiny_predictor():
     from segment_anything.build_sam import _build_sam
 
     torch.manual_seed(0)
-    return SamPredictor(_build_sam(encoder_embed_dim=32, encoder_depth=1, encoder_num_heads=1, encoder_global_attn_indexes=[0]).eval())
+    sam = _build_sam(encoder_embed_dim=32, encoder_depth=1, encoder_num_heads=1, encoder_global_attn_indexes=[0]).eval()
+    with torch.no_grad():
+        sam.mask_decoder.iou_prediction_head.layers[-1].bias += 1.0  # predicted IoUs above 0
+    return SamPredictor(sam)
 
 
 def test_stage_end_to_end_through_segmenter(tiny_clip, monkeypatch):
@@ -138,12 +157,7 @@ def test_stage_end_to_end_through_segmenter(tiny_clip, monkeypatch):
     assert refined.config()["stages"] == ["samrefine:0:0"]
     maps = plain.class_maps(image)
     labels = torch.from_numpy(maps.labels())
-    coarse, top, classes, probs = sr.coarse_maps(maps, 0.0)
-    assert torch.equal(torch.from_numpy(coarse), labels)  # threshold 0: the plain arg-max
-    prompts = sr.component_prompts(coarse, top)
-    assert prompts  # the test must exercise SAM
-    with torch.inference_mode():
-        want = sr.refine_labels(labels, probs, classes, prompts, sr.sam_predict(predictor, image), 0.0, 0.0)
+    want = sr.sam_refine(labels, maps, image, 0.0, 0.0, predictor)
     got = refined.predict_labels(image)
     assert calls == ["none"] and np.array_equal(got, want.numpy())
     assert (got != labels.numpy()).sum() > 100  # the random SAM changes labels: the stage did run

@@ -1,17 +1,19 @@
 """Trident (Shi et al., ICCV 2025): splice-then-segment with DINO ViT-B/16 and SAM ViT-B.
 
-Read from `YuHengsss/Trident` (`trident.py` `get_trident_seg`, `get_sam_feat`, `get_windowed_imgs`;
-re-read at 04bf5f8) and research/peers-sota.md 2.7 (`open_clip/transformer.py` `guidance_attn`,
-`get_sam_sim`, `seg_utils/utils.py` `preprocess_image`, configs; those files are not in the search
-index, so their arithmetic rests on those notes). Steps and where they live:
-1. the image resized so both sides are multiples of 16 and at least the window
-   (`InferenceSettings.size_multiple`); 336-px windows;
+Read from `YuHengsss/Trident@a93b346`: `trident.py` (`get_trident_seg`, `get_sam_feat`, `get_windowed_imgs`,
+`postprocess_result`), `open_clip/transformer.py` (`custom_attn`, `guidance_attn`, `get_sam_sim`),
+`seg_utils/utils.py` (`preprocess_image`, `sam_refinement`), configs; tests/test_trident_published.py runs a
+transcription of them against this module. Steps and where they live:
+1. mmseg's keep-ratio resize (cv2 on the uint8 image), then `preprocess_image`: both sides scaled by (the
+   longer side rounded up to 16) / the longer side, each rounded up to 16 and to at least the window
+   (`InferenceSettings.size_multiple`, `size_rule="longer"`); 336-px windows;
 2. per window, ProxyCLIP's attention with DINO ViT-B/16 (`ext:dino_vitb16`, beta 1.2, gamma 3, -inf
    below 0), CLS dropped before the last block, reduced output W_o(A V) kept before ln_post: the
    engine's spec (preset `trident` below);
 3. splice: the windows' outputs placed on the image's patch grid, overlaps averaged
    (`spliced_tokens`, segment/);
-4. SAM ViT-B on the whole image (SAM's preprocessing: longest side 1024, padded), its last block's
+4. SAM ViT-B (LayerNorm eps 1e-6, as segment_anything builds it) on the original image rounded up to
+   multiples of 16 (`sam_image`; SAM's preprocessing: longest side 1024, padded), its last block's
    attention and values on the valid grid, filtered by value cosine (`sam_filtered_attention` below);
 5. spliced tokens resized bilinearly to the SAM grid, F <- A F, then ln_post, proj; logits on the SAM
    grid resized to the original size (steps 4-5: the global stage `sam` here, and `grid_cosine`).
@@ -119,6 +121,17 @@ def sam_attention(image: np.ndarray, backbone: Backbone, cos_fac: float, refine_
     return total / v.shape[1], valid
 
 
+def sam_image(image: np.ndarray) -> np.ndarray:
+    """The image Trident gives SAM (`get_trident_seg`'s tmp_img; the prompt refinement reuses it): the
+    original uint8 image with each side rounded up to a multiple of 16 (cv2 bilinear)."""
+    import cv2
+
+    h, w = (-(-s // SAM_PATCH) * SAM_PATCH for s in image.shape[:2])
+    if (h, w) == image.shape[:2]:
+        return image
+    return cv2.resize(np.ascontiguousarray(image), (w, h), interpolation=cv2.INTER_LINEAR)
+
+
 def sam_smooth(
     tokens: torch.Tensor, image: np.ndarray, backbone: Backbone, normalizer: str = "softmax",
     cos_fac: float = 1.2, refine_neg_cos: bool = True, halves: bool = False,
@@ -127,11 +140,8 @@ def sam_smooth(
     resized up to multiples of 16 (cv2 bilinear), SAM's map on it (`sam_attention`; `halves`: on its left
     and right halves separately, Cityscapes), the tokens resized bilinearly (align_corners False) to the
     SAM grid and multiplied by the map: 1 x h' x w' x C on the SAM grid (no W_v, W_o or residual)."""
-    import cv2
-
-    h, w = (-(-s // SAM_PATCH) * SAM_PATCH for s in image.shape[:2])
-    if (h, w) != image.shape[:2]:
-        image = cv2.resize(np.ascontiguousarray(image), (w, h), interpolation=cv2.INTER_LINEAR)
+    image = sam_image(image)
+    w = image.shape[1]
     parts = [image[:, : w // 2], image[:, w // 2 :]] if halves else [image]
     maps = [sam_attention(part, backbone, cos_fac, refine_neg_cos, normalizer) for part in parts]
     grid = (maps[0][1][0], sum(valid[1] for _, valid in maps))
@@ -173,10 +183,11 @@ STAGES.register(
 )
 
 TRIDENT_NOTES = (
-    "copied: ProxyCLIP's attention per 336-px window with DINO ViT-B/16 on CLIP's 21 x 21 grid (shift 1.2 x mean, "
+    "copied: mmseg's resize by cv2, then preprocess_image's size rule (both sides scaled by the longer side rounded "
+    "up to 16 / the longer side, then each rounded up: 448 x 597 -> 464 x 608), CLIP's positional embedding by "
+    "scale factor (n + 0.1) / native; ProxyCLIP's attention per 336-px window with DINO ViT-B/16 on CLIP's 21 x 21 grid (shift 1.2 x mean, "
     "scale 3, -inf below 0, one map for all heads), CLS dropped before the last block, W_o(A V) before ln_post "
-    "spliced on the image's patch grid with overlaps averaged; the image resized so both sides are multiples of 16 "
-    "and >= the window; SAM ViT-B on the original image resized up to multiples of 16 (cv2 bilinear), then SAM's "
+    "spliced on the image's patch grid with overlaps averaged; SAM ViT-B (LayerNorm eps 1e-6) on the original image resized up to multiples of 16 (cv2 bilinear), then SAM's "
     "own longest-side-1024 resize and zero padding, its last block's softmax over the padded grid cropped to the "
     "valid grid, kept where the per-head value cosine exceeds min(0.9, cos_fac x the row's mean cosine over heads "
     "and tokens), heads averaged, rows divided by their sum; spliced tokens resized bilinearly to the SAM grid and "
@@ -204,7 +215,7 @@ register_preset(
     TRIDENT_NOTES,
 )
 
-# Trident's configs (research/peers-sota.md 2.7): short side per dataset, 336-px windows with stride 224
+# Trident's configs (a93b346 configs/): short side per dataset, 336-px windows with stride 224
 # (VOC20 112), sides rounded up to multiples of 16 (`preprocess_image`), logit scale 40, `prob_thd`, and the
 # SAM stage's cos_fac / refine_neg_cos (Cityscapes: SAM on the image's halves). Its `coarse_thresh` only
 # serves the optional SAM prompt refinement (`--sam_refine`): protocol `trident-samrefine` below.
@@ -214,7 +225,7 @@ PROTOCOL = PROTOCOLS.register(
         name="trident",
         attention="trident",
         class_names="sclip",
-        source="YuHengsss/Trident@a93b346 configs/, trident.py (research/peers-sota.md 2.7)",
+        source="YuHengsss/Trident@a93b346 configs/, trident.py, seg_utils/utils.py (preprocess_image)",
         defaults=dict(
             resolution=448, window=336, stride=224, logit_scale=40.0, size_multiple=16, size_rule="longer", stages=("sam:1.2",),
             resize="opencv", pos_interp="scale",  # mmcv's Resize on the uint8 image; open_clip's (n + 0.1) pos. embedding

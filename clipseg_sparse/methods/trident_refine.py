@@ -1,17 +1,29 @@
 """Trident's optional SAM prompt refinement (step 6, `--sam_refine`): the refine stage `samrefine`.
 
-From research/peers-sota.md 2.7 (YuHengsss/Trident `seg_utils/utils.py` `sam_refinement`; that file is
-not in the search index, so the arithmetic rests on those notes): on the coarse arg-max map (pixels whose
-top probability is below `coarse_thresh` form one more class), every 8-connected component of a class
-with at least 225 pixels at half resolution prompts SAM (segment_anything's SamPredictor, one mask per
-prompt) with its box, its highest-probability point and the class probabilities (x 0.005 where above
-`coarse_thresh`, 0 elsewhere) as the mask input. Masks whose predicted IoU exceeds `iou_thresh` are kept;
-a class's refined score is the max over its kept masks of sigmoid(SAM logit) x its probability. Where
-the notes leave details open (ours): components whose mask is dropped keep the class probability inside
-them; classes without a kept mask keep their probabilities; only pixels inside a kept mask (logit > 0)
-change label, to the arg-max of the refined scores over the classes of the coarse map; elsewhere the
-labels (background rules included) stay. `--protocol trident-samrefine` adds the stage with the config's
-coarse_thresh per dataset (`TRIDENT_COARSE`). Grid: none of its own (`sweeps/grids/trident.toml` runs without it).
+Copied from YuHengsss/Trident@a93b346 `seg_utils/utils.py` `sam_refinement` (with `split_connected_regions`,
+`map_refinement_coarse`, `map_failed_regions`), called from `trident.py` `postprocess_result`:
+1. the labels (after the background threshold) and the class probabilities are brought to half
+   resolution (H // 2 x W // 2: labels nearest, probabilities bilinear); there, pixels whose top
+   probability is below `coarse_thresh` form one more class, never prompted;
+2. every 8-connected component of a class with at least 225 pixels (classes whose half-resolution
+   probability never reaches `coarse_thresh` skipped) prompts SAM with its box (inclusive corners) and its
+   highest-probability point, both in half-resolution pixels mapped to SAM's 1024 frame as if the image
+   were that half-resolution one, and with the class's half-resolution probabilities, resized to the
+   original image's 256-px low-resolution frame, zero padded, x 0.005 where above `coarse_thresh` (0
+   elsewhere), as one 1 x 256 x 256 mask input shared by the class's prompts (SAM's mask embedding then
+   normalises it over rows, as its LayerNorm2d does on an unbatched input);
+3. SAM (segment_anything's SamPredictor, `multimask_output=False`) runs on the image the `sam` stage sees
+   (`trident.sam_image`: each side rounded up to 16); its low-resolution logits are upsampled to that
+   image's size, then bilinearly to the original size when it differs;
+4. masks with predicted IoU > `iou_thresh` are kept; a class's score is the max over its kept masks of
+   sigmoid(logit) x its probability, times the union of those masks (logit > 0); classes without a kept
+   mask score 0; where any class scores above 0 the label becomes the arg-max of the scores, elsewhere it
+   stays. Masks that fail the IoU test change no label (the published `map_failed_regions` only lifts
+   the returned probabilities: its label test compares them with a maximum that already includes them).
+`--protocol trident-samrefine` adds the stage with the config's coarse_thresh per dataset (`TRIDENT_COARSE`).
+Not copied: the saved probabilities are the ones before refinement; SAM's encoder runs again inside
+SamPredictor, in fp32 (the published code reuses its fp16 features of the `sam` stage). Grid: none of its own
+(`sweeps/grids/trident.toml` runs without it).
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..evaluation.protocols import PROTOCOLS
 from ..models.proxies import PROXIES
@@ -29,126 +42,143 @@ from ..runtime.weights import WeightsUnavailableError, require_extra
 from ..stages import STAGES, Stage
 from . import trident
 
-HALF_AREA = 225  # minimum component area at half resolution
-MASK_SCALE = 0.005  # the class probabilities' scale as SAM's mask input
+HALF_AREA = 225  # minimum component area at half resolution (`minimal_area`)
+MASK_SCALE = 0.005  # the class probabilities' scale as SAM's mask input (`sam_mask_coff`)
 CHUNK = 16  # prompts per SAM decoder call (bounds the B x H x W logits)
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One component: its class, box (x0, y0, x1, y1) and point (x, y) in original pixels, and its
-    pixels at the original size (H x W bool)."""
+    """One component at half resolution: its class, box (x0, y0, x1, y1; corners inclusive, as
+    torchvision's `masks_to_boxes`) and point (x, y), in half-resolution pixels."""
 
     cls: int
     box: tuple[int, int, int, int]
     point: tuple[int, int]
-    mask: np.ndarray
 
 
-def component_prompts(coarse: np.ndarray, top: np.ndarray, min_area: int = HALF_AREA) -> list[Prompt]:
-    """Prompts from the H x W coarse class map (-1: below coarse_thresh, never prompted) and the H x W top
-    probability: 8-connected components per class on the half-resolution map (every second pixel), area
-    >= min_area there, in class order then cv2's component order; coordinates scaled back by 2."""
+def _linear_taps(size_in: int, size_out: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first index, second index, weight of the second) of each output sample of a linear resize
+    (align_corners False), as torch's bilinear kernel computes them (fp32, negative sources clamped)."""
+    scale = torch.tensor(size_in / size_out, dtype=torch.float32)
+    src = ((torch.arange(size_out, dtype=torch.float32) + 0.5) * scale - 0.5).clamp(min=0)
+    i0 = src.long()
+    return i0, (i0 + 1).clamp(max=size_in - 1), src - i0
+
+
+def half_probabilities(maps) -> torch.Tensor:
+    """C x (H // 2) x (W // 2) bilinear resize (align_corners False, as `F.interpolate`) of a ClassMaps'
+    C x H x W probabilities, band by band (only a quarter of the whole map is ever held)."""
+    C, H, W = maps.shape
+    dh, dw = H // 2, W // 2
+    y0, y1, wy = _linear_taps(H, dh)
+    x0, x1, wx = _linear_taps(W, dw)
+    out = torch.zeros((C, dh, dw))
+    for a, b in maps.bands:
+        p = maps.rows(a, b).float().cpu()
+        cols = p[:, :, x0] * (1 - wx) + p[:, :, x1] * wx  # C x (b - a) x dw
+        for rows, weight in ((y0, 1 - wy), (y1, wy)):
+            inside = ((rows >= a) & (rows < b)).nonzero()[:, 0]
+            out.index_add_(1, inside, cols[:, rows[inside] - a] * weight[inside].view(1, -1, 1))
+    return out
+
+
+def component_prompts(labels_half: np.ndarray, probs_half: torch.Tensor, coarse_thresh: float, min_area: int = HALF_AREA) -> list[Prompt]:
+    """`split_connected_regions` on the half-resolution labels (h x w) and probabilities (C x h x w):
+    pixels whose top probability is below coarse_thresh (when > 0) are never prompted; per class present
+    whose probability reaches coarse_thresh somewhere, its 8-connected components of >= min_area pixels,
+    each with its box and the first pixel of highest class probability inside it; in class order."""
     import cv2
 
-    half, half_top = coarse[::2, ::2], top[::2, ::2]
-    h, w = coarse.shape
+    coarse = labels_half.copy()
+    if coarse_thresh > 0:
+        coarse[(probs_half.max(0).values < coarse_thresh).numpy()] = -1
     out = []
-    for c in np.unique(half):
-        if c < 0:
+    for c in np.unique(coarse):
+        if c < 0 or probs_half[c].max() < coarse_thresh:
             continue
-        count, comp = cv2.connectedComponents((half == c).astype(np.uint8), connectivity=8)
+        count, comp = cv2.connectedComponents((coarse == c).astype(np.uint8), connectivity=8)
         for k in range(1, count):
             region = comp == k
             if region.sum() < min_area:
                 continue
             ys, xs = np.nonzero(region)
-            best = np.argmax(np.where(region, half_top, -np.inf))
-            py, px = np.unravel_index(best, region.shape)
-            full = np.repeat(np.repeat(region, 2, 0), 2, 1)[:h, :w]
-            box = (int(xs.min()) * 2, int(ys.min()) * 2, int(xs.max()) * 2 + 1, int(ys.max()) * 2 + 1)
-            out.append(Prompt(int(c), box, (int(px) * 2, int(py) * 2), full))
+            best = int(torch.argmax(probs_half[c] * torch.from_numpy(region)))
+            out.append(Prompt(int(c), (int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max())), (best % region.shape[1], best // region.shape[1])))
     return out
 
 
-# predict(prompts, mask inputs B x H x W) -> (logits B x H x W at the original size, predicted IoU B)
+def mask_input(probs_half: torch.Tensor, size: tuple[int, int], coarse_thresh: float, low: tuple[int, int]) -> torch.Tensor:
+    """One class's 1 x 256 x 256 mask input from its h x w half-resolution probabilities: resized
+    bilinearly to `low` (the original H x W `size` with its longest side 256), zero padded, x 0.005
+    where above coarse_thresh, 0 elsewhere (`sam_refinement`)."""
+    r = F.interpolate(probs_half[None, None], size=low, mode="bilinear", align_corners=False)[0]
+    r = F.pad(r, (0, 256 - low[1], 0, 256 - low[0]))
+    return torch.where(r > coarse_thresh, MASK_SCALE * r, torch.zeros_like(r))
+
+
+# predict(prompts of one class, its 1 x 256 x 256 mask input) -> (logits B x H x W at the original size, IoU B)
 Predict = Callable[[Sequence[Prompt], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def refine_labels(
-    labels: torch.Tensor, probs: torch.Tensor, classes: Sequence[int], prompts: Sequence[Prompt],
-    predict: Predict, coarse_thresh: float, iou_thresh: float, chunk: int = CHUNK,
+    labels: torch.Tensor, maps, probs_half: torch.Tensor, prompts: Sequence[Prompt], predict: Predict,
+    coarse_thresh: float, iou_thresh: float, chunk: int = CHUNK,
 ) -> torch.Tensor:
-    """labels: H x W int64; probs: K x H x W probabilities of `classes` (the coarse map's classes).
-    Returns the refined H x W labels by the rule in the module docstring, calling `predict` on at most
-    `chunk` prompts at a time (memory: (K + chunk) x H x W floats)."""
-    row = {c: i for i, c in enumerate(classes)}
-    refined: dict[int, torch.Tensor] = {}
-    failed: dict[int, torch.Tensor] = {}
-    inside = torch.zeros(labels.shape, dtype=torch.bool)
-    for i in range(0, len(prompts), chunk):
-        part = prompts[i : i + chunk]
-        p = probs[[row[q.cls] for q in part]]
-        logits, iou = predict(part, torch.where(p > coarse_thresh, p * MASK_SCALE, torch.zeros_like(p)))
-        for q, logit, score, prob in zip(part, logits.float(), iou.float(), p):
-            if score > iou_thresh:
-                s = torch.sigmoid(logit).cpu() * prob
-                refined[q.cls] = s if q.cls not in refined else torch.maximum(refined[q.cls], s)
-                inside |= logit.cpu() > 0
-            else:
-                failed[q.cls] = failed.get(q.cls, torch.zeros_like(inside)) | torch.from_numpy(q.mask)
-    if not refined:
+    """labels: H x W int64 (after the background threshold); maps: the image's ClassMaps; probs_half:
+    `half_probabilities(maps)`. Returns the refined H x W labels by the rule in the module docstring,
+    calling `predict` on at most `chunk` prompts of one class at a time (memory: (K + chunk) x H x W
+    floats for the K classes with a kept mask)."""
+    H, W = labels.shape
+    scale = 256 * 1.0 / max(H, W)  # ResizeLongestSide.get_preprocess_shape(H, W, 256)
+    low = (int(H * scale + 0.5), int(W * scale + 0.5))
+    best: dict[int, torch.Tensor] = {}  # class -> max over its kept masks of sigmoid(logit)
+    union: dict[int, torch.Tensor] = {}  # class -> its kept masks' union
+    for c in dict.fromkeys(q.cls for q in prompts):
+        mine = [q for q in prompts if q.cls == c]
+        masks = mask_input(probs_half[c], (H, W), coarse_thresh, low)
+        for i in range(0, len(mine), chunk):
+            logits, iou = predict(mine[i : i + chunk], masks)
+            for logit, score in zip(logits.float(), iou.float()):
+                if score > iou_thresh:
+                    sig = torch.sigmoid(logit).cpu()
+                    best[c] = sig if c not in best else torch.maximum(best[c], sig)
+                    inside = logit.cpu() > 0
+                    union[c] = inside if c not in union else union[c] | inside
+    if not best:
         return labels
-    scores = probs.clone()
-    for c, s in refined.items():
-        keep = failed.get(c)
-        scores[row[c]] = s if keep is None else torch.maximum(s, probs[row[c]] * keep)
-    best = torch.as_tensor(list(classes))[scores.argmax(0)]
-    return torch.where(inside, best, labels)
-
-
-def coarse_maps(maps, coarse_thresh: float) -> tuple[np.ndarray, np.ndarray, list[int], torch.Tensor]:
-    """From a ClassMaps (bands of C x h x W probabilities): the H x W coarse map (-1 below coarse_thresh),
-    the H x W top probability, the classes the coarse map holds and their K x H x W probabilities (two
-    passes over the bands; only those K classes are kept)."""
-    _, height, width = maps.shape
-    top = torch.empty((height, width))
-    arg = torch.empty((height, width), dtype=torch.int64)
+    classes = sorted(best)
+    scores = torch.empty((len(classes), H, W))
     for y0, y1 in maps.bands:
-        t, a = maps.rows(y0, y1).float().max(0)
-        top[y0:y1], arg[y0:y1] = t.cpu(), a.cpu()
-    coarse = torch.where(top < coarse_thresh, -1, arg)
-    classes = [int(c) for c in torch.unique(coarse) if c >= 0]
-    probs = torch.empty((len(classes), height, width))
-    for y0, y1 in maps.bands:
-        probs[:, y0:y1] = maps.rows(y0, y1)[classes].float().cpu()
-    return coarse.numpy(), top.numpy(), classes, probs
+        scores[:, y0:y1] = maps.rows(y0, y1)[classes].float().cpu()
+    for i, c in enumerate(classes):  # max_m(sigmoid_m x p) = p x max_m sigmoid_m exactly (p >= 0)
+        scores[i] = best[c] * scores[i] * union[c]
+    top, arg = scores.max(0)
+    return torch.where(top > 0, torch.as_tensor(classes)[arg], labels)
 
 
-def sam_predict(predictor, image: np.ndarray) -> Predict:
-    """`Predict` through a segment_anything SamPredictor on the H x W x 3 uint8 RGB image (encoded once):
-    box, point (label 1) and mask input per prompt, multimask_output False, logits at the original size.
-    The mask inputs are brought to SAM's 256 x 256 low-resolution frame (longest side 256, zero padding)."""
-    import torch.nn.functional as F
-
-    predictor.set_image(image)
+def sam_predict(predictor, image: np.ndarray, half: tuple[int, int]) -> Predict:
+    """`Predict` through a segment_anything SamPredictor set to `trident.sam_image(image)` (the `sam`
+    stage's image; encoded once): boxes and points (label 1) of the `half`-size frame mapped by SAM's
+    transform as if that were the image, the class's mask input, multimask_output False; the
+    low-resolution logits upsampled by SAM to its image's size, then bilinearly to the original size."""
+    predictor.set_image(trident.sam_image(image))
     size = image.shape[:2]
-    low = predictor.transform.get_preprocess_shape(size[0], size[1], 256)
     device = predictor.device
 
     def predict(prompts: Sequence[Prompt], masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         boxes = torch.tensor([q.box for q in prompts], dtype=torch.float32, device=device)
         points = torch.tensor([[q.point] for q in prompts], dtype=torch.float32, device=device)
-        m = F.interpolate(masks[:, None].to(device), size=low, mode="bilinear", align_corners=False)
-        m = F.pad(m, (0, 256 - low[1], 0, 256 - low[0]))
-        logits, iou, _ = predictor.predict_torch(
-            point_coords=predictor.transform.apply_coords_torch(points, size),
+        _, iou, low = predictor.predict_torch(
+            point_coords=predictor.transform.apply_coords_torch(points, half),
             point_labels=torch.ones(points.shape[:2], device=device),
-            boxes=predictor.transform.apply_boxes_torch(boxes, size),
-            mask_input=m,
+            boxes=predictor.transform.apply_boxes_torch(boxes, half),
+            mask_input=masks.to(device),
             multimask_output=False,
-            return_logits=True,
         )
+        logits = predictor.model.postprocess_masks(low, predictor.input_size, predictor.original_size)
+        if tuple(logits.shape[-2:]) != tuple(size):
+            logits = F.interpolate(logits, size, mode="bilinear", align_corners=False)
         return logits[:, 0], iou[:, 0]
 
     return predict
@@ -189,13 +219,16 @@ def sam_predictor(device: torch.device | str):
 def sam_refine(labels: torch.Tensor, maps, image: np.ndarray, coarse_thresh: float = 0.2, iou_thresh: float = 0.8, predictor=None) -> torch.Tensor:
     """The refine stage on one image: H x W labels, its ClassMaps, the H x W x 3 uint8 image -> labels.
     predictor: a SamPredictor (default: `sam_predictor` on the probabilities' device)."""
-    coarse, top, classes, probs = coarse_maps(maps, coarse_thresh)
-    prompts = component_prompts(coarse, top)
+    H, W = labels.shape
+    half = (H // 2, W // 2)
+    probs_half = half_probabilities(maps)
+    labels_half = F.interpolate(labels[None, None].float(), size=half, mode="nearest")[0, 0].long().numpy()
+    prompts = component_prompts(labels_half, probs_half, coarse_thresh)
     if not prompts:
         return labels
     predictor = predictor or sam_predictor(maps.rows(0, 1).device)
     with torch.inference_mode():
-        return refine_labels(labels, probs, classes, prompts, sam_predict(predictor, image), coarse_thresh, iou_thresh)
+        return refine_labels(labels, maps, probs_half, prompts, sam_predict(predictor, image, half), coarse_thresh, iou_thresh)
 
 
 # -- the refine stage `samrefine[:COARSE[:IOU]]` (step 6) ---------------------------------------------------
