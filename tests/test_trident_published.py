@@ -586,12 +586,13 @@ def ours_and_published(published, monkeypatch, dataset, size, overrides, stages,
     return seg.predict(img), runs, prepare(img, clip, settings, splices=True).shape[-2:]
 
 
-def assert_same_labels(labels: np.ndarray, want: torch.Tensor, probs: torch.Tensor, margin: float) -> None:
-    """Labels equal except where the published top two probabilities are within `margin` (ties)."""
+def assert_same_labels(labels: np.ndarray, want: torch.Tensor, probs: torch.Tensor, atol: float) -> None:
+    """Labels equal except at ties: where the published top two probabilities are within 2 x atol (the most
+    two probabilities each off by atol can reorder), at most 0.1 % of the pixels."""
     top2 = probs.topk(2, dim=0).values
     differ = labels != want.numpy()
-    assert not (differ & ((top2[0] - top2[1]) >= margin).numpy()).any()
-    assert differ.sum() <= 5
+    assert not (differ & ((top2[0] - top2[1]) > 2 * atol).numpy()).any()
+    assert differ.sum() <= differ.size // 1000
 
 
 def test_voc20_two_windows_equal_the_published_pipeline(published, monkeypatch):
@@ -604,7 +605,7 @@ def test_voc20_two_windows_equal_the_published_pipeline(published, monkeypatch):
     assert tuple(size) == (112, 144)
     got = torch.from_numpy(ours.probs)
     torch.testing.assert_close(got, probs, atol=2e-5, rtol=0)
-    assert_same_labels(ours.labels, labels, probs, 1e-5)
+    assert_same_labels(ours.labels, labels, probs, 2e-5)
     assert (got - batch_probs).abs().max() > 1e-3  # the batch-wide mean matters: the test would see it
 
 
@@ -621,6 +622,6 @@ def test_voc21_with_sam_stage_and_refinement_equals_the_published_pipeline(publi
     assert tuple(size) == (128, 160)
     got = torch.from_numpy(ours.probs)
     torch.testing.assert_close(got, probs, atol=5e-4, rtol=0)
-    assert_same_labels(ours.labels, labels, probs, 1e-3)
+    assert_same_labels(ours.labels, labels, probs, 5e-4)
     plain = torch.where(probs.max(0).values < 0.2, 0, probs.argmax(0)).numpy()
     assert (ours.labels != plain).sum() > 500  # the refinement changed labels
