@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from clipseg_sparse.models.backbones import BACKBONES, Backbone
+from clipseg_sparse.models.backbones import BACKBONES, MASK_KINDS, Backbone
 from clipseg_sparse.segment.preprocess import prepare, rounded_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,8 +154,18 @@ def test_sam_vitb_equals_segment_anythings_encoder():
 # the published LayerNorm eps per registered backbone: DINO `vision_transformer.py` vit_base
 # (facebookresearch/dino@04c0ad9: norm_layer=partial(nn.LayerNorm, eps=1e-6)), DINOv2
 # `DinoVisionTransformer` (facebookresearch/dinov2@027a9ac: norm_layer = partial(nn.LayerNorm, eps=1e-6)),
-# SAM `build_sam._build_sam` (norm_layer=partial(torch.nn.LayerNorm, eps=1e-6); LayerNorm2d 1e-6 in its neck)
-PUBLISHED_EPS = {"dino_vitb8": 1e-6, "dino_vitb16": 1e-6, "dinov2_vitb14_reg": 1e-6, "sam_vitb": 1e-6}
+# SAM `build_sam._build_sam` (norm_layer=partial(torch.nn.LayerNorm, eps=1e-6); LayerNorm2d 1e-6 in its neck),
+# DINOv3 hub `dinov3_vit{s,b,l}16` (facebookresearch/dinov3@071435e `dinov3/hub/backbones.py`:
+# norm_layer="layernormbf16", i.e. nn.LayerNorm eps 1e-5 in `norm_layer_dict`), C-RADIOv3 (NVlabs/RADIO builds
+# its ViTs with timm's create_model: timm's default 1e-6)
+PUBLISHED_EPS = {
+    "dino_vitb8": 1e-6, "dino_vitb16": 1e-6, "dinov2_vitb14_reg": 1e-6, "dinov2_vitl14_reg": 1e-6, "sam_vitb": 1e-6,
+    **{f"dinov3_vit{size}16": 1e-5 for size in "sbl"}, **{f"c_radio_v3_{size}": 1e-6 for size in "blh"},
+}
+
+
+def test_every_feature_backbone_has_a_published_eps():
+    assert {n for n in BACKBONES.names() if BACKBONES.get(n).kind not in MASK_KINDS} == set(PUBLISHED_EPS)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_EPS))
