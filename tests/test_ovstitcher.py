@@ -313,3 +313,19 @@ def test_segment_cli_runs_a_stitched_spec(proxy, tmp_path):  # noqa: F811
     assert res.exit_code == 0, res.output
     labels = np.asarray(Image.open(tmp_path / "out" / "a.png"))
     assert labels.shape == (72, 100) and "stitch:56" in (tmp_path / "out" / "a.json").read_text()
+
+
+def test_reproduce_grid_and_its_prompt_file(tmp_path):
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli.app import app
+    from clipseg_sparse.sweeps.grid import GRIDS, read_grid_file
+
+    g = read_grid_file(GRIDS.get("ovstitcher")).grid
+    assert list(g.models) == ["ViT-B-16:openai", "ViT-B-16-quickgelu:metaclip_fullcc"] and g.protocol == "ovstitcher"
+    assert set(g.attention_specs()) == {str(resolve_spec("ovstitcher").replace(normalizer=n)) for n in ("softmax", "entmax:1.5")}
+    assert len(g.datasets) == 8 and len(g.cells()) == 2 * 8 * 2
+    (tmp_path / "p.json").write_text('{"cat": "not a list"}')
+    res = CliRunner().invoke(app, ["reproduce", "ovstitcher", "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "out")], env={"COLUMNS": "300"})
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "p.json: class 'cat': expected a list" in lines[0], res.output

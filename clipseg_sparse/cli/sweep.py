@@ -203,6 +203,7 @@ def reproduce(
     models: Annotated[Optional[str], typer.Option("--models", help="Replace the grid's models (e.g. a model-config JSON for a smoke run).")] = None,
     pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Replace the grid's weights (tag, checkpoint or none).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N images / annotations per cell (smoke run).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompt file (JSON: class name -> list of description sentences) for the eval cells, e.g. OV-Stitcher's class_biased_template.json.")] = None,
     device: DeviceOpt = Device.auto,
 ) -> None:
     """Run a shipped grid (a published table) and render its report (OUT/report.md, report.csv, plots/)."""
@@ -213,7 +214,8 @@ def reproduce(
     if list_ or table is None:
         out_console().print(registry_table(Listable.grids))
         return
-    given = {k: v for k, v in {"models": _split(models), "pretrained": pretrained, "limit": limit}.items() if v is not None}
+    given = {"models": _split(models), "pretrained": pretrained, "limit": limit, "prompts": str(prompts) if prompts else None}
+    given = {k: v for k, v in given.items() if v is not None}
     grid_file = Path(table) if table.endswith(".toml") else GRIDS.get(table)
     grid_file_spec = read_grid_file(grid_file, overrides=given, benchmarks_dir=benchmarks)
     missing = [f for f in grid_file_spec.grid.fgovd if not Path(f).is_file()]
