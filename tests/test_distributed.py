@@ -176,3 +176,25 @@ def test_torchrun_fgovd_equals_one_process(tmp_path):
     # each rank scored its share of the 5 images in its own item log
     logs = sorted(tmp_path.glob("two.progress.rank*of2.jsonl"))
     assert [len(p.read_text().splitlines()) - 1 for p in logs] == [3, 2]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("argv,code", [(["ls", "presets"], 0), (["segment", "no-such-folder", "--classes", "a,b"], 2)])
+def test_the_cli_leaves_the_process_group_before_exit(argv, code, monkeypatch, capsys):
+    """A torchrun rank once finished all its images, then aborted at interpreter exit ("terminate called without
+    an active exception", SIGABRT): gloo's group was torn down during finalisation. The CLI now leaves the
+    group itself at every end of a command, a user error included."""
+    import torch.distributed as dist
+
+    from clipseg_sparse.cli.app import main
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(sys, "argv", ["clipseg-sparse", *argv])
+        with pytest.raises(SystemExit) as end:
+            main()
+        assert end.value.code == code
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -75,9 +75,12 @@ def main() -> None:
     import signal
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    from ..runtime.distributed import leave
+
     try:
         app()
-    except SystemExit as e:
+    except SystemExit as e:  # every end of a command, an error or a signal included (typer exits)
+        leave()  # torchrun: the process group is torn down now, not during interpreter exit
         if e.code == 130:  # typer's exit status for Ctrl-C, and for SIGTERM (raised as a KeyboardInterrupt)
             err_console.print(INTERRUPTED, highlight=False)
             if _signals:

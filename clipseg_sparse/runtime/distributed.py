@@ -39,6 +39,21 @@ def init_from_env() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave() -> None:
+    """Leave the process group, if this process joined one, while the interpreter is still whole.
+
+    Without it the group is torn down during interpreter finalisation, where gloo's worker threads can still
+    hold work with tensors whose release needs the GIL: the process then aborts after all its work is done
+    ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489), about one exit in
+    five in a bare two-rank gloo script. The CLI calls it once at its exit (`cli.app.main`). Local for
+    gloo and NCCL: it waits for no other rank."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")  # not imported: no group (and `--help` stays quick)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 #: how long a rank waits for the others at a collective (the end of a sweep can be hours apart)
 WAIT = timedelta(days=7)
 
