@@ -288,7 +288,7 @@ def test_load_clip_gives_a_timm_tower_and_a_lazy_hub_tokenizer(monkeypatch, tmp_
         model = open_clip.create_model(name, pretrained=None, device="meta")
     model = _fill(model, seed=9)
     model.visual.preprocess_cfg = {"mean": (0.5,) * 3, "std": (0.5,) * 3}
-    monkeypatch.setattr(clip_module, "_create_open_clip", lambda *a, **k: (model, name, None, False))
+    monkeypatch.setattr(clip_module, "_create_open_clip", lambda *a, **k: (model, name, None, False, None))
     clip = load_clip(name, pretrained=None, device="cpu")
     assert isinstance(clip, TimmDenseCLIP) and isinstance(clip.tokenizer, HubTokenizer) and clip.tokenizer._tokenizer is None
     assert clip.encode_dense(torch.zeros(1, 3, *SMALL)).shape == (1, 2, 3, 768) and clip.mean == (0.5,) * 3

@@ -272,12 +272,14 @@ def analyze(
     stuff = tuple(sorted(set(stuff))) if stuff is not None else stuff_classes(bench.name)
     if stuff is not None and any(not 0 <= c < bench.num_classes for c in stuff):
         raise ValueError(f"stuff class indices must be in 0..{bench.num_classes - 1} for {bench.name}")
-    samples = bench.samples(root)[:limit]
+    every_sample = bench.samples(root)
+    samples = every_sample[:limit]
     config = {
         **clip.config(),
         "attention": str(spec),
         "dataset": bench.name,
         "root": str(Path(root).resolve()),
+        "data": bench.fingerprint(every_sample),  # edited or added files make a stored result stale, as in eval
         "protocol": protocol,
         **{k: getattr(settings, k) for k in ANALYSIS_SETTINGS},
         # the preprocessing eval uses (recorded since analyze follows it: older results, made without it,

@@ -35,7 +35,7 @@ SweepRegionsOpt = Annotated[
 def _print_summary(summary, out: Path) -> None:
     err_console.print(
         f"sweep: {summary.total} cells: {summary.skipped} already done, {summary.ran} ran"
-        f"{f' ({summary.stale} of them recomputed: their data changed)' if summary.stale else ''}, "
+        f"{f' ({summary.stale} of them recomputed: their data or checkpoint changed)' if summary.stale else ''}, "
         f"{len(summary.failed)} failed ({summary.wall_s:.1f} s); results in {out}",
         highlight=False,
     )

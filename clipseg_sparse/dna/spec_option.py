@@ -11,7 +11,6 @@ a machine without the file still parses.
 from __future__ import annotations
 
 import copy
-import hashlib
 import re
 import weakref
 from pathlib import Path
@@ -20,20 +19,11 @@ from types import SimpleNamespace
 import torch.nn as nn
 
 from ..attention.spec import register_option
+from ..runtime.fingerprint import file_digest
 from .adapter import AdapterError, build_modules, load_adapter
 
 _HASH = re.compile(r"^(?P<path>.+)@(?P<hash>[0-9a-f]{12})$")
-_DIGESTS: dict[tuple[str, int, int], str] = {}
 _BLOCKS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def file_digest(path: Path) -> str:
-    """First 12 hex digits of the file's SHA-256 (cached by path, size and modification time)."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        _DIGESTS[key] = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-    return _DIGESTS[key]
 
 
 def split_arg(arg: str) -> tuple[Path, str | None]:

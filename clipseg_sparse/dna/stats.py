@@ -16,11 +16,13 @@ the paper's exact construction is not public; this one is ours).
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from ..datasets import IGNORE_INDEX
+from ..runtime.fingerprint import file_digest
 from .module import DenoisingAttention
 
 
@@ -122,6 +124,8 @@ def adapter_stats(
 
     adapter = adapter if hasattr(adapter, "tensors") else load_adapter(adapter)
     record = {"adapter": adapter.path, "base": {k: adapter.meta[k] for k in ("model", "pretrained", "blocks")},
+              "model": clip.config(),  # the weights measured on (a checkpoint's content digest included)
+              **({"adapter_sha256": file_digest(adapter.path)} if Path(adapter.path).is_file() else {}),
               "value_subspaces": value_subspaces(build_modules(adapter, clip))}
     if dataset is None:
         return record

@@ -32,7 +32,10 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..datasets import DATASETS, IGNORE_INDEX, class_vocabulary
 from ..runtime.distributed import init_from_env
+from ..files.results import WEIGHTS_KEY
 from ..runtime.atomic import atomic_path, create_json_exclusive, write_json_atomic
+from ..runtime.fingerprint import file_digest
+from ..runtime.weights import is_checkpoint_path
 from ..segment.vocabulary import embed_names
 from .adapter import save_adapter
 from .convert import convert_to_dna
@@ -242,6 +245,8 @@ def train(
     out = Path(out)
     ckpt_path, adapter_path, log_path = out / "checkpoint.pt", out / "adapter.safetensors", out / "train.json"
     wanted = dataclasses.asdict(config)
+    if is_checkpoint_path(config.pretrained) and Path(config.pretrained).is_file():  # its content, not only its path
+        wanted[WEIGHTS_KEY] = file_digest(config.pretrained)
     state = None
     if ckpt_path.is_file() and not overwrite:
         state = torch.load(ckpt_path, map_location="cpu", weights_only=False)

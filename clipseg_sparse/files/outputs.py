@@ -36,7 +36,7 @@ from ..datasets.labels import MAX_PNG_CLASSES, PALETTE, voc_palette, write_label
 from ..segment.labels import SegmentationResult
 from ..registry import Registry
 from ..runtime.atomic import atomic_path, create_json_exclusive, write_json_atomic
-from .results import config_hash
+from .results import config_hash, differences
 
 
 def class_colours(num_classes: int) -> np.ndarray:
@@ -139,13 +139,16 @@ class ClaimConflictError(UserError, RuntimeError):
     """Another run (another process) claimed an image's outputs with other settings after this run planned."""
 
 
-def _made_with(record_path: Path, settings: dict) -> bool:
-    """Whether the record at `record_path` was made by this tool with these prediction settings."""
+def _other_settings(record_path: Path, settings: dict) -> str | None:
+    """None when the record at `record_path` was made by this tool with these prediction settings, else
+    what differs (the keys, and a word when the weights or the data changed)."""
     try:
-        record = json.loads(record_path.read_text(encoding="utf-8"))
-        return prediction_key(record["settings"]) == prediction_key(settings)
+        made = json.loads(record_path.read_text(encoding="utf-8"))["settings"]
+        if prediction_key(made) == prediction_key(settings):
+            return None
+        return f"other settings{differences(made, settings)}"
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return "other settings or by something else"
 
 
 class Status(str, Enum):
@@ -193,8 +196,9 @@ class OutputOptions:
             return Status.todo, ""
         if self.overwrite:
             return Status.todo, ""
-        if not _made_with(record_path, settings):
-            return Status.conflict, f"{record_path} was made with other settings or by something else"
+        other = _other_settings(record_path, settings)
+        if other:
+            return Status.conflict, f"{record_path} was made with {other}"
         missing = [p for p in files.values() if not p.exists()]
         return (Status.resume, "") if missing else (Status.done, "")
 
@@ -232,7 +236,7 @@ def write_outputs(base: Path, source: Path, rgb: np.ndarray, result: Segmentatio
     if options.overwrite:
         write_json_atomic(record_path, record)
     elif resuming or not create_json_exclusive(record_path, record):
-        if not _made_with(record_path, result.settings):
+        if _other_settings(record_path, result.settings):
             raise ClaimConflictError(f"{record_path} was written meanwhile by another run with other settings")
         write_json_atomic(record_path, record)
     for kind, path in files.items():

@@ -15,7 +15,6 @@ import os
 import platform
 import time
 from datetime import datetime, timezone
-from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -30,21 +29,6 @@ def config_hash(config: dict) -> str:
     """A short stable hash of a configuration (keys sorted), used to key result files and logs."""
     blob = json.dumps(config, sort_keys=True, default=jsonable)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-@lru_cache(maxsize=None)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
-
-
-def file_id(path: str | Path) -> str:
-    """`name@sha256-prefix` of a data file (an FG-OVD benchmark JSON), hashed once per size and mtime:
-    what identifies the file in a configuration, so another file of the same name is never mistaken for it."""
-    path = Path(path)
-    if not path.is_file():
-        return f"{path.name}@missing"
-    st = path.stat()
-    return f"{path.name}@{_file_digest(str(path.resolve()), st.st_size, st.st_mtime_ns)}"
 
 
 def package_versions() -> dict[str, str]:
@@ -165,6 +149,10 @@ def load_finished(out: Path, config: dict) -> dict:
 DATA_KEYS = ("root", "data", "images_root", "benchmark_files")
 
 
+#: the configuration key holding a checkpoint file's content digest (`DenseCLIP.pretrained_sha256`)
+WEIGHTS_KEY = "pretrained_sha256"
+
+
 def differences(old: Any, new: dict) -> str:
     """` (differs in: a, b)` listing the keys whose values differ, with a word when the data changed."""
     if not isinstance(old, dict):
@@ -173,6 +161,9 @@ def differences(old: Any, new: dict) -> str:
     if not keys:
         return ""
     changed = " - the data changed since it was made" if any(k in DATA_KEYS for k in keys) else ""
+    if WEIGHTS_KEY in keys and new.get(WEIGHTS_KEY):
+        changed += (" - the checkpoint's content is not the one it was made with" if old.get(WEIGHTS_KEY) else
+                    " - it was made before checkpoint contents were recorded, so its weights cannot be checked")
     return f" (differs in: {', '.join(keys[:8])}{changed})"
 
 

@@ -21,7 +21,6 @@ the antialiased exact-size resize (`interpolate_offset=0`, `interpolate_antialia
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 
 from ..registry import Registry
 from ..runtime.device import PRECISIONS, resolve_device
-from ..runtime.weights import CHECKPOINT_SUFFIXES, RANDOM_WEIGHTS_SEED, WeightsUnavailableError, _weights_help
+from ..runtime.weights import RANDOM_WEIGHTS_SEED, WeightsUnavailableError, _weights_help, is_checkpoint_path
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -161,7 +160,7 @@ def create_backbone_model(info: BackboneInfo, pretrained: str | None, cache_dir:
             torch.manual_seed(RANDOM_WEIGHTS_SEED)
             return timm.create_model(info.timm_name, pretrained=False, num_classes=0, **info.timm_kwargs()), "none"
     path = Path(pretrained).expanduser()
-    if path.suffix in CHECKPOINT_SUFFIXES or os.sep in pretrained:
+    if is_checkpoint_path(pretrained):
         if not path.is_file():
             raise WeightsUnavailableError(f"{pretrained}: backbone checkpoint file not found (give an existing .pth/.bin/.safetensors file, 'hub' or 'none')")
         try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +24,9 @@ from ..attention import OPTIONS, AttentionSpec, resolve_spec
 from ..attention import blocks as attention_blocks
 from ..attention.taps import attention_grid
 from ..runtime.device import PRECISIONS, resolve_device
+from ..runtime.fingerprint import file_digest
 from ..runtime.weights import (
-    CHECKPOINT_SUFFIXES,
+    is_checkpoint_path,
     RANDOM_WEIGHTS_SEED,
     WeightsUnavailableError,
     _checkpoint_error,
@@ -111,7 +111,8 @@ def check_model_name(model_name: str) -> str:
 
 
 def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool | None, cache_dir: str | None):
-    """(open_clip model, canonical name, weights: checkpoint path | tag | None, QuickGELU used)."""
+    """(open_clip model, canonical name, weights: checkpoint path | tag | None, QuickGELU used, a checkpoint
+    file's content digest or None)."""
     import open_clip
 
     name = check_model_name(model_name)
@@ -120,20 +121,21 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
         # random weights are for tests and demos: seeded, so a resumed run uses the same model
         with _no_stray_open_clip_logs(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(RANDOM_WEIGHTS_SEED)
-            return open_clip.create_model(name, pretrained=None, force_quick_gelu=gelu), name, None, gelu
+            return open_clip.create_model(name, pretrained=None, force_quick_gelu=gelu), name, None, gelu, None
     path = Path(pretrained).expanduser()
-    if path.suffix in CHECKPOINT_SUFFIXES or os.sep in pretrained:
+    if is_checkpoint_path(pretrained):
         if not path.is_file():
             raise WeightsUnavailableError(
                 f"{pretrained}: checkpoint file not found (--pretrained takes an existing .pt/.pth/.bin/.safetensors file, an open_clip tag, or none)"
             )
         gelu = _is_torchscript_archive(path) if quick_gelu is None else quick_gelu
+        digest = file_digest(path)  # before loading: the content these weights come from
         try:
             with _no_stray_open_clip_logs():
                 model = open_clip.create_model(name, pretrained=str(path), force_quick_gelu=gelu)
         except Exception as e:  # wrong architecture, truncated file, ...
             raise WeightsUnavailableError(_checkpoint_error(path, name, e)) from e
-        return model, name, str(path), gelu
+        return model, name, str(path), gelu, digest
     cfg = open_clip.get_pretrained_cfg(name, pretrained)
     if not cfg:
         tags = open_clip.list_pretrained_tags_by_model(name)
@@ -149,7 +151,7 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
     except Exception as e:
         why = f"{unreachable} is unreachable and the weights are not in the cache. " if unreachable else ""
         raise WeightsUnavailableError(why + _weights_help(name, pretrained)) from e
-    return model, name, pretrained, gelu
+    return model, name, pretrained, gelu, None
 
 
 def load_clip(
@@ -178,7 +180,7 @@ def load_clip(
         raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     if isinstance(pretrained, str) and pretrained.lower() in ("", "none"):
         pretrained = None
-    model, name, weights, gelu = _create_open_clip(model_name, pretrained, quick_gelu, cache_dir)
+    model, name, weights, gelu, digest = _create_open_clip(model_name, pretrained, quick_gelu, cache_dir)
     import open_clip
 
     dev = resolve_device(device)
@@ -200,6 +202,7 @@ def load_clip(
         pretrained=weights or "none",
         precision=precision,
         quick_gelu=gelu,
+        pretrained_sha256=digest,
     )
 
 
@@ -209,6 +212,8 @@ class DenseCLIP:
 
     `model` is the open_clip model with its weights untouched; specs are applied per call.
     quick_gelu: whether the activation is QuickGELU (it changes every embedding, so results record it).
+    pretrained_sha256: the checkpoint file's content digest when `pretrained` is a file (`runtime.fingerprint`),
+    taken when it was loaded: a checkpoint rewritten in place no longer matches results made before.
     """
 
     model: torch.nn.Module
@@ -221,11 +226,13 @@ class DenseCLIP:
     # file or NAME=W,...); None: the process-wide choice (`use_proxy_weights`, --proxy-weights; default "auto",
     # which follows this CLIP's own weights: random backbones for a random CLIP)
     proxy_weights: str | None = None
+    pretrained_sha256: str | None = None
     _pos_cache: dict = field(default_factory=dict, repr=False)
 
     def config(self) -> dict:
         """What identifies this model's numbers in a result file: name, weights, precision, activation,
-        and the entmax attention backend selected now (see accel.py; AdaSplash is approximate)."""
+        a checkpoint file's content digest, and the entmax attention backend selected now (see accel.py;
+        AdaSplash is approximate)."""
         from ..runtime.accel import get_attention_backend
 
         return {
@@ -234,6 +241,8 @@ class DenseCLIP:
             "precision": self.precision,
             "quick_gelu": self.quick_gelu,
             "attention_backend": get_attention_backend(),
+            # only for a checkpoint file: results made with a tag or random weights keep their configuration
+            **({"pretrained_sha256": self.pretrained_sha256} if self.pretrained_sha256 else {}),
         }
 
     @property

@@ -19,11 +19,13 @@ installs one you loaded yourself. ProxyCLIP's presets, which use this tap, are i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..attention.taps import TAPS, Tap, tap_kind
+from ..runtime.fingerprint import file_digest
 from .backbones import BACKBONES, MASK_KINDS, Backbone, load_backbone
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -85,6 +87,8 @@ class ProxyBackbones:
             weights = loaded[0].weights if loaded else self.resolved_weights(name)
             tag = BACKBONES.get(name).timm_name
             out[name] = {"timm": tag, "weights": tag if weights == "hub" else weights, "precision": self.precision}
+            if weights not in ("hub", "none") and Path(weights).is_file():  # a checkpoint: its content, too
+                out[name]["sha256"] = file_digest(weights)
         return out
 
 

@@ -19,6 +19,11 @@ RANDOM_WEIGHTS_SEED = 0
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 
 
+def is_checkpoint_path(pretrained: str) -> bool:
+    """Whether a `--pretrained` value names a checkpoint file (by its suffix, or a path separator), not a tag."""
+    return Path(pretrained).expanduser().suffix in CHECKPOINT_SUFFIXES or os.sep in pretrained
+
+
 class WeightsUnavailableError(UserError, RuntimeError):
     """CLIP weights could not be found locally nor downloaded."""
 

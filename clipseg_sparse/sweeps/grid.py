@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..files.results import config_hash, file_id
+from ..files.results import config_hash
+from ..runtime.fingerprint import file_id
 from ..registry import Registry
 
 GRID_DIR = Path(__file__).parent / "grids"

@@ -19,8 +19,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from ..files.results import RESULT_SCHEMA
+from ..files.results import RESULT_SCHEMA, WEIGHTS_KEY
 from ..runtime.atomic import write_json_atomic
+from ..runtime.fingerprint import file_digest
+from ..runtime.weights import is_checkpoint_path
 from .grid import Cell, Grid
 from .records import read_result
 
@@ -109,15 +111,19 @@ def is_done(paths: SweepPaths, cell: Cell) -> bool:
 
 
 def data_changed(paths: SweepPaths, cell: Cell) -> bool:
-    """Whether a finished eval cell was computed on other data than `paths` now gives it: another root,
-    or files added, removed or modified since (Benchmark.fingerprint). Data that cannot be read now (no
-    root given, a missing folder) is not judged, so a report can be re-rendered without the datasets.
-    FG-OVD cells need no check: their hash holds the benchmark file's content hash."""
+    """Whether a finished cell was computed on other data or weights than it would be now: a checkpoint file
+    rewritten in place (its content digest, `pretrained_sha256`), or for eval cells another root, or files
+    added, removed or modified since (Benchmark.fingerprint). Data that cannot be read now (no root given,
+    a missing folder) is not judged, so a report can be re-rendered without the datasets. FG-OVD cells'
+    hash holds the benchmark file's content digest."""
     from ..datasets import DatasetError
 
+    config = (read_result(paths.result(cell)) or {}).get("config", {})
+    checkpoint = Path(cell.pretrained)
+    if is_checkpoint_path(cell.pretrained) and checkpoint.is_file() and config.get(WEIGHTS_KEY) != file_digest(checkpoint):
+        return True
     if cell.kind != "eval":
         return False
-    config = (read_result(paths.result(cell)) or {}).get("config", {})
     try:
         root = paths.root(cell.data)
         now = {"root": str(root.resolve()), "data": _fingerprint(cell.data, str(root.resolve()))}

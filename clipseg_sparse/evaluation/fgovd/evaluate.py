@@ -26,7 +26,8 @@ from ...segment.preprocess import prepare
 from ...segment.settings import InferenceSettings
 from ...models.clip import DenseCLIP
 from ...registry import Registry
-from ...files.results import file_id, logged_or_computed, open_run, result_record
+from ...files.results import logged_or_computed, open_run, result_record
+from ...runtime.fingerprint import file_id
 from ...runtime.atomic import write_json_atomic
 from ...segment.vocabulary import embed_names, resolve_templates, templates_id
 from .data import BenchmarkFile, RegionAnnotation, check_images, check_segmentations, read_benchmark
