@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from clipseg_sparse.cli.app import app
@@ -116,3 +122,31 @@ def test_missing_data_claims_nothing_and_a_broken_claim_is_one_line(ade_train, t
     out.mkdir(exist_ok=True)
     (out / "settings.json").write_text("[1, 2")
     _one_line(_cli(ade_train, out, "--resolution", "32"), "settings.json", "not a settings record")
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_before_the_first_checkpoint_saves_one(ade_train, tmp_path, signum, code):
+    """Stopped by SIGTERM or Ctrl-C before its first checkpoint (step `--save-every`), `dna train` saved nothing
+    yet said "finished work is kept": it now ends the step under way, saves the checkpoint and resumes from it."""
+    out = tmp_path / "run"
+    env = dict(os.environ, CLIPSEG_SPARSE_CACHE=str(tmp_path / "cache"), CLIPSEG_SPARSE_PROGRESS_SECONDS="0", OMP_NUM_THREADS="1")
+    args = ["dna", "train", "--out", str(out), "--root", str(ade_train), "--dataset", "ade20k", "--model", TINY_CONFIG, "--pretrained", "none",
+            "--device", "cpu", "--steps", "100000", "--save-every", "100000", "--batch-size", "2", "--resolution", "32", "--templates", "single"]  # fmt: skip
+    run = subprocess.Popen([sys.executable, "-m", "clipseg_sparse", *args], env=env, stderr=subprocess.PIPE, text=True)
+    seen = []
+    try:
+        for line in run.stderr:  # one progress line per step off a terminal
+            seen.append(line)
+            done = re.search(r"(\d+)/100000 steps", line)
+            if done and int(done[1]) >= 3:
+                break
+        run.send_signal(signum)
+        rest = run.communicate(timeout=120)[1]
+    finally:
+        run.kill()
+    assert run.returncode == code, "".join(seen[-5:]) + rest
+    state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert state["step"] >= 3 and len(state["losses"]) == state["step"]
+    assert f"after step {state['step']} of 100000; checkpoint" in rest and "finished work is kept" in rest
+    resumed = train(_config(ade_train, steps=100000, lr=1e-4, amp="auto", seed=0), out, device="cpu", progress=False, stop_after=state["step"] + 1, save_every=100000)
+    assert resumed.resumed_from == state["step"] and resumed.step == state["step"] + 1

@@ -312,7 +312,8 @@ def train(
     seconds_per_step = state.get("seconds_per_step") if state else None
     started = time.perf_counter()
     bar = _bar(progress and rank == 0, config.steps, start)
-    with bar:
+    stop = _StopBetweenSteps()
+    with bar, stop:
         for pixels, targets in loader:
             with autocast:
                 ce, count = model(pixels.to(dev), targets.to(dev))
@@ -327,8 +328,17 @@ def train(
             losses.append(float(_sum_over_ranks(ce.detach().float(), world) / total))
             seconds_per_step = (time.perf_counter() - started) / (step - start)
             bar.advance(losses[-1])
-            if step % save_every == 0 or step == end:
+            stopping = stop.requested(world, dev)
+            if step % save_every == 0 or step == end or stopping:
                 save()
+            if stopping:
+                break
+    if stop.signum is not None:  # the checkpoint of the last whole step is saved: now stop as the signal asks
+        if rank == 0:
+            from ..runtime.progress import err_console
+
+            err_console.print(f"dna train: stopped by signal {stop.signum} after step {step} of {config.steps}; checkpoint {ckpt_path} saved", highlight=False, soft_wrap=True)
+        stop.deliver()
     if start == end:  # nothing left to run in this call (stop_after reached before)
         save()
     if rank == 0 and step >= config.steps:
@@ -338,6 +348,53 @@ def train(
         with atomic_path(log_path) as tmp:
             tmp.write_text(json.dumps(record, indent=1))
     return TrainResult(adapter_path, step, losses, start, trainable, seconds_per_step)
+
+
+class _StopBetweenSteps:
+    """Ctrl-C or SIGTERM during the steps (Slurm's time limit, docker stop) ends the step under way, then the
+    loop saves a checkpoint and `deliver` stops the run as the signal would have: nothing trained is lost,
+    even before the first `save_every` checkpoint. A second signal stops at once. Main thread only (signal
+    handlers cannot be set elsewhere); under torchrun the ranks agree to stop after the same step."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_StopBetweenSteps":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _note(self, signum: int, frame) -> None:
+        if self.signum is not None:  # asked twice: do not wait for the step
+            self.deliver(signum)
+        self.signum = signum
+
+    def _restore(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def requested(self, world: int, device: torch.device) -> bool:
+        """Whether any rank was asked to stop (one small all-reduce per step under torchrun)."""
+        flag = torch.tensor(float(self.signum is not None), device=device)
+        return bool(_sum_over_ranks(flag, world) > 0)
+
+    def deliver(self, signum: int | None = None) -> None:
+        """Put the handlers back and raise the signal again, for them (the CLI's: exit 130 / 143)."""
+        import signal
+
+        self._restore()
+        signal.raise_signal(signum or self.signum or signal.SIGTERM)
 
 
 def _count(tensors: dict) -> int:
