@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ..errors import UserValueError
 from . import feedback
 from .combine import _attend, aggregate, attended_values, attention_weights
 from .grid import resize_regions
@@ -59,6 +60,18 @@ def _tap_needs(spec: AttentionSpec) -> tuple[set[int], set[int], set[int]]:
     for inp in spec.block_inputs:
         raw |= set(range(inp.first, inp.last + 1))
     return main, raw, maps
+
+
+def check_depth(spec: AttentionSpec, depth: int) -> None:
+    """UserValueError when a spec needs more blocks than a tower of `depth` blocks has: it edits more than
+    `depth`, or a tap or input reads a block that is edited or past the last (a ViT-L spec on a ViT-B).
+    `DenseCLIP.check_spec` runs it before any image; the forward runs it again for library callers."""
+    if spec.layers > depth:
+        raise UserValueError(f"spec {spec} edits the last {spec.layers} blocks but the model has {depth}")
+    n_plain = depth - spec.layers
+    late = sorted(i for i in set().union(*_tap_needs(spec)) if i > n_plain)
+    if late:
+        raise UserValueError(f"spec {spec} reads block {late[0]}, which is edited or past the last block; taps and inputs must come from blocks 1..{n_plain} of this model's {depth}")
 
 
 def _context(state: EncoderState, reads: torch.Tensor, block: torch.nn.Module, offset: int, hidden) -> BlockContext:
@@ -155,8 +168,7 @@ def encode_tokens(
     (`scope.py`). branches: with `mct:BETA`, a list that receives the (weight, B x M x C tokens) of the
     extra inputs and the semantic branch instead of adding them to the main output (`encode_normed`)."""
     blocks = visual.transformer.resblocks
-    if spec.layers > len(blocks):
-        raise ValueError(f"spec edits {spec.layers} blocks but the model has {len(blocks)}")
+    check_depth(spec, len(blocks))
     if spec.is_identity and sink is None:
         for blk in blocks:
             x = run_block(blk, x, grid)
@@ -165,9 +177,6 @@ def encode_tokens(
         return x
     n_plain = len(blocks) - spec.layers
     need_main, need_raw, need_maps = _tap_needs(spec)
-    late = sorted(i for i in need_main | need_raw | need_maps if i > n_plain)
-    if late:
-        raise ValueError(f"spec {spec} reads block {late[0]}, which is edited or past the last block; taps and inputs must come from blocks 1..{n_plain}")
     state = EncoderState(x, grid, pixels=pixels)
     for name, feats in (context or {}).get("image_features", {}).items():  # whole-image backbone features, per window
         state.extra[("image", name)] = feats

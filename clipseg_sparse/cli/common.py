@@ -242,10 +242,12 @@ def load_pipeline(pipeline, weights: str, pretrained: str, device: Device):
 
 def load_proxies(spec, clip, weights: str, stages: Sequence[str] = ()) -> None:
     """Load the external backbones a spec's ext: terms read, and SAM's predictor when a refine stage
-    (samrefine) is among `stages`, before any work."""
+    (samrefine) is among `stages`, before any work; first check that `clip` can run the spec at all (a
+    ViT-L spec on a ViT-B fails here, not after the backbones loaded)."""
     from ..models.proxies import PROXIES, prepare_proxies
     from ..stages import resolve_stages
 
+    clip.check_spec(spec)
     with err_console.status("loading proxy backbones"):
         prepare_proxies(spec, clip, weights)
         if any(st.kind == "refine" for st in resolve_stages(stages)):

@@ -331,11 +331,10 @@ class DenseCLIP:
         return len(self.visual.transformer.resblocks)
 
     def check_spec(self, spec: AttentionSpec | str | None) -> None:
-        """ValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth;
-        a `dna:PATH` adapter that is missing, changed or made for another model)."""
+        """ValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth, a
+        tap reading a block it does not have; a `dna:PATH` adapter that is missing, changed or made for another model)."""
         spec = resolve_spec(spec)
-        if spec.layers > self.depth:
-            raise ValueError(f"attention spec {spec} edits the last {spec.layers} blocks, but {self.model_name} has {self.depth}")
+        attention_blocks.check_depth(spec, self.depth)
         self._tower(spec)
 
     def _embed(self, pixels: torch.Tensor, pos_interp: str = "size") -> tuple[torch.Tensor, tuple[int, int]]:

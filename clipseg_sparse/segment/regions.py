@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..errors import UserValueError
 from ..models.backbones import BACKBONES
 from ..registry import ENTRY_POINT_GROUP, Registry
 from ..runtime.weights import WeightsUnavailableError, require_extra
@@ -31,17 +32,28 @@ REGION_SUFFIXES = (".png", ".npy", ".npz")
 CORRCLIP_SAM2 = dict(points_per_side=8, pred_iou_thresh=0.4, stability_score_thresh=0.4)
 
 
-def read_region_map(path: str | Path) -> np.ndarray:
-    """H x W int32 region ids (-1 = unsegmented) from a .png, .npy or .npz file; ValueError naming the
-    file when it is not a 2-D integer map."""
+class RegionError(UserValueError):
+    """A region-mask file that cannot be used (unreadable, not a 2-D integer map, another size than its image)."""
+
+
+def read_region_map(path: str | Path, header_only: bool = False) -> np.ndarray:
+    """H x W int32 region ids (-1 = unsegmented) from a .png, .npy or .npz file; RegionError naming the
+    file when it is not a 2-D integer map. header_only: check the kind and shape without reading the
+    pixels (PNG header, memory-mapped .npy), for checking every file before any work; returns an
+    untouched array of that shape."""
     path = Path(path)
     try:
         if path.suffix == ".png":
             from PIL import Image
 
-            regions = np.asarray(Image.open(path)).astype(np.int64) - 1
+            with Image.open(path) as image:
+                if header_only:
+                    bands = len(image.getbands())
+                    regions = np.empty((image.height, image.width, *((bands,) if bands > 1 else ())), np.int64)  # not touched
+                else:
+                    regions = np.asarray(image).astype(np.int64) - 1
         elif path.suffix == ".npy":
-            regions = np.load(path, allow_pickle=False)
+            regions = np.load(path, allow_pickle=False, mmap_mode="r" if header_only else None)
         elif path.suffix == ".npz":
             with np.load(path, allow_pickle=False) as z:
                 keys = list(z.keys())
@@ -53,10 +65,10 @@ def read_region_map(path: str | Path) -> np.ndarray:
         else:
             raise ValueError(f"unsupported suffix; use {', '.join(REGION_SUFFIXES)}")
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read region masks: {e}") from None
+        raise RegionError(f"{path}: cannot read region masks: {e}") from None
     if regions.ndim != 2 or not np.issubdtype(regions.dtype, np.integer):
-        raise ValueError(f"{path}: region masks must be a 2-D integer map (got {regions.dtype} {regions.shape})")
-    return np.where(regions < 0, -1, regions).astype(np.int32)
+        raise RegionError(f"{path}: region masks must be a 2-D integer map (got {regions.dtype} {regions.shape})")
+    return regions if header_only else np.where(regions < 0, -1, regions).astype(np.int32)
 
 
 def masks_to_regions(masks: Sequence[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
@@ -74,7 +86,7 @@ class RegionFolder:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
-            raise ValueError(f"{root}: region-mask folder not found")
+            raise RegionError(f"{root}: region-mask folder not found")
 
     def source(self) -> str:
         return f"folder:{self.root}"
@@ -90,18 +102,22 @@ class RegionFolder:
         return None
 
     def check(self, names: Sequence[str]) -> None:
-        """ValueError naming the first image without a region file (before any work starts)."""
-        missing = [n for n in names if self.find(n) is None]
+        """RegionError naming the first image without a region file, or the first file that is not a 2-D
+        integer map (read by header: before any work starts; its size is checked against its image then)."""
+        found = {n: self.find(n) for n in names}
+        missing = [n for n, path in found.items() if path is None]
         if missing:
-            raise ValueError(f"no region masks for {len(missing)} image(s) in {self.root}, e.g. {missing[0]} (expected {Path(missing[0]).stem}{'|'.join(REGION_SUFFIXES)})")
+            raise RegionError(f"no region masks for {len(missing)} image(s) in {self.root}, e.g. {missing[0]} (expected {Path(missing[0]).stem}{'|'.join(REGION_SUFFIXES)})")
+        for path in dict.fromkeys(found.values()):
+            read_region_map(path, header_only=True)
 
     def __call__(self, image: np.ndarray, name: str) -> np.ndarray:
         path = self.find(name)
         if path is None:
-            raise ValueError(f"no region masks for {name} in {self.root} (expected {Path(name).stem}{'|'.join(REGION_SUFFIXES)})")
+            raise RegionError(f"no region masks for {name} in {self.root} (expected {Path(name).stem}{'|'.join(REGION_SUFFIXES)})")
         regions = read_region_map(path)
         if regions.shape != image.shape[:2]:
-            raise ValueError(f"{path}: region masks are {regions.shape[1]}x{regions.shape[0]}, the image is {image.shape[1]}x{image.shape[0]}")
+            raise RegionError(f"{path}: region masks are {regions.shape[1]}x{regions.shape[0]}, the image is {image.shape[1]}x{image.shape[0]}")
         return regions
 
 

@@ -97,7 +97,6 @@ class Segmenter:
         self.clip = clip
         self.vocabulary = vocabulary
         self.spec = resolve_spec(spec)
-        clip.check_spec(self.spec)
         self.settings = settings or InferenceSettings()
         self.templates = resolve_templates(templates)
         self.prompts = resolve_prompts(prompts)
@@ -105,6 +104,7 @@ class Segmenter:
         reader = region_reader(self.spec, self.settings.stage_texts())
         if reader and regions is None:
             raise ValueError(f"{reader} needs region masks for each image: give a region source (--regions FOLDER or --regions sam2)")
+        clip.check_spec(self.spec)
         prompted = getattr(regions, "for_vocabulary", None)  # a text-prompted source (sam3) takes our names
         self.regions = (prompted(vocabulary.flat_names) if prompted else regions) if reader else None  # read (and recorded) only when used
         self.global_stage = global_stage(self.spec, self.stages)
