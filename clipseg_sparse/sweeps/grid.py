@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..errors import UserValueError
 from ..files.results import config_hash
 from ..runtime.fingerprint import file_id
 from ..registry import Registry
@@ -257,9 +258,11 @@ def read_grid_file(
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{path}: grid file not found") from None
+        raise UserValueError(f"{path}: grid file not found") from None
+    except UnicodeDecodeError:
+        raise UserValueError(f"{path}: not a UTF-8 text file; a grid is a TOML file") from None
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: not valid TOML: {e}") from None
+        raise UserValueError(f"{path}: not valid TOML: {e}") from None
     description = data.pop("description", "")
     report = data.pop("report", {})
     roots = {k: path.parent / v for k, v in data.pop("roots", {}).items()}

@@ -145,12 +145,14 @@ def records_of(path: Path, data: dict) -> list[Record]:
 def collect(sources: Iterable[str | Path]) -> list[Record]:
     """Result records from files, folders (searched recursively) and globs.
 
-    Non-result JSON is skipped. When two files hold the same run, the newer (`created`) one is kept.
+    Non-result JSON in a folder or glob is skipped; a file named on its own must be a result. When two files hold the same run, the newer (`created`) one is kept.
     """
     newest: dict[str, Record] = {}
     for source in sources:
         for path in result_files(source):
             data = read_result(path)
+            if data is None and Path(source).is_file():  # named on its own: it was meant as a result
+                raise ReportError(f"{path}: not a result file of this tool (unreadable, torn, or JSON of another kind)")
             for rec in records_of(path, data) if data is not None else ():
                 key = rec.identity()
                 if key not in newest or rec.created >= newest[key].created:
