@@ -132,7 +132,9 @@ def test_a_signal_before_the_first_checkpoint_saves_one(ade_train, tmp_path, sig
     env = dict(os.environ, CLIPSEG_SPARSE_CACHE=str(tmp_path / "cache"), CLIPSEG_SPARSE_PROGRESS_SECONDS="0", OMP_NUM_THREADS="1")
     args = ["dna", "train", "--out", str(out), "--root", str(ade_train), "--dataset", "ade20k", "--model", TINY_CONFIG, "--pretrained", "none",
             "--device", "cpu", "--steps", "100000", "--save-every", "100000", "--batch-size", "2", "--resolution", "32", "--templates", "single"]  # fmt: skip
-    run = subprocess.Popen([sys.executable, "-m", "clipseg_sparse", *args], env=env, stderr=subprocess.PIPE, text=True)
+    # a shell's background job (`pytest &`) starts with SIGINT ignored, and so would the child: give it Ctrl-C's default
+    default_int = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    run = subprocess.Popen([sys.executable, "-m", "clipseg_sparse", *args], env=env, stderr=subprocess.PIPE, text=True, preexec_fn=default_int)
     seen = []
     try:
         for line in run.stderr:  # one progress line per step off a terminal

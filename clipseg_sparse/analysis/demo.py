@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import UserError
+from ..segment.images import load_image
 from ..segment.segmenter import Segmenter
 from ..segment.settings import InferenceSettings
 from ..models.clip import DenseCLIP
@@ -33,17 +34,26 @@ class DemoError(UserError, ValueError):
 
 
 def _vocabulary(classes: str) -> Vocabulary:
+    """The typed classes; a repeated name is refused as `segment` refuses it (it could never win)."""
     try:
-        return Vocabulary.parse(classes or "")
+        vocabulary = Vocabulary.parse(classes or "")
+        vocabulary.check_unique()
+        return vocabulary
     except ValueError as e:
         raise DemoError(str(e)) from None
 
 
-def _check(image, presets: Sequence[str]) -> None:
+def _check(image, presets: Sequence[str]) -> np.ndarray:
+    """The upload as H x W x 3 uint8 RGB (a PIL image from the page: palette GIFs, animated ones by their
+    first frame, RGBA and grey images as the CLI reads them; or an array)."""
     if image is None:
         raise DemoError("upload an image first")
     if not presets:
         raise DemoError("pick at least one preset")
+    try:
+        return load_image(image)
+    except ValueError as e:
+        raise DemoError(str(e)) from None
 
 
 class DemoModel:
@@ -62,11 +72,11 @@ class DemoModel:
         """One (overlay with legend, caption) per preset."""
         from ..files.outputs import overlay_image
 
-        _check(image, presets)
+        rgb = _check(image, presets)
         out = []
         for preset in presets:
-            result = self.segmenter(classes, preset).predict(image)
-            overlay = overlay_image(np.asarray(image)[..., :3], result.labels, result.present(), result.class_names)
+            result = self.segmenter(classes, preset).predict(rgb)
+            overlay = overlay_image(rgb, result.labels, result.present(), result.class_names)
             out.append((np.asarray(overlay), f"{preset} ({result.settings['attention']})"))
         return out
 
@@ -74,9 +84,9 @@ class DemoModel:
         """One (attention map of the patch under (x, y), title with entropy / support) per preset."""
         from .explain import attention_image, explain
 
-        _check(image, presets)
+        rgb = _check(image, presets)
         try:
-            views = explain(self.clip, image, _vocabulary(classes), list(presets), (int(x), int(y)), self.settings, self.templates)
+            views = explain(self.clip, rgb, _vocabulary(classes), list(presets), (int(x), int(y)), self.settings, self.templates)
         except ValueError as e:  # a point outside the image
             raise DemoError(str(e)) from None
         return [(attention_image(v), f"{p}: {v.title.splitlines()[1]}") for p, v in zip(presets, views)]
@@ -105,7 +115,7 @@ def build_demo(clip: DenseCLIP, settings: InferenceSettings | None = None, templ
             gr.Markdown(RANDOM_WEIGHTS_NOTE, elem_id="random-weights")
         with gr.Row():
             with gr.Column():
-                image = gr.Image(label="image (click a point to see its attention)", type="numpy", elem_id="input-image")
+                image = gr.Image(label="image (click a point to see its attention)", type="pil", elem_id="input-image")
                 classes = gr.Textbox(label='classes ("," between classes, "|" between synonyms)', value="sky,tree,grass,building|house,road")
                 chosen = gr.CheckboxGroup(list_presets(), value=list(presets), label="presets to compare")
                 run = gr.Button("segment", variant="primary")

@@ -146,6 +146,7 @@ def explain(
         fail(f"{image}: image not found")
     specs = resolve_specs(preset, attn, default="sclip")
     vocabulary = Vocabulary.parse(classes)
+    vocabulary.check_unique()  # as segment: a repeated name could never win
     settings = InferenceSettings().replace(resolution=resolution)
     clip = load_model(model, pretrained, device, precision)
     views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head)
@@ -212,6 +213,18 @@ def demo(
         if name not in PRESETS:
             fail(PRESETS.unknown_message(name))
     settings = InferenceSettings().replace(resolution=resolution)
+    check_port(host, port)  # before the model loads
     clip = load_model(model, pretrained, device, precision)
     err_console.print(f"serving on http://{host}:{port} (Ctrl-C stops it)", highlight=False)
     launch(build_demo(clip, settings, templates, preset or DEFAULT_PRESETS), host, port)
+
+
+def check_port(host: str, port: int) -> None:
+    """One line, exit 2, when the demo could not serve on host:port (in use, or not an address of this machine)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, port))
+    except OSError as e:
+        fail(f"--host {host} --port {port}: cannot serve there ({e.strerror or e}); pick another --port, or stop what uses it")

@@ -73,7 +73,7 @@ ProxyWeightsOpt = Annotated[
 
 RegionsOpt = Annotated[
     Optional[str],
-    typer.Option("--regions", help="Region masks for CorrCLIP (corrclip presets, stage regionvote): a folder with one png/npy/npz per image, named like it, sam2 (SAM2 automatic masks, extra .[proxy]) or sam3 (SAM 3 instance masks for the vocabulary's names, extra .[sam3], CUDA); masks cached."),
+    typer.Option("--regions", help="Region masks for CorrCLIP (corrclip presets, stage regionvote): a folder with one png/npy/npz per image, named like it, sam2 (SAM2 automatic masks, extra .\\[proxy]) or sam3 (SAM 3 instance masks for the vocabulary's names, extra .\\[sam3], CUDA); masks cached."),
 ]
 
 PromptsOpt = Annotated[
@@ -244,10 +244,15 @@ def load_proxies(spec, clip, weights: str, stages: Sequence[str] = ()) -> None:
     """Load the external backbones a spec's ext: terms read, and SAM's predictor when a refine stage
     (samrefine) is among `stages`, before any work; first check that `clip` can run the spec at all (a
     ViT-L spec on a ViT-B fails here, not after the backbones loaded)."""
-    from ..models.proxies import PROXIES, prepare_proxies
+    from ..models.proxies import PROXIES, prepare_proxies, spec_backbones
     from ..stages import resolve_stages
 
     clip.check_spec(spec)
+    used = [*spec_backbones(spec), *(b for st in resolve_stages(stages) for b in st.backbones)]
+    unused = unused_proxy_weights(weights, used)
+    if unused:
+        runs = f"it runs {', '.join(dict.fromkeys(used))}" if used else "it runs no external backbone"
+        err_console.print(f"note: --proxy-weights {unused} is not used by {spec} ({runs}); ignored", highlight=False, soft_wrap=True)
     with err_console.status("loading proxy backbones"):
         prepare_proxies(spec, clip, weights)
         if any(st.kind == "refine" for st in resolve_stages(stages)):
@@ -255,6 +260,16 @@ def load_proxies(spec, clip, weights: str, stages: Sequence[str] = ()) -> None:
 
             PROXIES.configure(clip, weights)
             sam_predictor(clip.device)
+
+
+def unused_proxy_weights(weights: str, used: Sequence[str]) -> str:
+    """The part of a --proxy-weights value no backbone in `used` reads ("" when all of it is used): the
+    NAME=W items naming other backbones, or the whole value when nothing runs a backbone ("auto": never)."""
+    if weights == "auto":
+        return ""
+    if "=" in weights:
+        return ",".join(item for item in weights.split(",") if item and item.split("=", 1)[0] not in used)
+    return "" if used else weights
 
 
 def load_regions(value: str | None, names: list[str], device: Device, reader: str | None):

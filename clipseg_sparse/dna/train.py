@@ -366,7 +366,8 @@ class _StopBetweenSteps:
 
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._note)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # an ignored signal stays ignored (nohup, `cmd &`)
+                    self._previous[sig] = signal.signal(sig, self._note)
         return self
 
     def __exit__(self, *exc) -> None:

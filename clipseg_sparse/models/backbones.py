@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..registry import Registry
 from ..runtime.device import PRECISIONS, resolve_device
-from ..runtime.weights import RANDOM_WEIGHTS_SEED, WeightsUnavailableError, _weights_help, is_checkpoint_path
+from ..runtime.weights import RANDOM_WEIGHTS_SEED, WeightsUnavailableError, _hub_offline, _unreachable_hub, _weights_help, is_checkpoint_path
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -184,12 +184,15 @@ def _hub_checkpoint(info: BackboneInfo, pretrained: str, cache_dir: str | None) 
     if repo == "timm":
         repo = f"timm/{info.timm_name}"
     error: Exception | None = None
+    unreachable = _unreachable_hub({"hf_hub": repo})  # CLIP's fast offline probe: seconds, not a minute of retries
     for filename in ("model.safetensors", "pytorch_model.bin"):
         try:
-            return hf_hub_download(repo, filename, cache_dir=cache_dir)
+            with _hub_offline(unreachable is not None):
+                return hf_hub_download(repo, filename, cache_dir=cache_dir)
         except Exception as e:  # offline, not cached, or this file name absent
             error = error or e
-    raise WeightsUnavailableError(_weights_help(f"backbone {info.name} ({info.timm_name})", pretrained, "--proxy-weights")) from error
+    why = f"{unreachable} is unreachable and the weights are not in the cache. " if unreachable else ""
+    raise WeightsUnavailableError(why + _weights_help(f"backbone {info.name} ({info.timm_name})", pretrained, "--proxy-weights")) from error
 
 
 # -- positional embeddings ---------------------------------------------------------------------------
