@@ -101,7 +101,9 @@ def segment(
 
     from ..files.folder import plan_run, run_plan
     from ..runtime.distributed import init_from_env
+    from ..runtime.progress import inner_progress
     from ..segment import InferenceSettings, Segmenter
+    from ..segment.windows import window_progress
 
     settings = InferenceSettings().replace(
         resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
@@ -130,7 +132,8 @@ def segment(
                     bar.console.print(f"[red]failed:[/] {error}", highlight=False, soft_wrap=True)
                 bar.advance(task)
 
-            report = run_plan(segmenter, plan, options, on_image)
+            with inner_progress("windows", "windows of the image under way", show=rank == 0) as on_windows, window_progress(on_windows):
+                report = run_plan(segmenter, plan, options, on_image)
     except ClaimConflictError as e:  # a concurrent run on the same --out claimed an image first
         fail(conflict.format(n=1, reason=e) + "; the images this run finished are kept")
 

@@ -19,13 +19,14 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..attention import AttentionSpec
-from ..runtime.progress import progress_bar
+from ..runtime.progress import inner_progress, progress_bar
 from ..datasets import DATASETS, Benchmark, DatasetError, Sample, class_vocabulary
 from ..datasets.labels import write_label_png
 from ..runtime.distributed import all_reduce, rank_and_world, shard
 from ..segment.images import load_image
 from ..segment.pipelines import find_pipeline
 from ..segment.segmenter import Segmenter
+from ..segment.windows import window_progress
 from ..segment.vocabulary import Prompts
 from .metrics import areas_to_record, intersect_and_union, record_to_areas, segmentation_metrics
 from ..models.clip import DenseCLIP
@@ -109,10 +110,12 @@ def evaluate(
         return finished
 
     mine = shard(samples, rank, world)
-    with progress_bar("images") if progress and rank == 0 else nullcontext() as bar:
+    shown = progress and rank == 0
+    with progress_bar("images") if shown else nullcontext() as bar, inner_progress("windows", "windows of the image under way", shown) as inner:
         task = bar.add_task(f"eval {bench.name}", total=len(mine)) if bar else None
         advance = (lambda: bar.advance(task)) if bar else (lambda: None)
-        totals, seconds, reused = _run(segmenter, bench, mine, log, save_pred, advance)
+        with window_progress(inner):
+            totals, seconds, reused = _run(segmenter, bench, mine, log, save_pred, advance)
     totals = all_reduce(totals)
     seconds, reused = all_reduce(np.array([seconds]), op="max")[0], int(all_reduce(np.array([reused]))[0])
     record = eval_record(config, bench, totals, len(samples), seconds, reused)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import Progress, Task, TaskID
@@ -63,6 +65,27 @@ def progress_bar(unit: str, transient: bool | None = None):
         console=err_console,
         transient=_shown > 0 and err_console.is_terminal if transient is None else transient,
     )
+
+
+@contextmanager
+def inner_progress(unit: str, description: str, show: bool = True) -> Iterator[Callable[[int, int], None]]:
+    """A bar for the work inside one item of an outer bar (the windows of the image under way), nested
+    under it; yields `update(done, total)`, which starts the bar again for each new item. Off a terminal
+    it writes its lines like the outer one, so a long image shows progress before it finishes."""
+    if not show:
+        yield lambda done, total: None
+        return
+    with progress_bar(unit) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            now = bar._tasks[task]
+            if now.total != total or done < now.completed:  # the next item
+                bar.reset(task, total=total, completed=done)
+            else:
+                bar.update(task, completed=done)
+
+        yield update
 
 
 def _clock(seconds: float | None) -> str:

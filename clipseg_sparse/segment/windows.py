@@ -8,6 +8,8 @@ alone, bit-identical to the same rows of the whole map, and no names x pixels te
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -18,6 +20,21 @@ from ..attention import AttentionSpec
 from ..models.clip import DenseCLIP
 from ..stages import Stage, resolve_stages
 from .preprocess import window_boxes, window_geometry, window_padding
+
+
+#: told (windows done, windows of the image) after each batch of windows, in this context (`window_progress`)
+_WINDOW_LISTENER: ContextVar[Callable[[int, int], None] | None] = ContextVar("window_listener", default=None)
+
+
+@contextmanager
+def window_progress(listener: Callable[[int, int], None]) -> Iterator[None]:
+    """Call `listener(done, total)` after each batch of windows any image runs within the block: progress
+    inside one image (a 4000 x 3000 photo with a heavy preset is minutes of windows), for the CLI's bars."""
+    token = _WINDOW_LISTENER.set(listener)
+    try:
+        yield
+    finally:
+        _WINDOW_LISTENER.reset(token)
 
 
 def iter_window_features(
@@ -71,7 +88,14 @@ def iter_window_features(
             # ResCLIP's first pass upsamples to the whole window, also where `drop` cuts it to whole patches
             ctx = dict(context, windows=windows) if context and min(right, bottom) < 0 else context
             out = clip.encode_dense(crops, spec, token_stages, with_cls, pos_interp=pos_interp, context=ctx, regions=crop_regions)
+            _told(i + len(chunk), len(boxes))
             yield (chunk, *out) if with_cls else (chunk, out)
+
+
+def _told(done: int, total: int) -> None:
+    listener = _WINDOW_LISTENER.get()
+    if listener is not None:
+        listener(done, total)
 
 
 def pad_replicate(x: torch.Tensor, pad: tuple[int, int, int, int]) -> torch.Tensor:
