@@ -51,12 +51,17 @@ def test_predict_and_attention_endpoints_through_gradio_client(server, image, tm
     path = tmp_path / "in.png"
     Image.fromarray(image).save(path)
     client = Client(server, verbose=False)
-    masks = client.submit(handle_file(str(path)), "a,b", PRESETS, api_name="/predict").result(timeout=CALL_TIMEOUT_S)
+    masks = client.submit(handle_file(str(path)), "a,b", ["clearclip"], "both", api_name="/predict").result(timeout=CALL_TIMEOUT_S)
     assert [m["caption"] for m in masks] == ["clearclip (qq/softmax/nores/noffn)", "clearclip-entmax (qq/entmax:1.5/nores/noffn)"]
     for m in masks:
         assert Image.open(m["image"]).size[1] == 48
-    maps = client.submit(handle_file(str(path)), "a,b", PRESETS, 30, 20, api_name="/attention").result(timeout=CALL_TIMEOUT_S)
+    maps = client.submit(handle_file(str(path)), "a,b", ["clearclip"], "both", 30, 20, api_name="/attention").result(timeout=CALL_TIMEOUT_S)
     assert len(maps) == 2 and Image.open(maps[1]["image"]).size == (80, 48) and "entropy" in maps[1]["caption"]
+    entmax = client.submit(handle_file(str(path)), "a,b", ["clearclip", "sclip"], "entmax:1.5", api_name="/predict").result(timeout=CALL_TIMEOUT_S)
+    assert [m["caption"].split(" ")[0] for m in entmax] == ["clearclip-entmax", "sclip-entmax"]
+    # an error is said in the page (the client gets its message), not left as a spinner
+    with pytest.raises(Exception, match="duplicate class name"):
+        client.submit(handle_file(str(path)), "a,a", ["clearclip"], "softmax", api_name="/predict").result(timeout=CALL_TIMEOUT_S)
 
 
 def test_demo_page_in_headless_chromium_shows_the_form_and_the_random_weights_note(server, tmp_path):
@@ -81,3 +86,33 @@ def test_demo_command_without_gradio_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "gradio", None)  # what `import gradio` meets when the extra is missing
     result = CliRunner().invoke(app, ["demo", "--pretrained", "none"])
     assert result.exit_code == 2 and 'pip install -e ".[demo]"' in result.stderr.strip().splitlines()[-1]
+
+
+def test_the_demo_offers_what_it_can_run_grouped_by_method(tiny_clip):
+    """Issue 25, reliability 5: of the 38 presets the tiny 3-block model runs only those whose taps fit in
+    it, and CorrCLIP's need region masks the demo was not given: both left out with the reason; each
+    method is offered once, its -entmax twin behind the normalizer choice."""
+    from clipseg_sparse.analysis.demo import methods_of, offered_presets, presets_for
+    from clipseg_sparse.attention import list_presets
+
+    offered, left_out = offered_presets(tiny_clip)
+    assert set(offered) | set(left_out) == set(list_presets()) and not set(offered) & set(left_out)
+    assert {"clearclip", "clearclip-entmax", "sclip", "maskclip"} <= set(offered)
+    assert "scclip-l14" in left_out and "not for" in left_out["scclip-l14"]
+    assert "corrclip" in left_out
+    with_regions, why_not = offered_presets(tiny_clip, regions=object())
+    assert "needs region masks" not in " ".join(why_not.values())
+    methods = methods_of(offered)
+    assert methods["clearclip"] == {"softmax": "clearclip", "entmax:1.5": "clearclip-entmax"} and "clearclip-entmax" not in methods
+    assert methods["maskclip"] == {"softmax": "maskclip"}
+    assert presets_for(methods, ["clearclip", "maskclip"], "both") == ["clearclip", "clearclip-entmax", "maskclip"]
+    assert presets_for(methods, ["clearclip", "maskclip"], "entmax:1.5") == ["clearclip-entmax", "maskclip"]  # maskclip has no twin
+    with pytest.raises(DemoError, match="not offered"):
+        presets_for(methods, ["scclip-l14"], "softmax")
+
+
+def test_a_preset_that_fails_says_why_as_a_demo_error(tiny_clip, image):
+    """corrclip without a region source was a ValueError in the server log and a spinner in the page."""
+    model = DemoModel(tiny_clip, SETTINGS, "single")
+    with pytest.raises(DemoError, match="corrclip: "):
+        model.predict(image, "a,b", ["corrclip"])

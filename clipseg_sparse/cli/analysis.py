@@ -10,7 +10,21 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import Device, DeviceOpt, ModelOpt, Precision, PrecisionOpt, PretrainedOpt, check_out, fail, load_model, out_console, user_errors
+from .common import (
+    Device,
+    DeviceOpt,
+    ModelOpt,
+    Precision,
+    PrecisionOpt,
+    PretrainedOpt,
+    ProxyWeightsOpt,
+    check_out,
+    fail,
+    load_model,
+    load_regions,
+    out_console,
+    user_errors,
+)
 from ..runtime.progress import err_console
 
 PresetsOpt = Annotated[Optional[list[str]], typer.Option("--preset", help="Attention preset (repeat to compare several; see `ls presets`).")]
@@ -196,6 +210,8 @@ def demo(
     templates: Annotated[str, typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file.")] = "openai",
     host: Annotated[str, typer.Option("--host", help="Interface to serve on (default: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to serve on.")] = 7860,
+    regions: Annotated[Optional[str], typer.Option("--regions", help="Region masks for the presets that read them (CorrCLIP): sam2 (extra .\\[proxy]); without it those presets are not offered.")] = None,
+    proxy_weights: ProxyWeightsOpt = "auto",
 ) -> None:
     """A local web demo (Gradio; pip install -e ".\\[demo]"): upload, type classes, compare presets, click for attention.
 
@@ -214,9 +230,13 @@ def demo(
             fail(PRESETS.unknown_message(name))
     settings = InferenceSettings().replace(resolution=resolution)
     check_port(host, port)  # before the model loads
+    if regions not in (None, "sam2"):
+        fail(f"--regions {regions}: the demo takes sam2 (uploads have no region-mask files)")
+    region_src = load_regions(regions, [], device, None)
     clip = load_model(model, pretrained, device, precision)
+    clip.proxy_weights = proxy_weights  # the backbones of proxy presets (random ones with --pretrained none)
     err_console.print(f"serving on http://{host}:{port} (Ctrl-C stops it)", highlight=False)
-    launch(build_demo(clip, settings, templates, preset or DEFAULT_PRESETS), host, port)
+    launch(build_demo(clip, settings, templates, preset or DEFAULT_PRESETS, region_src), host, port)
 
 
 def check_port(host: str, port: int) -> None:
