@@ -158,14 +158,6 @@ def test_help_texts_keep_their_square_brackets(monkeypatch):
 README = (__import__("pathlib").Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
 
 
-def test_readme_ls_protocols_comment_names_every_protocol():
-    from clipseg_sparse.evaluation.protocols import PROTOCOLS
-
-    [line] = [line for line in README.splitlines() if line.startswith("clipseg-sparse ls protocols")]
-    listed = re.search(r"\(([^)]*)\)", line)[1].split()
-    assert listed == list(PROTOCOLS.names())
-
-
 def test_readme_never_reads_region_masks_from_a_folder_it_writes_label_maps_to():
     commands = " ".join(re.findall(r"```bash\n(.*?)```", README, flags=re.S))
     written = set(re.findall(r"--out (\S+)", commands))
