@@ -119,8 +119,8 @@ def offered_presets(clip: DenseCLIP, regions=None) -> tuple[list[str], dict[str,
         spec = resolve_spec(name)
         try:
             clip.check_spec(spec)
-        except (UserError, ValueError) as e:
-            left_out[name] = f"not for {clip.model_name} ({str(e).split(';')[0].split(', which')[0][-60:]})"
+        except (UserError, ValueError):
+            left_out[name] = f"needs more blocks than {clip.model_name} has ({clip.depth}), e.g. a ViT-L"
             continue
         if region_reader(spec) and regions is None:
             left_out[name] = "needs region masks: start the demo with --regions sam2"
