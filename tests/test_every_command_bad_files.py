@@ -75,7 +75,14 @@ def files(tmp: Path) -> dict[str, Path]:
         Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(imagefolder / cls / "ok.png")
     (imagefolder / "dog" / "torn.png").write_bytes(GARBAGE)
     p["bad_imagefolder"] = imagefolder
-    return p
+    good_masks = tmp / "good_masks"
+    good_masks.mkdir()
+    np.save(good_masks / "a.npy", np.zeros((32, 40), np.int32))
+    bad_bank = tmp / "bad_bank"
+    bad_bank.mkdir()
+    for name in ("bank.json", "manifest.json", "keys.npy", "index.faiss"):
+        (bad_bank / name).write_bytes(GARBAGE)
+    return p | {"good_masks": good_masks, "bad_bank": bad_bank}
 
 
 SEGMENT = ["segment", "{image}", "--classes", "cat,sky", *MODEL, *FAST]
@@ -114,6 +121,9 @@ CASES = {
                               "--resolution", "32", "--templates", "single", "--out", "{tmp}/dna2"], "{bad_imagefolder}/dog/torn.png"),  # fmt: skip
     ("dna stats", "output"): (["dna", "stats", "{bad_adapter}", *MODEL, "--out", "OUT.json"], "OUT"),
     ("dna stats", "adapter"): (["dna", "stats", "{bad_adapter}", *MODEL], "{bad_adapter}"),
+    ("bank build", "output"): (["bank", "build", "{image}", "--regions", "{good_masks}", *MODEL, "--out", "OUT"], "OUT"),
+    ("bank build", "region masks"): (["bank", "build", "{image}", "--regions", "{bad_masks}", *MODEL, "--out", "{tmp}/bank"], "{bad_masks}/a.npy"),
+    ("bank info", "bank folder"): (["bank", "info", "{bad_bank}"], "{bad_bank}"),
     ("convert", "output"): (["convert", "coco-stuff", "{stuff}", "--out", "OUT"], "OUT"),
     ("convert", "label file"): (["convert", "coco-stuff", "{bad_stuff}", "--out", "{tmp}/conv"], "{bad_stuff}"),
 }

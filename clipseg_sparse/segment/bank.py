@@ -136,12 +136,19 @@ class ImageBank:
         if not manifest_path.is_file():
             hint = " (an unfinished build: run `bank build` again to finish it)" if (path / PARTS).is_dir() else ""
             raise BankError(f"{path}: not an image bank, no {MANIFEST}{hint}")
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != BANK_FORMAT:
-            raise BankError(f"{path}: bank format {manifest.get('format')!r}, this version reads {BANK_FORMAT}")
-        keys = np.load(path / KEYS, mmap_mode="r")
-        values = {store["clip"]: np.load(path / values_file(i), mmap_mode="r") for i, store in enumerate(manifest["values"])}
-        index = _faiss().read_index(str(path / INDEX))
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # torn, not UTF-8, not JSON
+            raise BankError(f"{manifest_path}: not a readable bank manifest ({type(e).__name__}: {e})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != BANK_FORMAT:
+            found = manifest.get("format") if isinstance(manifest, dict) else None
+            raise BankError(f"{path}: bank format {found!r}, this version reads {BANK_FORMAT}")
+        try:
+            keys = np.load(path / KEYS, mmap_mode="r")
+            values = {store["clip"]: np.load(path / values_file(i), mmap_mode="r") for i, store in enumerate(manifest["values"])}
+            index = _faiss().read_index(str(path / INDEX))
+        except (OSError, ValueError, KeyError, RuntimeError) as e:  # a missing or torn array or index
+            raise BankError(f"{path}: a bank file cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         return cls(path, manifest, keys, values, index)
 
     @property
