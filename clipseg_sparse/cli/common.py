@@ -268,7 +268,10 @@ def unused_proxy_weights(weights: str, used: Sequence[str]) -> str:
     if weights == "auto":
         return ""
     if "=" in weights:
-        return ",".join(item for item in weights.split(",") if item and item.split("=", 1)[0] not in used)
+        from ..models.backbones import BACKBONES
+
+        known = set(BACKBONES.names())  # an unknown name is an error of its own (`ProxyBackbones.resolved_weights`)
+        return ",".join(item for item in weights.split(",") if item and item.split("=", 1)[0] in known - set(used))
     return "" if used else weights
 
 
