@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One-shot GPU check (< 5 minutes on one modern GPU): CUDA exactness tests, then the benchmarks in
-# fp16 / bf16 / fp32. Run from the repository root:   bash benchmarks/gpu_check.sh
+# One-shot GPU check (< 10 minutes on one modern GPU): CUDA exactness tests, then the benchmarks in
+# fp16 / bf16 / fp32, then the precision suite (fp16 and bf16 against fp32: speed, roofline, accuracy). Run from the repository root:   bash benchmarks/gpu_check.sh
 # Results go to $OUT/gpu_check.txt when $OUT is set (the device tool's output folder), else to
 # benchmarks/results/gpu_check-<date>.txt.
 #
@@ -52,4 +52,9 @@ step "(c) segment vs bare model, ViT-B-16, 150 classes, cuda fp16"
 timeout 60 $PY benchmarks/segment.py --device cuda --precision fp16 --images 8
 step "(c) ViT-L-14 at 448 px, 150 classes, cuda bf16"
 timeout 60 $PY benchmarks/segment.py --model ViT-L-14 --resolution 448 --device cuda --precision bf16 --images 4
+step "precision suite on cuda: fp16 and bf16 against fp32 (forward at 448 px with roofline lines, accuracy, text, segment)"
+for low in fp16 bf16; do
+  step "(p) benchmarks/precision.py --device cuda --low $low, ViT-B-16 and ViT-L-14"
+  timeout 180 $PY benchmarks/precision.py --device cuda --low $low --models ViT-B-16 ViT-L-14 --repeat 5 --prompts 960 --images 4
+done
 step "done; log in $LOG"

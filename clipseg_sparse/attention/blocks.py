@@ -23,6 +23,7 @@ from ..errors import UserValueError
 from . import feedback
 from .combine import _attend, aggregate, attended_values, attention_weights
 from .grid import resize_regions
+from .precision import like
 from .scope import mask_class_tokens, mct_step, needs_regions, prepare_regions, semantic_tokens, semantic_weight
 from .spec import AttentionSpec
 from .taps import TAPS, BlockContext, block_qkv, clip_attention, positive_attention, run_block, tap_kind
@@ -122,7 +123,8 @@ def edited_block_forward(
     if sink is not None:
         weights = attention_weights(spec, ctx)
         sink.append(weights)
-        out = weights @ attended_values(spec, ctx)
+        values = attended_values(spec, ctx)
+        out = like(weights, values) @ values
     elif spec.source == ("id",):
         out = ctx.v
     else:

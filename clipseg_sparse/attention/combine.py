@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..runtime.accel import adasplash_entmax_attention, can_use_adasplash
 from .normalizers import Normalizer, normalize
+from .precision import like
 from .spec import AttentionSpec, Group, Term
 from .grid import values_to_grid
 from .taps import TAPS, BlockContext, attention_grid, tap_kind
@@ -87,6 +88,7 @@ def _attend(
     for group in spec.groups:
         if not _is_plain(group):
             a = group_map(group, spec, ctx, norm)
+            a = like(a, v)  # fp32 scores and normalizer; the product in the values' dtype
             out = out + (a @ v if group.weight == 1.0 else group.weight * (a @ v))
             if spec.negative:
                 out = out + spec.negative * (_negative(group_scores(group, spec, ctx, norm), v) @ v)
@@ -99,8 +101,10 @@ def _attend(
         elif norm.kind in ("entmax", "sparsemax") and can_use_adasplash(a, prior is not None):
             out = out + adasplash_entmax_attention(a, b, v, norm.alpha, scale)
         else:
-            scores = pair_scores(a, b, scale)
-            out = out + normalize(scores if prior is None else scores + prior, norm) @ v
+            scores = pair_scores(a, b, scale)  # fp32 (see precision.py)
+            if prior is not None and prior.dtype != scores.dtype:
+                prior = _prior(spec, ctx, scores)
+            out = out + like(normalize(scores if prior is None else scores + prior, norm), v) @ v
         if spec.negative:
             if scores is None:
                 scores = pair_scores(a, b, scale)
@@ -117,11 +121,11 @@ def attention_weights(spec: AttentionSpec, ctx: BlockContext) -> torch.Tensor:
     if spec.source == ("id",):
         return torch.eye(N, dtype=q.dtype, device=q.device).expand(B, H, N, N)
     norm = Normalizer.parse(spec.normalizer)
-    total = torch.zeros(B, H, N, N, dtype=q.dtype, device=q.device)
+    total = torch.zeros(B, H, N, N, dtype=torch.float32, device=q.device)  # as the normalizers give them
     for group in spec.groups:
         total = total + group.weight * group_map(group, spec, ctx, norm)
         if spec.negative:
-            total = total + spec.negative * _negative(group_scores(group, spec, ctx, norm), q)
+            total = total + spec.negative * _negative(group_scores(group, spec, ctx, norm), total)
     return total / len(spec.groups) if spec.average else total
 
 
@@ -134,7 +138,7 @@ def aggregate(tokens: torch.Tensor, term: Term, ctx: BlockContext) -> torch.Tens
         raise ValueError(f"aggregation term {term} gives one map per head; use a tap shared by all heads, e.g. x@L")
     weights = scores[:, 0].masked_fill(scores[:, 0] == float("-inf"), 0.0)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
-    return weights @ tokens
+    return like(weights, tokens) @ tokens
 
 
 __all__ = ["_attend", "aggregate", "apply_support", "attention_weights", "group_map", "group_scores"]

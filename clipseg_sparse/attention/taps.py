@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import ENTRY_POINT_GROUP, Registry
+from .precision import reduced_block
 
 
 @runtime_checkable
@@ -191,9 +192,13 @@ def block_qkv(block: torch.nn.Module, u: torch.Tensor, grid: tuple[int, int]) ->
 
 
 def run_block(block: torch.nn.Module, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """An unedited block on tokens x (B x N x C); adapted timm blocks take the grid (`forward_grid`, for RoPE)."""
+    """An unedited block on tokens x (B x N x C); adapted timm blocks take the grid (`forward_grid`, for RoPE).
+    In reduced precision open_clip's blocks run through one fused attention call (`precision.sdpa_block`)."""
     own = getattr(block, "forward_grid", None)
-    return block(x) if own is None else own(x, grid)
+    if own is not None:
+        return own(x, grid)
+    fast = reduced_block(block, x)
+    return block(x) if fast is None else fast
 
 
 def clip_attention(block: torch.nn.Module, x: torch.Tensor, grid: tuple[int, int] = (0, 0)) -> torch.Tensor:

@@ -29,13 +29,14 @@ def gaussian_prior(grid: tuple[int, int], sigma: float, device=None, dtype=torch
 
 
 def pair_scores(a: torch.Tensor, b: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
-    """(a @ b^T) * scale, the one place the N x N product is formed (scaled in place: one N x N tensor)."""
-    return torch.matmul(a, b.transpose(-2, -1)).mul_(scale)
+    """(a @ b^T) * scale, the one place the N x N product is formed (scaled in place: one N x N tensor).
+    Always fp32: reduced-precision operands are upcast, so the normalizer sees unrounded scores."""
+    return torch.matmul(a.float(), b.float().transpose(-2, -1)).mul_(scale)
 
 
 def adaptive_temperature(ctx: BlockContext) -> torch.Tensor:
     """GEM's inverse temperature: mean over tokens of ||ln_1(x)||_2 times d^-1/2, per image (B x 1 x 1 x 1)."""
-    return ctx.u.norm(dim=-1).mean(dim=-1).view(-1, 1, 1, 1) * ctx.q.shape[-1] ** -0.5
+    return ctx.u.float().norm(dim=-1).mean(dim=-1).view(-1, 1, 1, 1) * ctx.q.shape[-1] ** -0.5
 
 
 def term_scores(term: Term, ctx: BlockContext, normalizer: Normalizer, default_scale: float | None) -> torch.Tensor:
@@ -47,7 +48,7 @@ def term_scores(term: Term, ctx: BlockContext, normalizer: Normalizer, default_s
     tap = TAPS.get(kind)
     if tap.scores is not None:  # scores given as they are (ResCLIP's feedback map)
         return apply_support(transform(tap.scores(ctx, arg), term), term)
-    a, b = tap.features(ctx, arg)
+    a, b = (f.float() for f in tap.features(ctx, arg))  # scores in fp32, also for reduced-precision models
     if term.temp == "auto":
         t = adaptive_temperature(ctx)
     elif term.temp is not None:

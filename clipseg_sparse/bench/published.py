@@ -1,10 +1,10 @@
-"""Side-by-sides with other ways of running the same model: the published sliding-window loop, and bf16.
+"""Side-by-side with the published way of running the same model: the sliding-window loop (bf16 against
+fp32 is in precision.py).
 
 published  mmseg's `slide_inference` as the training-free repositories (SCLIP, ClearCLIP, NACLIP) run it:
            one window per forward, each window's logits upsampled bilinearly to the window and added
            into a classes x H x W buffer with a count map, divided, resized to the image, softmax,
            max over synonyms, argmax. Ours: batched windows and one separable product (dense_cosine).
-bf16       the same weights cast to bfloat16 on the same images: time and label agreement with fp32.
 """
 
 from __future__ import annotations
@@ -62,13 +62,3 @@ def bench_published_windows(seg: Segmenter, images: Sequence[np.ndarray], repeat
     )
     return [BenchRow("windows", case, name, ms, ms / times[ref], ref) for name, ms in times.items()], float(agree)
 
-
-def bench_bf16(
-    fp32: Segmenter, bf16: Segmenter, images: Sequence[np.ndarray], repeat: int = 2
-) -> tuple[list[BenchRow], float]:
-    """fp32 (reference) vs bf16 `predict_labels` on the same images, and the fraction of pixels whose
-    labels agree. Both segmenters must hold the same weights, vocabulary, spec and settings."""
-    times = best_ms({"fp32": lambda: [fp32.predict_labels(im) for im in images], "bf16": lambda: [bf16.predict_labels(im) for im in images]}, repeat)
-    agree = float(np.mean([np.mean(fp32.predict_labels(im) == bf16.predict_labels(im)) for im in images]))
-    case = f"{fp32.clip.model_name} {len(images)} images, {len(fp32.vocabulary)} classes, {fp32.spec} (labels agree {100 * agree:.3f}%)"
-    return [BenchRow("bf16", case, name, ms, ms / times["fp32"], "fp32") for name, ms in times.items()], agree

@@ -13,6 +13,7 @@ Times are the best of `repeat` interleaved rounds after a warm-up round (see `be
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 import time
@@ -30,6 +31,7 @@ from ..segment.segmenter import Segmenter
 from ..segment.settings import InferenceSettings
 from ..models.clip import DenseCLIP, load_clip
 from ..attention.normalizers import entmax, normalize
+from .roofline import achieved, count_gflop, matmul_rates, roofline_lines
 from .timing import BenchRow, best_ms, rows_of, smooth_image, write_images
 
 # the project's speed targets (DESIGN.md section 4, round 2), listed with their measurements in
@@ -43,6 +45,8 @@ TARGETS = {
     "text speed-up over open_clip encode_text (per prompt)": (5.0, ">="),
     "text max abs difference to open_clip encode_text": (1e-6, "<="),
     "published window loop time / ours": (1.0, ">="),
+    "bf16 forward speed-up over fp32 (worst model and spec)": (4.0, ">="),
+    "bf16 forward, fraction of the bf16 matrix-product rate (worst model and spec)": (0.30, ">="),
 }
 SUITES = ("normalizer", "forward", "segment", "ttfm", "windows", "bf16")
 
@@ -136,7 +140,8 @@ def bench_forward(
         if clip.device.type == "cuda" and adasplash_installed():
             runs[f"{spec} adasplash"] = lambda s=spec: _with_adasplash(clip, pixels, s)
     times = best_ms(runs, repeat, clip.device)
-    return rows_of("forward", f"{clip.model_name} {px}px batch {batch} {clip.precision}", times, "qq/softmax")
+    rows = rows_of("forward", f"{clip.model_name} {px}px batch {batch} {clip.precision}", times, "qq/softmax")
+    return [dataclasses.replace(r, gflop=count_gflop(runs[r.variant])) for r in rows]
 
 
 def _with_adasplash(clip: DenseCLIP, pixels: torch.Tensor, spec: str) -> torch.Tensor:
@@ -177,7 +182,7 @@ def run_all(
 ) -> list[BenchRow]:
     """The suites named in `suites` (see SUITES). quick: ViT-B/16 at 224 px only, no slow package
     solvers, tiny workloads (10 classes for the first mask, one small image)."""
-    from .published import bench_bf16, bench_published_windows
+    from .published import bench_published_windows
     from .ttfm import ade20k_names, bench_ttfm
 
     unknown = sorted(set(suites) - set(SUITES))
@@ -190,6 +195,8 @@ def run_all(
     rows: list[BenchRow] = []
     if "normalizer" in suites:
         rows += bench_normalizers(score_cases(models, sizes, device, dtype), repeat=repeat, slow=not quick)
+    if {"forward", "bf16"} & set(suites):  # the machine's matrix-product rates, for the roofline lines
+        rows += matmul_rates(device, repeat)
     torch.manual_seed(0)
     clip = load_clip(models[0], pretrained=None, device=device, precision=precision)
     if "forward" in suites:
@@ -209,11 +216,31 @@ def run_all(
     if "windows" in suites:
         seg = Segmenter(clip, vocabulary, spec="sclip", settings=settings, templates="single")
         rows += bench_published_windows(seg, images, repeat=repeat - 1)[0]
-    if "bf16" in suites and precision == "fp32":
+    if "bf16" in suites:
+        rows += bench_precision(models, 224 if quick else 448, images, vocabulary, settings, device, repeat, 40 if quick else 240)
+    return rows
+
+
+def bench_precision(
+    models: Sequence[str], px: int, images: Sequence[np.ndarray], vocabulary: Sequence[str], settings: InferenceSettings,
+    device: str = "cpu", repeat: int = 3, prompts: int = 240, low: str = "bf16",
+) -> list[BenchRow]:
+    """The bf16 suite (precision.py) on random weights loaded in fp32 and in `low` (bf16, or fp16 on a
+    GPU): the forward of each model at `px` (unpatched, SCLIP, SCLIP with entmax), the text tower on
+    `prompts` of the 12,000 ADE20K prompts, and `predict_labels` of the first model on `images`."""
+    from .precision import bench_precision_forward, bench_precision_text, bench_segment_precision
+    from .ttfm import ade20k_names
+
+    rows: list[BenchRow] = []
+    for i, name in enumerate(models):
         torch.manual_seed(0)
-        low = load_clip(models[0], pretrained=None, device=device, precision="bf16")
-        pair = [Segmenter(c, vocabulary, spec="sclip", settings=settings, templates="single") for c in (clip, low)]
-        rows += bench_bf16(*pair, images, repeat=repeat - 1)[0]
+        pair = [load_clip(name, pretrained=None, device=device, precision=p) for p in ("fp32", low)]
+        rows += bench_precision_forward(*pair, px, repeat=repeat)[0]
+        if i == 0:
+            rows += bench_precision_text(*pair, ade20k_names(), prompts, repeat=max(1, repeat - 1))
+            segmenters = [Segmenter(c, vocabulary, spec="sclip", settings=settings, templates="single") for c in pair]
+            rows += bench_segment_precision(*segmenters, images, repeat=max(1, repeat - 1))[0]
+        del pair
     return rows
 
 
@@ -250,6 +277,12 @@ def target_checks(rows: Sequence[BenchRow]) -> list[tuple[str, float, float, boo
     windows = [r.ratio for r in rows if r.suite == "windows" and r.variant != r.reference]
     if windows:
         found["published window loop time / ours"] = min(windows)
+    low = [r for r in rows if r.suite == "precision forward" and r.variant == "bf16"]
+    if low:
+        found["bf16 forward speed-up over fp32 (worst model and spec)"] = min(1 / r.ratio for r in low)
+    rate = [achieved(r) for r in rows if r.suite == "matmul" and r.variant == "bf16"]
+    if low and rate:
+        found["bf16 forward, fraction of the bf16 matrix-product rate (worst model and spec)"] = min(achieved(r) for r in low) / rate[0]
     checks = []
     for name, value in found.items():
         limit, bound = TARGETS[name]
@@ -257,8 +290,9 @@ def target_checks(rows: Sequence[BenchRow]) -> list[tuple[str, float, float, boo
     return checks
 
 
-def rich_tables(rows: Sequence[BenchRow]):
-    """A rich Table of all rows and one of the target checks."""
+def rich_tables(rows: Sequence[BenchRow]) -> list:
+    """A rich Table of all rows, one of the target checks, and the roofline lines (when the rows have a
+    matrix-product probe and FLOP counts)."""
     from rich.table import Table
 
     table = Table("suite", "case", "variant", "ms", "ratio", title="timings (ratio = ms / reference ms, same run)")
@@ -272,7 +306,8 @@ def rich_tables(rows: Sequence[BenchRow]):
     for name, value, limit, met in target_checks(rows):
         shown = f"{value:.1e}" if value < 1e-3 else f"{value:.2f}"
         targets.add_row(name, shown, f"{TARGETS[name][1]} {limit:g}", "yes" if met else "NO")
-    return table, targets
+    lines = roofline_lines(list(rows))
+    return [table, targets] + (["\n".join(lines)] if lines else [])
 
 
 # -- memory ---------------------------------------------------------------------------------------------

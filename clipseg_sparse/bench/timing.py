@@ -28,6 +28,7 @@ class BenchRow:
     ratio: float
     reference: str
     max_abs_diff: float | None = None  # against the reference's output, where the suite checks it
+    gflop: float | None = None  # the work of one run (FlopCounterMode), for the roofline line (roofline.py)
 
 
 def best_ms(runs: dict[str, Callable[[], object]], repeat: int = 3, device: torch.device | str = "cpu") -> dict[str, float]:

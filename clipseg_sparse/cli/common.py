@@ -57,7 +57,14 @@ PretrainedOpt = Annotated[
     str, typer.Option("--pretrained", help="open_clip tag (openai), a checkpoint file (.pt/.bin/.safetensors), or 'none' (random weights).")
 ]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run; auto picks cuda, then mps, then cpu.")]
-PrecisionOpt = Annotated[Precision, typer.Option("--precision", help="Model precision; fp16/bf16 are for GPUs.")]
+PRECISION_HELP = (
+    "Model precision. bf16 runs the trunk's matrix products in bfloat16 (GPUs, and CPUs with AMX-BF16 / "
+    "AVX512-BF16: 3-4x faster than fp32 there, see benchmarks/README.md); kept in fp32: the edited block's "
+    "attention scores and normalizer (softmax, entmax threshold), ln_post, the projection, the cosine with "
+    "the text and the logits. bf16 is opt-in, not the CPU default: its agreement with fp32 (features, "
+    "labels) was measured on random weights only, and entmax-heavy specs gain less. fp16: GPUs only."
+)
+PrecisionOpt = Annotated[Precision, typer.Option("--precision", help=PRECISION_HELP)]
 PresetOpt = Annotated[
     Optional[str], typer.Option("--preset", help="Attention preset: clip, maskclip, sclip, clearclip, naclip, proxyclip, ..., *-entmax (see `ls presets`).")
 ]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..attention import OPTIONS, AttentionSpec, resolve_spec
 from ..attention import blocks as attention_blocks
+from ..attention.precision import fp32_layer_norm
 from ..attention.taps import attention_grid
 from ..runtime.device import PRECISIONS, resolve_device
 from ..runtime.fingerprint import file_digest
@@ -169,7 +170,9 @@ def load_clip(
         JSON file. pretrained: an open_clip tag (default `openai`), a local checkpoint file
         (.pt / .pth / .bin / .safetensors), or None / "none" for random weights.
     quick_gelu: None = what the weights were trained with (the tag's setting; True for OpenAI's own
-        TorchScript checkpoints). precision: fp32, fp16 or bf16 (the model is cast; use fp16/bf16 on GPU).
+        TorchScript checkpoints). precision: fp32, fp16 or bf16 (the weights are cast): bf16 runs the trunk's
+        matrix products in bf16, on GPUs and on CPUs with AMX-BF16; the edited block's scores and
+        normalizer, ln_post, the projection and everything after stay fp32 (`attention.precision`).
     tokenizer: for models with a Hugging Face tokenizer (SigLIP, MetaCLIP 2), a local directory holding
         its files, instead of the Hub id read from the local cache. Such a tokenizer is loaded at once
         with weights, and on the first text otherwise (random weights run offline on images).
@@ -395,7 +398,7 @@ class DenseCLIP:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
-        x = attention_blocks.encode_normed(self._tower(spec), x, spec, grid, self.visual.ln_post, pixels, token_hooks, regions, context)
+        x = attention_blocks.encode_normed(self._tower(spec), x, spec, grid, self._final_norm(), pixels, token_hooks, regions, context)
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
         tokens = x[:, -out_grid[0] * out_grid[1] :]
         raw = (context or {}).get("raw_features")  # unnormalised projections (CorrCLIPv2's bank values)
@@ -413,11 +416,15 @@ class DenseCLIP:
 
     def project(self, tokens: torch.Tensor) -> torch.Tensor:
         """ln_post, proj and L2 normalisation (fp32) of ... x C tokens: ... x D features."""
-        return self._features(self.visual.ln_post(tokens))
+        return self._features(self._final_norm()(tokens))
+
+    def _final_norm(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """ln_post as the model runs it; in fp32 for a reduced-precision model (`attention.precision`)."""
+        return self.visual.ln_post if self.dtype == torch.float32 else fp32_layer_norm(self.visual.ln_post)
 
     def _features(self, normed: torch.Tensor) -> torch.Tensor:
-        """proj and L2 normalisation (fp32) of tokens after ln_post."""
-        return F.normalize((normed @ self.visual.proj).float(), dim=-1)
+        """proj and L2 normalisation of tokens after ln_post, in fp32 (for reduced-precision models too)."""
+        return F.normalize((normed.float() @ self.visual.proj.float()), dim=-1)
 
     def _image_embedding(self, normed: torch.Tensor) -> torch.Tensor:
         """B x D L2-normalised image embedding of all tokens after ln_post (B x N x C): the CLS token's

@@ -412,6 +412,10 @@ class TimmDenseCLIP(DenseCLIP):
             raise ValueError(f"unknown positional-embedding rule {pos_interp!r}; choose size, scale")
         return self._adapter.embed(pixels.to(device=self.device, dtype=self.dtype), pos_interp)
 
+    def _final_norm(self):
+        """The trunk's final norm in the model's dtype: the pooling heads after it run in that dtype."""
+        return self.visual.ln_post
+
     def _features(self, normed: torch.Tensor) -> torch.Tensor:
         return F.normalize(self._adapter.dense_head(normed).float(), dim=-1)
 

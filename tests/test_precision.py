@@ -1,0 +1,177 @@
+"""bf16 (`load_clip(..., precision="bf16")`): every preset runs, the parts accuracy needs stay fp32, and the
+features stay within the documented tolerance of fp32 on random weights.
+
+A 24-block tiny ViT (width 64, two heads) holds every preset's block indices (ViT-L/14's SC-CLIP and
+CorrCLIP read blocks up to 22); tiny timm backbones stand in for DINO, DINOv2 and SAM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_sam
+from clipseg_sparse import Segmenter, load_clip
+from clipseg_sparse.attention import PRESETS, precision
+from clipseg_sparse.models.backbones import BACKBONES, Backbone
+from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
+from clipseg_sparse.segment.settings import InferenceSettings
+
+# documented in README ("Speed") and in --precision's help: bf16 features vs fp32 on random weights
+MEAN_COSINE = 0.999
+MIN_COSINE = 0.98
+# ResCLIP's feedback map is built from the first pass's labels (argmax over the text): where bf16 flips a
+# near-tied label on random weights the map changes, so its features are held to a looser bound
+LABEL_FED = {"resclip": (0.99, 0.9), "resclip-entmax": (0.99, 0.9)}
+SAM_SIDE = 64
+SETTINGS = InferenceSettings(resolution=0, window=48, stride=16, size_multiple=16)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(fp32, bf16) loads of one seeded random 24-block tiny ViT."""
+    config = {
+        "embed_dim": 64,
+        "vision_cfg": {"image_size": 64, "layers": 24, "width": 64, "patch_size": 16, "head_width": 32},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
+    }
+    path = tmp_path_factory.mktemp("precision") / "tiny-vit-24.json"
+    path.write_text(json.dumps(config))
+    yield tuple(load_clip(str(path), pretrained=None, device="cpu", precision=p) for p in ("fp32", "bf16"))
+    PROXIES.configure(weights="auto")
+    PROXIES._loaded.clear()
+
+
+def _tiny_backbones(dtype: torch.dtype) -> list[Backbone]:
+    import timm.models.vision_transformer as vt
+
+    torch.manual_seed(0)
+    vit = dict(embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True)
+    dinov2 = vt.VisionTransformer(
+        img_size=28, patch_size=14, reg_tokens=4, no_embed_class=True, init_values=1e-5, dynamic_img_size=True, **vit
+    )
+    out = [
+        Backbone(BACKBONES.get("dino_vitb8"), vt.VisionTransformer(img_size=32, patch_size=8, **vit)),
+        Backbone(BACKBONES.get("dino_vitb16"), vt.VisionTransformer(img_size=32, patch_size=16, **vit)),
+        Backbone(BACKBONES.get("dinov2_vitb14_reg"), dinov2),
+        Backbone(dataclasses.replace(BACKBONES.get("sam_vitb"), input_size=SAM_SIDE), tiny_sam(SAM_SIDE, window_size=2)),
+    ]
+    for bb in out:
+        bb.model.eval().to(dtype)
+    return out
+
+
+_BACKBONES: dict[torch.dtype, list[Backbone]] = {}
+
+
+class _SmallSam:
+    """BACKBONES as `proxy_grid` reads it, with SAM's input size that of the tiny SAM."""
+
+    def get(self, name):
+        info = BACKBONES.get(name)
+        return dataclasses.replace(info, input_size=SAM_SIDE) if name == "sam_vitb" else info
+
+
+def _use(clip) -> None:
+    """Point every `ext:` backbone at tiny ones in `clip`'s dtype."""
+    use_proxy_weights("none", clip=clip)
+    if clip.dtype not in _BACKBONES:
+        _BACKBONES[clip.dtype] = _tiny_backbones(clip.dtype)
+    for bb in _BACKBONES[clip.dtype]:
+        use_backbone(bb, "cpu")
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    pixels = torch.randn(1, 3, 112, 112, generator=g)  # 7 x 7 patches: SC-CLIP's LOF needs 31 neighbours
+    regions = (torch.arange(112)[:, None] // 56 * 2 + torch.arange(112)[None] // 56).expand(1, 112, 112).contiguous()
+    return pixels, regions
+
+
+@pytest.mark.parametrize("name", PRESETS.names())
+def test_every_preset_runs_in_bf16_close_to_fp32(pair, name, monkeypatch):
+    from clipseg_sparse.models import proxies
+
+    monkeypatch.setattr(proxies, "BACKBONES", _SmallSam())
+    pixels, regions = _inputs()
+    context = {"text": F.normalize(torch.randn(3, 64, generator=torch.Generator().manual_seed(4)), dim=-1), "logit_scale": 40.0}
+    feats = []
+    for clip in pair:
+        _use(clip)
+        feats.append(clip.encode_dense(pixels, name, regions=regions, context=context))
+    full, low = feats
+    assert low.dtype == full.dtype == torch.float32 and low.shape == full.shape
+    cosine = (full * low).sum(-1)
+    mean, least = LABEL_FED.get(name, (MEAN_COSINE, MIN_COSINE))
+    assert cosine.mean() >= mean and cosine.min() >= least, (name, cosine.mean(), cosine.min())
+
+
+@pytest.mark.parametrize("name", ["sclip-entmax", "trident", "lposs+", "pearl"])
+def test_presets_with_stages_segment_in_bf16(pair, name):
+    """The whole Segmenter (windows; global, windows and post stages that run other backbones or read the
+    text) on the bf16 model; labels agree with fp32 on most pixels (random weights: class maps close
+    together, so this is no accuracy measure; `bench --suites bf16` has one)."""
+    rgb = np.random.default_rng(0).integers(0, 255, (50, 70, 3), dtype=np.uint8)
+    labels = []
+    for clip in pair:
+        _use(clip)
+        seg = Segmenter(clip, "sky,tree,grass", spec=name, settings=SETTINGS, templates="single")
+        labels.append(seg.predict_labels(rgb))
+    assert labels[0].shape == labels[1].shape == (50, 70)
+    assert np.mean(labels[0] == labels[1]) > 0.5
+
+
+def test_bf16_runs_the_trunk_in_bf16_and_keeps_the_accuracy_parts_fp32(pair, monkeypatch):
+    _, low = pair
+    from clipseg_sparse.attention import combine, normalizers
+
+    seen: dict[str, list] = {"blocks": [], "scores": [], "probs": []}
+    real_block, real_normalize = precision.sdpa_block, combine.normalize
+
+    def block_spy(block, x):
+        seen["blocks"].append(x.dtype)
+        return real_block(block, x)
+
+    def normalize_spy(scores, norm, dim=-1):
+        seen["scores"].append(scores.dtype)
+        out = real_normalize(scores, norm, dim)
+        seen["probs"].append(out.dtype)
+        return out
+
+    monkeypatch.setattr(precision, "sdpa_block", block_spy)
+    monkeypatch.setattr(combine, "normalize", normalize_spy)
+    pixels, _ = _inputs()
+    feats = low.encode_dense(pixels, "qq/entmax:1.5")
+    assert low.visual.transformer.resblocks[0].mlp.c_fc.weight.dtype == torch.bfloat16
+    assert seen["blocks"] == [torch.bfloat16] * 23  # every unedited block, in bf16, through SDPA
+    assert seen["scores"] == seen["probs"] == [torch.float32]  # the edited block's scores and entmax
+    assert feats.dtype == torch.float32
+    tokens = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    assert low._final_norm()(tokens).dtype == torch.float32  # ln_post
+    assert low.encode_text(["a photo of a cat."]).dtype == torch.float32
+    assert normalizers.normalize(torch.randn(3, 4, dtype=torch.bfloat16), "entmax:1.5").dtype == torch.bfloat16
+
+
+def test_sdpa_block_is_open_clip_block(pair):
+    full, low = pair
+    x = torch.randn(2, 17, 64)
+    block = full.visual.transformer.resblocks[3]
+    torch.testing.assert_close(precision.sdpa_block(block, x), block(x), atol=1e-5, rtol=1e-5)
+    assert precision.reduced_block(block, x) is None  # fp32 models keep open_clip's own forward
+    low_block = low.visual.transformer.resblocks[3]
+    y = precision.reduced_block(low_block, x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    assert F.cosine_similarity(y.float(), block(x), dim=-1).min() > 0.999
+
+
+def test_bf16_text_tower_is_close_to_fp32(pair):
+    full, low = pair
+    prompts = [f"a photo of a {w}." for w in ("cat", "dog", "tree", "red car parked by a wall")]
+    a, b = full.encode_text(prompts), low.encode_text(prompts)
+    assert b.dtype == torch.float32
+    assert (a * b).sum(-1).min() > 0.999
