@@ -111,7 +111,7 @@ def test_every_preset_runs_in_bf16_close_to_fp32(pair, name, monkeypatch):
     assert cosine.mean() >= mean and cosine.min() >= least, (name, cosine.mean(), cosine.min())
 
 
-@pytest.mark.parametrize("name", ["sclip-entmax", "trident", "lposs+", "pearl"])
+@pytest.mark.parametrize("name", ["trident", "pearl"])
 def test_presets_with_stages_segment_in_bf16(pair, name):
     """The whole Segmenter (windows; global, windows and post stages that run other backbones or read the
     text) on the bf16 model; labels agree with fp32 on most pixels (random weights: class maps close
