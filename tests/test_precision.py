@@ -93,11 +93,13 @@ def _inputs():
     return pixels, regions
 
 
-# ovstitcher landed while bf16 did; it failed this test and its cause is not yet known (an open item)
-NOT_YET_CHECKED = {"ovstitcher", "ovstitcher-entmax"}
+# OV-Stitcher's `ext:NAME.out` tap re-runs the proxy's last block over the stitched image, which exists only
+# in Segmenter's stitched forward (encode_dense refuses it, and the windows below do not stitch): its bf16
+# run is not covered here yet (an open item, not a bf16 failure)
+STITCHED = {"ovstitcher", "ovstitcher-entmax"}
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS.names() if n not in NOT_YET_CHECKED])
+@pytest.mark.parametrize("name", [n for n in PRESETS.names() if n not in STITCHED])
 def test_every_preset_runs_in_bf16_close_to_fp32(pair, name, monkeypatch):
     from clipseg_sparse.models import proxies
 
