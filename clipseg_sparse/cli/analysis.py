@@ -17,6 +17,8 @@ from .common import (
     Precision,
     PrecisionOpt,
     PretrainedOpt,
+    ProtocolModelOpt,
+    ProtocolPretrainedOpt,
     ProxyWeightsOpt,
     check_out,
     fail,
@@ -59,11 +61,11 @@ def analyze(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for one result JSON per spec (resumable); none: print only.")] = None,
     preset: PresetsOpt = None,
     attn: AttnsOpt = None,
-    model: ModelOpt = "ViT-B-16",
-    pretrained: PretrainedOpt = "openai",
+    model: ProtocolModelOpt = None,
+    pretrained: ProtocolPretrainedOpt = None,
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
-    protocol: Annotated[str, typer.Option("--protocol", help="Gives resolution and windows per dataset (see `ls protocols`).")] = "sclip",
+    protocol: Annotated[str, typer.Option("--protocol", help="Gives resolution and windows per dataset, and the CLIP weights unless given (see `ls protocols`).")] = "sclip",
     resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
     window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window size in pixels (0 = whole image).")] = None,
     stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride in pixels.")] = None,
@@ -80,10 +82,11 @@ def analyze(
     """
     from ..analysis.statistics import analyze as run_analysis
     from ..datasets import DATASETS
+    from ..evaluation.protocols import PROTOCOLS
     from ..files.results import config_hash
 
     check_out(out, folder=True)
-    bench = DATASETS.get(dataset)
+    bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
     bench.samples(root)  # a missing dataset fails before the model loads
     stuff_ids = None
     if stuff is not None:
@@ -93,7 +96,7 @@ def analyze(
             fail(f"--stuff: {', '.join(missing)} not among the {bench.name} classes (e.g. {', '.join(bench.classes[:5])}, ...)")
         stuff_ids = [bench.classes.index(n) for n in names]
     specs = resolve_specs(preset, attn, default="sclip")
-    clip = load_model(model, pretrained, device, precision)
+    clip = load_model(*proto.clip_weights(model, pretrained), device, precision)
     overrides = dict(resolution=resolution, window=window, stride=stride, batch_size=batch_size)
     overrides = {k: v for k, v in overrides.items() if v is not None}
     records = []

@@ -56,6 +56,13 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="open_clip model na
 PretrainedOpt = Annotated[
     str, typer.Option("--pretrained", help="open_clip tag (openai), a checkpoint file (.pt/.bin/.safetensors), or 'none' (random weights).")
 ]
+# eval and analyze: unset means the protocol's CLIP (`Protocol.clip_weights`), else the library's ViT-B-16 openai
+ProtocolModelOpt = Annotated[
+    Optional[str], typer.Option("--model", "-m", help="open_clip model name or a model-config JSON; default: the protocol's CLIP (`ls protocols`), else ViT-B-16.", show_default=False)
+]
+ProtocolPretrainedOpt = Annotated[
+    Optional[str], typer.Option("--pretrained", help="open_clip tag, a checkpoint file, or 'none' (random weights); default: the protocol's, else openai.", show_default=False)
+]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run; auto picks cuda, then mps, then cpu.")]
 PRECISION_HELP = (
     "Model precision. bf16 runs the trunk's matrix products in bfloat16 (GPUs, and CPUs with AMX-BF16 / "

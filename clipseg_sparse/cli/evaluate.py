@@ -20,6 +20,8 @@ from .common import (
     PrecisionOpt,
     PresetOpt,
     PretrainedOpt,
+    ProtocolModelOpt,
+    ProtocolPretrainedOpt,
     ProxyWeightsOpt,
     RegionsOpt,
     PromptsOpt,
@@ -46,8 +48,8 @@ app = typer.Typer()
 def eval_cmd(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Benchmark: voc21, voc20, context60, context59, ade20k, coco-stuff, coco-object, cityscapes (see `ls datasets`).")],
     root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
-    model: ModelOpt = "ViT-B-16",
-    pretrained: PretrainedOpt = "openai",
+    model: ProtocolModelOpt = None,
+    pretrained: ProtocolPretrainedOpt = None,
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
     proxy_weights: ProxyWeightsOpt = "auto",
@@ -55,7 +57,7 @@ def eval_cmd(
     bank: BankOpt = None,
     preset: PresetOpt = None,
     attn: AttnOpt = None,
-    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip, proxyclip (see `ls protocols`); also picks the attention preset and class names unless given.")] = "sclip",
+    protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip, proxyclip, corrclip-metaclip, ... (see `ls protocols`); also picks the attention preset, class names and CLIP weights unless given.")] = "sclip",
     class_names: Annotated[Optional[str], typer.Option("--class-names", help="Prompt names: sclip (synonyms, stuff words for background), plain (ClearCLIP's), or a file with one class per line; default: the protocol's.")] = None,
     templates: TemplatesOpt = "openai",
     prompts: PromptsOpt = None,
@@ -110,6 +112,7 @@ def eval_cmd(
     else:
         spec, region_src, image_bank = preset, None, None
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
+    model, pretrained = proto.clip_weights(model, pretrained)  # command line > protocol > library default
     if pipeline is None:
         clip = load_model(model, pretrained, device, precision)
         load_proxies(spec, clip, proxy_weights, stages)

@@ -11,6 +11,11 @@ probabilities (SCLIP's area threshold zeroes classes; NACLIP renormalises, `reno
 written once in `Protocol.settings`: overrides (command line) > protocol per dataset > protocol
 defaults > `InferenceSettings` defaults.
 
+A protocol may name the CLIP its paper's numbers were measured with (`model`, `pretrained`: `corrclip-metaclip`
+runs MetaCLIP fullcc B/16 with nothing else given); `Protocol.clip_weights` writes that precedence once:
+command line > protocol > library default (`models.clip.DEFAULT_MODEL`, `DEFAULT_PRETRAINED`). Result files
+record the weights that were loaded.
+
 Not reproduced: every published repository runs CLIP in fp16 on GPU (ClearCLIP creates its OpenCLIP
 model with precision='fp16'; SCLIP and NACLIP load OpenAI's `clip`, whose `build_model` converts the
 weights to half, cast back to float only on CPU): choose `--precision fp16` yourself on a GPU.
@@ -18,12 +23,14 @@ weights to half, cast back to float only on CPU): choose `--precision fp16` your
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..attention import AttentionSpec
+from ..models.clip import DEFAULT_MODEL, DEFAULT_PRETRAINED
 from ..segment.settings import InferenceSettings
-from ..registry import ENTRY_POINT_GROUP, Registry
+from ..registry import ENTRY_POINT_GROUP, Registry, caller_module
 
 
 def _settings_text(settings: Mapping[str, Any]) -> str:
@@ -45,11 +52,16 @@ class Protocol:
     per_dataset: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # dataset -> the text of `attention` with that dataset's published constants (ResCLIP's lambda, tau, temp_thd)
     attention_per_dataset: Mapping[str, str] = field(default_factory=dict)
+    # the CLIP the paper reports with this protocol (open_clip name, pretrained tag); None: the library default
+    model: str | None = None
+    pretrained: str | None = None
 
     def describe(self, help: str) -> dict[str, str]:
-        """`ls protocols`: attention, class names and settings (all datasets, then per dataset)."""
+        """`ls protocols`: the attention preset, class names and CLIP weights it pairs with (model and tag, where
+        it names them), and its settings (all datasets, then per dataset)."""
+        clip = "".join(f"\n{v}" for v in (self.model, self.pretrained) if v)  # none: the library default
         return {
-            "attention": self.attention, "class names": self.class_names, "all datasets": _settings_text(self.defaults),
+            "attention / names / CLIP": f"{self.attention} / {self.class_names}{clip}", "all datasets": _settings_text(self.defaults),
             "per dataset": "\n".join(f"{ds}: {_settings_text(d)}" for ds, d in self.per_dataset.items()),
             "follows (source)": f"{help}\n{self.source}",
         }
@@ -70,6 +82,15 @@ class Protocol:
         text = self.attention if text is None else text
         return self.attention_per_dataset.get(dataset, text) if text == self.attention else text
 
+    def clip_weights(self, model: str | None = None, pretrained: str | None = None) -> tuple[str, str]:
+        """(model, pretrained) to load, each the given value (command line, grid) if not None, else the
+        protocol's, else the library default. Field by field: `--model ViT-L-14-quickgelu` with
+        `corrclip-metaclip` loads ViT-L-14-quickgelu with the protocol's metaclip_fullcc."""
+        return (
+            model if model is not None else self.model or DEFAULT_MODEL,
+            pretrained if pretrained is not None else self.pretrained or DEFAULT_PRETRAINED,
+        )
+
     def spec_for(self, dataset: str, spec: AttentionSpec | str | None = None) -> AttentionSpec:
         """The spec to run on `dataset` (None: the protocol's preset). A spec that is the protocol's preset
         up to its normalizer (`resclip`, `resclip-entmax`, `resclip/entmax:1.3`) gets the dataset's
@@ -87,7 +108,15 @@ class Protocol:
 # Each method registers its protocol(s) in its own module (`clipseg_sparse.methods.<name>`, `PROTOCOL`).
 PROTOCOLS: Registry[Protocol] = Registry("protocol", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP)
 
-# The mmseg line several methods share.
+
+def register_weights_variant(base: Protocol, suffix: str, model: str, pretrained: str, reported: str) -> Protocol:
+    """Protocol `BASE-SUFFIX`: `base` with the CLIP its paper's table reports beside OpenAI's (`reported`: where,
+    and the table's avg-8 mIoU), so `eval --protocol BASE-SUFFIX` loads those weights with no --model."""
+    variant = dataclasses.replace(base, name=f"{base.name}-{suffix}", model=model, pretrained=pretrained)
+    help = f"{PROTOCOLS.help(base.name)}; CLIP {model}:{pretrained} ({reported})"
+    return PROTOCOLS.register(variant.name, variant, help=help, module=caller_module())
+
+
 # What every published pipeline does below the configs (mmcv / mmseg, the repos' CLIP code): mmcv's
 # cv2.resize of the uint8 image, positional embeddings by scale factor (n + 0.1) / native, and window or
 # image sides that are not whole patches cut by the patch convolution (ClearCLIP pads its windows, centred).

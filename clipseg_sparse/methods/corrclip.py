@@ -10,7 +10,8 @@ branch passes ln_post on its own). The map correction is the `regionvote` labels
 `corrclip` protocol turns on. Region maps come from a folder or SAM2 (`segment/regions.py`); the region
 scope and merging are engine maths (`attention/grid.py`). `corrclip_attention` is the whole published map in
 one function (the engine's reference in the tests). Quirks copied, fixed and not copied: `CORRCLIP_NOTES`
-(datasets.md, Presets). Grids: `sweeps/grids/corrclip.toml` (ViT-B/16), `corrclip-l14.toml`.
+(datasets.md, Presets). Protocols `corrclip-metaclip` and `corrclip-l14-metaclip` load the paper's own CLIP
+(MetaCLIP fullcc, quickgelu, B/16 and L/14). Grids: `sweeps/grids/corrclip.toml` (ViT-B/16), `corrclip-l14.toml`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from ..attention.grid import feature_cosine, region_support
 from ..attention.normalizers import Normalizer, normalize
 from ..attention.presets import register_entmax_variant, register_preset
-from ..evaluation.protocols import PROTOCOLS
+from ..evaluation.protocols import PROTOCOLS, register_weights_variant
 from ..stages import register_plain_stage
 from . import proxyclip
 
@@ -110,4 +111,14 @@ PROTOCOL = PROTOCOLS.register(
         defaults={**proxyclip.PROTOCOL.defaults, "stages": ("regionvote",)},
     ),
     help="CorrCLIP (ICCV 2025): ProxyCLIP's settings plus the map correction (stage regionvote); needs --regions",
+)
+
+# The paper's own CLIP (CorrCLIPv1's default `--model ViT-B-16-quickgelu --pretrained metaclip_fullcc`; L/14 with
+# the corrclip-l14 block indices): README avg-8 51.0 (B/16, SAM2_32 masks) and 53.6 (L/14); OpenAI B/16 48.7.
+METACLIP = register_weights_variant(PROTOCOL, "metaclip", "ViT-B-16-quickgelu", "metaclip_fullcc", "CorrCLIPv1's default CLIP; README avg-8 51.0")
+METACLIP_L14 = PROTOCOLS.register(
+    "corrclip-l14-metaclip",
+    dataclasses.replace(METACLIP, name="corrclip-l14-metaclip", attention="corrclip-l14", model="ViT-L-14-quickgelu"),
+    help="CorrCLIP (ICCV 2025) at L/14: ProxyCLIP's settings plus the map correction, preset corrclip-l14; CLIP "
+    "ViT-L-14-quickgelu:metaclip_fullcc (CorrCLIPv1's L/14; README avg-8 53.6); needs --regions",
 )

@@ -21,7 +21,9 @@ transcription of them against this module. Steps and where they live:
    published README's evaluation command): the refine stage `samrefine[:COARSE[:IOU]]`
    (`methods/trident_refine.py`, segment_anything's prompt encoder and mask decoder; `--protocol
    trident-samrefine` adds it with the per-dataset coarse_thresh).
-Quirks copied and fixed: `TRIDENT_NOTES` (datasets.md, Presets). Grid: `sweeps/grids/trident.toml`.
+Quirks copied and fixed: `TRIDENT_NOTES` (datasets.md, Presets). Protocols `trident-metaclip` (MetaCLIP fullcc B/16)
+and `trident-laion-h14` (OpenCLIP ViT-H/14) name the other CLIPs of the published tables. Grid:
+`sweeps/grids/trident.toml`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from ..attention.normalizers import Normalizer, normalize
 from ..attention.presets import register_preset
-from ..evaluation.protocols import PROTOCOLS, Protocol
+from ..evaluation.protocols import PROTOCOLS, Protocol, register_weights_variant
 from ..models.backbones import Backbone, sam_scores
 from ..models.proxies import PROXIES
 from ..stages import STAGES, Stage
@@ -243,3 +245,9 @@ PROTOCOL = PROTOCOLS.register(
     help="Trident (ICCV 2025): short side 448 (VOC20 336, Context 576, ADE20K 576, Cityscapes 688), 336/224 windows "
     "(VOC20 112), sides multiples of 16, SAM stage constants per dataset",
 )
+
+# The other CLIPs of the published tables: MetaCLIP fullcc B/16 (OV-Stitcher's Table 1: avg-8 47.4 vs 45.8 with
+# OpenAI's) and OpenCLIP ViT-H/14 (Trident's table, assets/data_result.png: avg-8 48.6; the tag is ProxyCLIP's
+# configs/base_config.py one, the code Trident builds on: Trident's own configs are not in the search index).
+METACLIP = register_weights_variant(PROTOCOL, "metaclip", "ViT-B-16-quickgelu", "metaclip_fullcc", "OV-Stitcher's Table 1: avg-8 47.4")
+LAION_H14 = register_weights_variant(PROTOCOL, "laion-h14", "ViT-H-14", "laion2b_s32b_b79k", "the paper's table: avg-8 48.6")

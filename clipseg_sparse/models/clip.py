@@ -39,6 +39,9 @@ from .proxies import PROXIES, ext_backbones
 from .text_tower import encode_tokens
 
 POS_INTERP_RULES = ("size", "scale")  # see DenseCLIP.positional_embedding
+# The library's default CLIP: what runs when neither the command line nor a protocol names one
+# (`evaluation.protocols.Protocol.clip_weights` writes that precedence once).
+DEFAULT_MODEL, DEFAULT_PRETRAINED = "ViT-B-16", "openai"
 
 
 def _is_torchscript_archive(path: Path) -> bool:
@@ -156,8 +159,8 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
 
 
 def load_clip(
-    model_name: str = "ViT-B-16",
-    pretrained: str | None = "openai",
+    model_name: str = DEFAULT_MODEL,
+    pretrained: str | None = DEFAULT_PRETRAINED,
     device: str | torch.device | None = "auto",
     precision: str = "fp32",
     quick_gelu: bool | None = None,

@@ -32,10 +32,12 @@ class Grid:
     own default (the 80 OpenAI templates for eval, captions as written for FG-OVD). `prompts`: a prompt
     file of description sentences per class name for the eval cells (`segment.vocabulary.Prompts`).
     A model may name its own weights, `NAME:TAG` (`ViT-B-16-quickgelu:metaclip_fullcc`), so one grid can
-    cross families and weights of one architecture (grid `families`); `pretrained` is the others' tag."""
+    cross families and weights of one architecture (grid `families`); `pretrained` is the others' tag.
+    Empty `models` / None `pretrained`: the protocol's CLIP (`corrclip-metaclip`), else the library's default
+    (`Protocol.clip_weights`, the one precedence)."""
 
-    models: tuple[str, ...] = ("ViT-B-16",)
-    pretrained: str = "openai"
+    models: tuple[str, ...] = ()
+    pretrained: str | None = None
     precision: str = "fp32"
     datasets: tuple[str, ...] = ()
     fgovd: tuple[str, ...] = ()
@@ -85,18 +87,16 @@ class Grid:
             from ..segment.vocabulary import Prompts
 
             Prompts.read(self.prompts)  # a bad file fails the grid, not every cell
-        if not self.models:
-            raise ValueError("the grid names no model")
         from ..models.clip import check_model_name
 
-        for model in self.models:
-            name, tag = model_weights(model)
-            name = check_model_name(name)  # a typo fails the grid, not every cell
-            if tag is not None and not name.endswith(".json"):
+        for entry, (model, pretrained) in zip(self.models or ["the protocol's"], self.clips()):
+            name = check_model_name(model)  # a typo fails the grid, not every cell
+            named = model_weights(entry)[1] is not None or (self.pretrained is None and PROTOCOLS.get(self.protocol).pretrained)
+            if named and not name.endswith(".json"):  # a tag from NAME:TAG or the protocol
                 import open_clip
 
-                if tag not in open_clip.list_pretrained_tags_by_model(name):
-                    raise ValueError(f"model {model!r}: {name} has no pretrained tag {tag!r}; tags: {', '.join(open_clip.list_pretrained_tags_by_model(name)) or '(none)'}")
+                if pretrained not in open_clip.list_pretrained_tags_by_model(name):
+                    raise ValueError(f"model {entry!r}: {name} has no pretrained tag {pretrained!r}; tags: {', '.join(open_clip.list_pretrained_tags_by_model(name)) or '(none)'}")
         if not self.datasets and not self.fgovd:
             raise ValueError("the grid names no data: give datasets and/or FG-OVD benchmark files")
         if any(int(r) <= 0 for r in self.resolutions):
@@ -132,13 +132,22 @@ class Grid:
         out += [str(AttentionSpec.parse(s)) for s in self.specs]
         return list(dict.fromkeys(out))
 
+    def clips(self) -> list[tuple[str, str]]:
+        """(model, pretrained) per entry of `models`: NAME:TAG's tag, else the grid's `pretrained`; what is
+        not named here comes from the protocol, else the library default (`Protocol.clip_weights`)."""
+        from ..evaluation.protocols import PROTOCOLS
+
+        protocol = PROTOCOLS.get(self.protocol)
+        entries = [model_weights(m) for m in self.models] or [(None, None)]
+        return [protocol.clip_weights(name, tag if tag is not None else self.pretrained) for name, tag in entries]
+
     def cells(self) -> list["Cell"]:
         """models x data x specs x resolutions, ordered by model first; repeats dropped."""
         data = [("eval", d) for d in self.datasets] + [("fgovd", str(f)) for f in self.fgovd]
         resolutions = [int(r) for r in self.resolutions] or [None]
         cells = [
-            Cell(self, kind, *model_weights(model), item, spec, res)
-            for model in self.models
+            Cell(self, kind, model, pretrained, item, spec, res)
+            for model, pretrained in self.clips()
             for kind, item in data
             for spec in self.attention_specs()
             for res in resolutions
@@ -156,14 +165,10 @@ class Cell:
     grid: Grid = field(repr=False, compare=False)
     kind: str  # "eval" | "fgovd"
     model: str
-    weights: str | None  # the model's own tag (`NAME:TAG` in the grid), else the grid's `pretrained`
+    pretrained: str  # resolved (`Grid.clips`)
     data: str  # dataset name, or the benchmark file's path
     attention: str
     resolution: int | None
-
-    @property
-    def pretrained(self) -> str:
-        return self.weights if self.weights is not None else self.grid.pretrained
 
     def config(self) -> dict:
         """The full configuration of this cell (the input side; the result file holds the resolved one)."""
@@ -198,7 +203,9 @@ class Cell:
     def label(self) -> str:
         data = self.data if self.kind == "eval" else Path(self.data).stem
         res = f" @{self.resolution}" if self.resolution else ""
-        weights = f":{self.weights}" if self.weights is not None else ""
+        from ..models.clip import DEFAULT_PRETRAINED
+
+        weights = f":{self.pretrained}" if self.pretrained != DEFAULT_PRETRAINED else ""
         return f"{Path(self.model).stem}{weights} {data} {self.attention}{res}"
 
 
