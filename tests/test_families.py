@@ -222,12 +222,60 @@ def test_edited_block_equals_timm_block_with_rope(family):
 
 
 def test_specs_a_timm_tower_cannot_run_are_refused(family):
+    """SigLIP has no CLS token to copy per region (`mct:`) or to add (`cls:C`, C != 0); `cls:0` runs
+    everywhere (below), and both run on the towers with a CLS token."""
     name, clip = family
-    with pytest.raises(ValueError, match="mct"):
-        clip.check_spec("qk/softmax/mct:0.5")
     if name == "siglip2":
-        with pytest.raises(ValueError, match="CLS"):
+        with pytest.raises(ValueError, match="mct:BETA copies the CLS token"):
+            clip.check_spec("qk/softmax/mct:0.5")
+        with pytest.raises(ValueError, match="cls:C adds C x the CLS token"):
             clip.check_spec("clearclip/cls:0.3")
+        x = torch.randn(1, 3, *SMALL, generator=torch.Generator().manual_seed(20))
+        with pytest.raises(ValueError, match="cls:C adds C x the CLS token"):  # the engine's own check
+            edited_block_forward(clip.visual.transformer.resblocks[-1], clip.visual.forward_tokens(x)[:, :6], resolve_spec("qq/softmax/cls:0.3"), (2, 3))
+    else:
+        clip.check_spec("qk/softmax/cls:0/noffn/mct:0.5")
+        clip.check_spec("clearclip/cls:0.3")
+
+
+def test_cls_option_on_every_family(family):
+    """`cls:C` (SC-CLIP, and ProxyCLIP's `cls:0`): attention over the patches, residual C x the block input's
+    CLS token (hand identity: tokens(cls:C) - tokens(cls:0) = C x CLS). SigLIP has no CLS token: `cls:0` is
+    the block without residual (`nores`), exactly."""
+    name, clip = family
+    x = torch.randn(1, 3, 64, 96, generator=torch.Generator().manual_seed(21))
+    with torch.inference_mode():
+        if name == "siglip2":
+            assert torch.equal(clip.encode_dense(x, "qq/softmax/cls:0/noffn"), clip.encode_dense(x, "qq/softmax/nores/noffn"))
+            return
+        zero, _ = clip._last_tokens(x, "qq/softmax/cls:0/noffn", (), "size")
+        half, _ = clip._last_tokens(x, "qq/softmax/cls:0.5/noffn", (), "size")
+    assert torch.equal(zero[:, :1], half[:, :1])  # the CLS token passes the edited block unchanged
+    assert (half[:, 1:] - zero[:, 1:] - 0.5 * zero[:, :1]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["eva02", "pecore"])
+def test_mask_class_tokens_on_rope_towers_follow_the_cls_token(name):
+    """CorrCLIP's `mct:` on towers with a CLS token: with one region, each MCT attends to the CLS and every
+    patch in every block, as the CLS itself does, so its last-block output is timm's CLS token (RoPE on the
+    patches only, none on the CLS copies), at a non-square grid."""
+    from clipseg_sparse.attention.blocks import encode_tokens
+
+    clip = _dense(FAMILIES[name])
+    trunk = clip.model.visual.trunk
+    x = torch.randn(1, 3, 64, 112, generator=torch.Generator().manual_seed(22))
+    with torch.inference_mode(), timm_dynamic(trunk):
+        expected = trunk.forward_features(x)[:, 0]
+    with torch.inference_mode():
+        tokens, grid = clip._embed(x)
+        branches = []
+        encode_tokens(clip.visual, tokens, resolve_spec("qq/softmax/cls:0/noffn/mct:0.5"), grid, x,
+                      regions=torch.zeros(1, 64, 112, dtype=torch.int64), branches=branches)  # fmt: skip
+        beta, semantic = branches[-1]
+        feats = clip.encode_dense(x, "qq/softmax/cls:0/noffn/mct:0.5", regions=torch.zeros(1, 64, 112, dtype=torch.int64))
+    assert beta == 0.5 and semantic.shape == (1, 28, expected.shape[-1])
+    assert (clip.visual.ln_post(semantic) - expected[:, None]).abs().max() <= 1e-4  # 12 blocks of SDPA vs timm: ~1e-5
+    assert feats.shape == (1, 4, 7, clip.embed_dim) and torch.isfinite(feats).all()
 
 
 @pytest.mark.parametrize("name", ["EVA02-B-16", "ViT-B-16-SigLIP2", "PE-Core-B-16"])
@@ -417,3 +465,17 @@ def test_resclip_feedback_runs_on_every_family(family):
     with torch.inference_mode():
         feats = clip.encode_dense(x, "resclip-entmax", context={"text": text, "logit_scale": 40.0, "windows": x})
     assert feats.shape == (1, 4, 4, clip.embed_dim) and torch.isfinite(feats).all()
+
+
+def test_bench_normalizer_scores_on_every_family(family):
+    """`bench normalizers` reads the last block's q-q scores through the engine's block interface: on every
+    family their softmax is the engine's own `qq/softmax` attention map of the same image."""
+    from clipseg_sparse.bench.run import last_block_scores
+
+    _, clip = family
+    with torch.inference_mode():
+        scores = last_block_scores(clip, 64, seed=5)
+        maps = clip.attention_maps(torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(5)), "qq/softmax")
+    n = clip.prefix_tokens + 16
+    assert scores.shape == (12, n, n) and (scores - scores.transpose(-2, -1)).abs().max() < 1e-4
+    assert (torch.softmax(scores, -1) - maps[0]).abs().max() <= 1e-5

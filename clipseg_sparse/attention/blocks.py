@@ -111,9 +111,7 @@ def edited_block_forward(
             f"adapted timm block, got {type(attn).__name__}"
         )
     state = state or EncoderState(x, grid)
-    off = 0 if spec.cls_residual is None else 1  # cls:C attends over the patch tokens only
-    if off and x.shape[1] == grid[0] * grid[1]:
-        raise ValueError(f"spec {spec}: cls:C keeps a CLS token, and this model's tokens have none (SigLIP)")
+    off = _cls_offset(spec, x, grid)  # cls:C attends over the patch tokens only
     tokens = x[:, off:] if off else x
     if main and spec.aggregate_in:
         tokens = aggregate(tokens, spec.aggregation_in, BlockContext(grid=grid, offset=off, hidden=state.main))
@@ -136,7 +134,7 @@ def edited_block_forward(
         out = out + branch(ctx.u, ctx.k, ctx.v)
     out = attn.out_proj(out.transpose(1, 2).reshape(B, out.shape[2], C))  # N, or an external grid's size
     if spec.cls_residual is not None:
-        base = spec.cls_residual * x[:, :1]
+        base = spec.cls_residual * x[:, :1] if off else 0  # cls:0 on a tower without CLS (SigLIP): no residual
     else:
         base = tokens if spec.residual else 0
     y = base + block.ls_1(out)
@@ -144,7 +142,18 @@ def edited_block_forward(
         y = y + block.ls_2(block.mlp(block.ln_2(y)))
     if spec.aggregate_out:
         y = aggregate(y, spec.aggregation_out, BlockContext(grid=grid, offset=off, hidden=state.hidden))
-    return torch.cat([x[:, :1], y], dim=1) if off else y
+    return torch.cat([x[:, :off], y], dim=1) if off else y
+
+
+def _cls_offset(spec: AttentionSpec, x: torch.Tensor, grid: tuple[int, int]) -> int:
+    """The prefix tokens `cls:C` sets aside (x: B x N x C on `grid`): the CLS token (0 without `cls:`). A tower
+    without one (SigLIP) has nothing to set aside, so `cls:0` (no residual) runs and `cls:C`, C != 0, cannot."""
+    if spec.cls_residual is None:
+        return 0
+    prefix = x.shape[1] - grid[0] * grid[1]
+    if prefix == 0 and spec.cls_residual:
+        raise ValueError(f"spec {spec}: cls:C adds C x the CLS token, and this model's tokens have none (SigLIP; cls:0 runs)")
+    return min(prefix, 1)
 
 
 def encode_tokens(
@@ -198,7 +207,7 @@ def encode_tokens(
         if i in need_maps:
             state.maps[i] = clip_attention(blk, x, grid)
         if beta is not None:
-            mct = mct_step(blk, mct, x, allowed)
+            mct = mct_step(blk, mct, x, allowed, grid)
         x = run_block(blk, x, grid)
         if i in need_main | need_raw:
             state.hidden[i] = x
@@ -217,7 +226,7 @@ def encode_tokens(
     if beta is None:
         return _replace(edited, state, spec, sink)
     x = _replace(edited, state, spec, sink, branches)
-    mct = mct_step(edited[-1], mct, state.x, allowed)
+    mct = mct_step(edited[-1], mct, state.x, allowed, grid)
     branches.append((beta, semantic_tokens(mct, index, grid, state.extra["regions_grid"])))
     return x
 
@@ -229,7 +238,7 @@ def _replace(edited, state: EncoderState, spec: AttentionSpec, sink: list | None
     x = state.x
     for j, blk in enumerate(edited):
         x = edited_block_forward(blk, x, spec, grid, state, sink=sink if j == len(edited) - 1 else None)
-    off = 0 if spec.cls_residual is None else 1
+    off = _cls_offset(spec, state.x, grid)
     for inp in spec.block_inputs:
         layers = [state.hidden[i] for i in range(inp.first, inp.last + 1)]
         r = sum(layers[1:], layers[0].clone()) if inp.kind == "sum" else torch.stack(layers).mean(0)

@@ -85,16 +85,24 @@ def mask_class_tokens(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
     return x[:, :1].expand(B, R, -1).clone(), allowed, index
 
 
-def mct_step(block: torch.nn.Module, mct: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """One open_clip block for the MCTs (B x R x C): queries from the MCTs, keys and values from the
-    block's input x (B x (1 + N) x C, the original tokens), restricted to `allowed`; residual and FFN."""
+def mct_step(block: torch.nn.Module, mct: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """One block for the MCTs (B x R x C): queries from the MCTs, keys and values from the block's input x
+    (B x (1 + N) x C, the original tokens on `grid`), restricted to `allowed`; residual and FFN.
+    open_clip's block: the q and kv rows of its fused in_proj (as published); an adapted timm block
+    (`project_qkv`, models/towers.py): the MCTs project as prefix tokens before x, so like the CLS they copy
+    they get no RoPE, and the patches get theirs."""
     attn = positive_attention(block.attn)
     B, R, C = mct.shape
-    H = attn.num_heads
-    w_q, w_kv = attn.in_proj_weight[:C], attn.in_proj_weight[C:]
-    b_q, b_kv = attn.in_proj_bias[:C], attn.in_proj_bias[C:]
-    q = F.linear(block.ln_1(mct), w_q, b_q).view(B, R, H, C // H).transpose(1, 2)
-    k, v = F.linear(block.ln_1(x), w_kv, b_kv).view(B, -1, 2, H, C // H).permute(2, 0, 3, 1, 4)
+    own = getattr(block, "project_qkv", None)
+    if own is None:
+        H = attn.num_heads
+        w_q, w_kv = attn.in_proj_weight[:C], attn.in_proj_weight[C:]
+        b_q, b_kv = attn.in_proj_bias[:C], attn.in_proj_bias[C:]
+        q = F.linear(block.ln_1(mct), w_q, b_q).view(B, R, H, C // H).transpose(1, 2)
+        k, v = F.linear(block.ln_1(x), w_kv, b_kv).view(B, -1, 2, H, C // H).permute(2, 0, 3, 1, 4)
+    else:
+        q, k, v = own(block.ln_1(torch.cat([mct, x], dim=1)), grid)
+        q, k, v = q[:, :, :R], k[:, :, R:], v[:, :, R:]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
     y = mct + block.ls_1(attn.out_proj(out.transpose(1, 2).reshape(B, R, C)))
     return y + block.ls_2(block.mlp(block.ln_2(y)))

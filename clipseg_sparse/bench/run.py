@@ -4,7 +4,8 @@ Every suite times its variants in the same run on the same inputs and reports ea
 suite's reference, so numbers from a noisy shared machine stay comparable:
 
     normalizer  fast entmax vs entmax.entmax_bisect vs entmax.entmax15 vs softmax on last-block attention
-                scores (heads x N x N, N = 1 + (px / patch)^2) of ViT-B/16 and ViT-L/14
+                scores (heads x N x N, N = prefix + (px / patch)^2) of ViT-B/16 and ViT-L/14, or `--model`
+                (any supported family: EVA-02, SigLIP, PE-Core through the tower adapter)
     forward     encode_dense with qq/entmax:1.5 vs qq/softmax vs the unpatched model
     segment     Segmenter.predict on a folder of images vs the bare model forward over the same windows
 
@@ -22,7 +23,6 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..runtime.accel import adasplash_installed, attention_backend
 from ..segment.images import load_image
@@ -53,28 +53,25 @@ SUITES = ("normalizer", "forward", "segment", "ttfm", "windows", "bf16")
 
 # -- (a) normalizers --------------------------------------------------------------------------------
 def last_block_scores(clip: DenseCLIP, px: int, source: str = "qq", seed: int = 0) -> torch.Tensor:
-    """H x N x N scaled scores of the last block for one random image at px x px (N = 1 + (px/patch)^2).
+    """H x N x N scaled scores of the last block for one random image at px x px (N = prefix tokens +
+    (px/patch)^2; the prefix is the CLS token, none in SigLIP).
 
-    The tokens entering the last block are captured from the model's own forward, so the scores have
-    the model's real structure (with random weights: a strong diagonal over weak off-diagonal scores).
+    The tokens entering the last block come from the model's own blocks and its q/k from the engine's one
+    block interface (`taps.block_qkv`: open_clip's fused in_proj, or a timm tower's q/k/v with its q/k norms
+    and RoPE), so the scores have the model's real structure (with random weights: a strong diagonal over
+    weak off-diagonal scores) on every supported family.
     """
-    block = clip.visual.transformer.resblocks[-1]
-    captured: dict[str, torch.Tensor] = {}
-    hook = block.register_forward_pre_hook(lambda _m, args: captured.setdefault("x", args[0]))
+    from ..attention.taps import block_qkv, run_block
+
     g = torch.Generator().manual_seed(seed)
-    try:
-        clip.encode_dense(torch.randn(1, 3, px, px, generator=g).to(clip.device), None)
-    finally:
-        hook.remove()
-    attn = block.attn
-    x = captured["x"]
-    n, width = x.shape[1], x.shape[2]
-    heads = attn.num_heads
     with torch.inference_mode():
-        proj = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).view(1, n, 3, heads, -1)
-        q, k = proj[0, :, 0].transpose(0, 1), proj[0, :, 1].transpose(0, 1)  # H x N x d
-        a, b = {"q": q, "k": k}[source[0]], {"q": q, "k": k}[source[1]]
-        return (a @ b.transpose(-2, -1)).float() * (width // heads) ** -0.5
+        x, grid = clip._embed(torch.randn(1, 3, px, px, generator=g).to(clip.device))
+        *plain, last = clip.visual.transformer.resblocks
+        for block in plain:
+            x = run_block(block, x, grid)
+        q, k, _ = block_qkv(last, last.ln_1(x), grid)
+        a, b = {"q": q, "k": k}[source[0]][0], {"q": q, "k": k}[source[1]][0]  # H x N x d
+        return (a @ b.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
 
 
 def normalizer_variants(alpha: float, slow: bool = True) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:

@@ -403,10 +403,14 @@ class DenseCLIP:
         x, grid = self._embed(pixels, pos_interp)
         x = attention_blocks.encode_normed(self._tower(spec), x, spec, grid, self._final_norm(), pixels, token_hooks, regions, context)
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
-        tokens = x[:, -out_grid[0] * out_grid[1] :]
-        raw = (context or {}).get("raw_features")  # unnormalised projections (CorrCLIPv2's bank values)
-        feats = ((tokens @ self.visual.proj).float() if raw else self._features(tokens)).reshape(x.shape[0], *out_grid, -1)
-        return (feats, self._image_embedding(x)) if with_cls else feats
+        n = out_grid[0] * out_grid[1]
+        if (context or {}).get("raw_features"):  # unnormalised projections (CorrCLIPv2's bank values)
+            feats = (x[:, -n:] @ self.visual.proj).float().reshape(x.shape[0], *out_grid, -1)
+            return (feats, self._dense_and_image(x, n)[1]) if with_cls else feats
+        if not with_cls:
+            return self._features(x[:, -n:]).reshape(x.shape[0], *out_grid, -1)
+        feats, image = self._dense_and_image(x, n)
+        return feats.reshape(x.shape[0], *out_grid, -1), image
 
     @torch.inference_mode()
     def dense_tokens(
@@ -429,10 +433,14 @@ class DenseCLIP:
         """proj and L2 normalisation of tokens after ln_post, in fp32 (for reduced-precision models too)."""
         return F.normalize((normed.float() @ self.visual.proj.float()), dim=-1)
 
-    def _image_embedding(self, normed: torch.Tensor) -> torch.Tensor:
-        """B x D L2-normalised image embedding of all tokens after ln_post (B x N x C): the CLS token's
-        (timm towers: their pooling head's, `towers.TimmDenseCLIP`)."""
-        return self._features(normed[:, 0])
+    def _dense_and_image(self, normed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features of the last n tokens (B x n x D) and the L2-normalised image embedding (B x D) of all tokens
+        after ln_post (B x N x C): the CLS token's (timm towers: their pooling head's, `towers.TimmDenseCLIP`).
+        One product of every token with proj, the CLS rows among them, as before the tower adapter: a product
+        of the B CLS rows alone takes another BLAS path and rounds differently (up to 2e-7 in CLIP Surgery's
+        probabilities, whose class weights read the CLS embedding)."""
+        x = self._features(normed)
+        return x[:, -n:], x[:, 0]
 
     def _last_tokens(self, pixels, spec, token_hooks, pos_interp, context: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
         """All tokens B x N x C after the edited blocks, and the grid their patch tokens (the last N' = h*w)

@@ -9,7 +9,8 @@ them (`attention.taps.block_qkv` / `run_block`):
 - `project_qkv(u, grid)`: q, k, v per head from the block's own weights: separate `q_proj/k_proj/v_proj`
   (EVA-02), fused `qkv` with `q_bias/v_bias` and a zero k bias (EVA-01, PE-Core), fused `qkv` (SigLIP);
   then `q_norm/k_norm`, then 2-D RoPE on the patch tokens exactly where timm's `EvaAttention` /
-  `AttentionRope` apply it (after the prefix tokens; on all tokens when the CLS is dropped, `cls:C`);
+  `AttentionRope` apply it (after the prefix tokens; on all tokens when the CLS is dropped, `cls:C`; CLS
+  copies placed before the tokens, CorrCLIP's `mct:`, count as prefix tokens);
 - `forward_grid(x, grid)`: the untouched timm block with the RoPE of that grid.
 `out_proj` is the attention's `norm` (EVA-02's inner LayerNorm, `scale_attn_inner`) then `proj`.
 
@@ -193,10 +194,11 @@ class TowerBlock(nn.Module):
         self._rope = kind == "EvaBlock"
 
     def project_qkv(self, u: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of ln_1 state u (B x N x C): N = the model's prefix tokens + h*w, or h*w alone."""
+        """q, k, v of ln_1 state u (B x N x C): the last h*w tokens are the patches (RoPE), any before them
+        prefix tokens (the model's CLS; none when `cls:C` drops it; CorrCLIP's CLS copies before it, `mct:`)."""
         prefix = u.shape[1] - grid[0] * grid[1]
-        if prefix not in (0, self._tower[0].prefix):
-            raise ValueError(f"{u.shape[1]} tokens do not lie on the {grid[0]}x{grid[1]} grid (+{self._tower[0].prefix} prefix tokens)")
+        if prefix < 0:
+            raise ValueError(f"{u.shape[1]} tokens are fewer than the {grid[0]}x{grid[1]} patch grid")
         return self.attn.qkv(u, self._tower[0].rope(grid, u), prefix)
 
     def forward_grid(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
@@ -346,8 +348,9 @@ class TimmTower:
 @dataclass(eq=False)
 class TimmDenseCLIP(DenseCLIP):
     """DenseCLIP on a timm image tower (EVA-02, SigLIP / SigLIP 2, PE-Core): `visual` is the TimmTower
-    adapter, so the engine runs its blocks as it runs open_clip's. Specs that need open_clip's fused
-    `in_proj` (DnA `dna:PATH`, CorrCLIP's `mct:BETA` semantic branch) are refused by `check_spec`.
+    adapter, so the engine runs its blocks as it runs open_clip's. `check_spec` refuses DnA (`dna:PATH`:
+    adapters are converted from open_clip's packed attention) and, on SigLIP (no CLS token), CorrCLIP's
+    `mct:BETA` (copies of the CLS token) and `cls:C` for C != 0 (`cls:0` runs: no residual).
     `encode_dense(..., with_cls=True)` gives the pooled embedding of the output tokens: for MAP towers in
     parallel mode (GEM, CLIP Surgery) that pools the edited patch tokens, not CLIP's own image embedding."""
 
@@ -396,11 +399,15 @@ class TimmDenseCLIP(DenseCLIP):
 
         spec = resolve_spec(spec)
         if spec.extra("dna") is not None:
-            raise ValueError(f"attention spec {spec}: dna:PATH adapters wrap open_clip's nn.MultiheadAttention; {self.model_name} has a timm tower")
-        if spec.extra("mct") is not None:
-            raise ValueError(f"attention spec {spec}: mct:BETA runs open_clip's fused in_proj; {self.model_name} has a timm tower")
-        if spec.cls_residual is not None and self.prefix_tokens == 0:
-            raise ValueError(f"attention spec {spec}: cls:C keeps a CLS token, and {self.model_name} has none")
+            raise ValueError(
+                f"attention spec {spec}: dna:PATH adapters are converted from and trained on open_clip's packed "
+                f"nn.MultiheadAttention (dna train); {self.model_name} has a timm tower (its own q/k/v, q/k norms, RoPE), "
+                f"for which no DnA converter exists yet"
+            )
+        if spec.extra("mct") is not None and self.prefix_tokens == 0:
+            raise ValueError(f"attention spec {spec}: mct:BETA copies the CLS token once per region, and {self.model_name} has none")
+        if spec.cls_residual and self.prefix_tokens == 0:
+            raise ValueError(f"attention spec {spec}: cls:C adds C x the CLS token, and {self.model_name} has none (cls:0 runs)")
         super().check_spec(spec)
 
     def _embed(self, pixels: torch.Tensor, pos_interp: str = "size") -> tuple[torch.Tensor, tuple[int, int]]:
@@ -419,8 +426,8 @@ class TimmDenseCLIP(DenseCLIP):
     def _features(self, normed: torch.Tensor) -> torch.Tensor:
         return F.normalize(self._adapter.dense_head(normed).float(), dim=-1)
 
-    def _image_embedding(self, normed: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self._adapter.pooled(normed).float(), dim=-1)
+    def _dense_and_image(self, normed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._features(normed[:, -n:]), F.normalize(self._adapter.pooled(normed).float(), dim=-1)
 
 
 def tower_summary(clip: DenseCLIP) -> dict[str, Any]:

@@ -174,11 +174,11 @@ def stitched_features(
                 for part, t in zip("xqkv", (x, q, k, v)):
                     sums[(i, part)].add(cells(t), corners)
             if beta is not None:
-                mct = mct_step(blk, mct, x, allowed)
+                mct = mct_step(blk, mct, x, allowed, grid)
             x = run_block(blk, x, grid)
         v_main.add(cells(F.linear(last.ln_1(x), last.attn.in_proj_weight[2 * C :], last.attn.in_proj_bias[2 * C :])), corners)
         if beta is not None:
-            mct = mct_step(last, mct, x, allowed)
+            mct = mct_step(last, mct, x, allowed, grid)
             target = tuple(s // dp for s in crops.shape[-2:])
             painted = semantic_tokens(mct, index, grid, target).reshape(mct.shape[0], *target, C)
             semantic.add(layout.valid(painted, dp), layout.corners(dp)[b0 : b0 + batch_size])
