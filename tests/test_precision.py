@@ -93,13 +93,14 @@ def _inputs():
     return pixels, regions
 
 
-# OV-Stitcher's `ext:NAME.out` tap re-runs the proxy's last block over the stitched image, which exists only
-# in Segmenter's stitched forward (encode_dense refuses it, and the windows below do not stitch): its bf16
-# run is not covered here yet (an open item, not a bf16 failure)
-STITCHED = {"ovstitcher", "ovstitcher-entmax"}
+# Presets whose taps exist only inside Segmenter's forward: OV-Stitcher's `ext:NAME.out` (the proxy's last block
+# re-run over the stitched image) and CorrCLIPv2's `ext:NAME.image` (whole-image features, computed once per image).
+# encode_dense refuses both on windows alone, so their bf16 run is not covered here yet (an open item, not a bf16
+# failure).
+SEGMENTER_ONLY = {n for n in PRESETS.names() if "stitch:" in str(PRESETS.get(n).spec) or ".image" in str(PRESETS.get(n).spec)}
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS.names() if n not in STITCHED])
+@pytest.mark.parametrize("name", [n for n in PRESETS.names() if n not in SEGMENTER_ONLY])
 def test_every_preset_runs_in_bf16_close_to_fp32(pair, name, monkeypatch):
     from clipseg_sparse.models import proxies
 
