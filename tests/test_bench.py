@@ -127,3 +127,43 @@ def test_published_window_loop_gives_our_labels(tiny_clip):
     assert (published_slide_labels(seg, image) == seg.predict_labels(image)).mean() >= 0.999
     rows, agree = bench_published_windows(seg, [image], repeat=1)
     assert agree >= 0.999 and [r.ratio > 0 for r in rows] == [True, True] and rows[0].ratio == 1.0
+
+
+def test_flop_count_of_a_forward_is_the_hand_count_in_both_precisions(tiny_clip):
+    """FlopCounterMode plus the formulas `roofline` teaches it: open_clip's fp32 blocks (nn.MultiheadAttention's
+    fused inference op) and the bf16 blocks (explicit products or SDPA) both count the full work of a
+    forward: per block 24 C^2 N (q, k, v, out and the 4x MLP) + 4 N^2 C (q k^T and the product with v), the
+    patch embedding 2 * 3 p^2 C per patch and the projection 2 C D per token."""
+    import torch
+
+    from clipseg_sparse import load_clip
+    from clipseg_sparse.bench.roofline import count_gflop
+
+    v = tiny_clip.visual
+    C, D, p, L = v.transformer.width, v.proj.shape[1], tiny_clip.patch_size, len(v.transformer.resblocks)
+    pixels = torch.randn(1, 3, 64, 64)
+    patches = (64 // p) ** 2
+    N = 1 + patches
+    expected = (L * (24 * C * C * N + 4 * N * N * C) + 2 * 3 * p * p * C * patches + 2 * C * D * patches) / 1e9
+    low = load_clip(TINY_CONFIG, pretrained=None, device="cpu", precision="bf16")
+    with torch.inference_mode():
+        for clip in (tiny_clip, low):
+            assert count_gflop(lambda: clip.encode_dense(pixels, None)) == pytest.approx(expected, rel=1e-9)
+
+
+def test_roofline_lines_give_the_fraction_of_each_measured_rate():
+    from clipseg_sparse.bench.roofline import roofline_lines
+
+    rows = [
+        BenchRow("matmul", "2048^3 product", "fp32", 100.0, 1.0, "fp32", gflop=20.0),  # 200 GFLOP/s
+        BenchRow("matmul", "2048^3 product", "bf16", 25.0, 0.25, "fp32", gflop=20.0),  # 800 GFLOP/s
+        BenchRow("precision forward", "ViT-B-16 448px sclip (cosine 0.9999)", "bf16", 400.0, 0.3, "fp32", gflop=160.0),
+        BenchRow("precision text", "no FLOP count", "bf16", 10.0, 1.0, "fp32"),
+    ]
+    head, line = roofline_lines(rows)
+    assert head == "matrix-product rate of this machine (2048^3, same run): fp32 200 GFLOP/s, bf16 800 GFLOP/s"
+    assert line == (
+        "roofline precision forward | ViT-B-16 448px sclip | bf16: 160.0 GFLOP in 400 ms = 400 GFLOP/s "
+        "(200.0 % of the fp32 rate, 50.0 % of the bf16 rate)"
+    )
+    assert roofline_lines(rows[2:]) == []

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_sam
+from test_dense_backbones import tiny_radio
 from clipseg_sparse import Segmenter, load_clip
 from clipseg_sparse.attention import PRESETS, precision
 from clipseg_sparse.models.backbones import BACKBONES, Backbone
@@ -30,6 +31,7 @@ MIN_COSINE = 0.98
 LABEL_FED = {"resclip": (0.99, 0.9), "resclip-entmax": (0.99, 0.9)}
 SAM_SIDE = 64
 SETTINGS = InferenceSettings(resolution=0, window=48, stride=16, size_multiple=16)
+STITCH_SETTINGS = InferenceSettings(resolution=120, window=112, stride=56)  # OV-Stitcher's stitch:56 needs 112 px windows
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,7 @@ def _tiny_backbones(dtype: torch.dtype) -> list[Backbone]:
         Backbone(BACKBONES.get("dino_vitb16"), vt.VisionTransformer(img_size=32, patch_size=16, **vit)),
         Backbone(BACKBONES.get("dinov2_vitb14_reg"), dinov2),
         Backbone(dataclasses.replace(BACKBONES.get("sam_vitb"), input_size=SAM_SIDE), tiny_sam(SAM_SIDE, window_size=2)),
+        tiny_radio(),
     ]
     for bb in out:
         bb.model.eval().to(dtype)
@@ -94,9 +97,9 @@ def _inputs():
 
 
 # Presets whose taps exist only inside Segmenter's forward: OV-Stitcher's `ext:NAME.out` (the proxy's last block
-# re-run over the stitched image) and CorrCLIPv2's `ext:NAME.image` (whole-image features, computed once per image).
-# encode_dense refuses both on windows alone, so their bf16 run is not covered here yet (an open item, not a bf16
-# failure).
+# re-run over the stitched image) and CorrCLIPv2's `ext:NAME.image` (whole-image features, computed once per
+# image). encode_dense refuses both on windows alone: they run in bf16 through the Segmenter
+# (`test_presets_with_stages_segment_in_bf16`).
 SEGMENTER_ONLY = {n for n in PRESETS.names() if "stitch:" in str(PRESETS.get(n).spec) or ".image" in str(PRESETS.get(n).spec)}
 
 
@@ -118,16 +121,39 @@ def test_every_preset_runs_in_bf16_close_to_fp32(pair, name, monkeypatch):
     assert cosine.mean() >= mean and cosine.min() >= least, (name, cosine.mean(), cosine.min())
 
 
-@pytest.mark.parametrize("name", ["trident", "pearl"])
-def test_presets_with_stages_segment_in_bf16(pair, name):
+@pytest.fixture(scope="module")
+def bank(pair, tmp_path_factory):
+    """An image bank of the fp32 model (keys of the tiny C-RADIO), used by both precisions: as a user builds
+    one bank and segments with it in either."""
+    from test_bank import build, write_images
+
+    from clipseg_sparse.segment.bank import ImageBank
+
+    _use(pair[0])
+    folder = tmp_path_factory.mktemp("bank")
+    jobs, regions = write_images(folder / "images", 3)
+    radio = next(bb for bb in _BACKBONES[torch.float32] if bb.info.name == "c_radio_v3_l")
+    build(folder / "bank", jobs, regions, [pair[0]], radio)
+    return ImageBank.open(folder / "bank")
+
+
+@pytest.mark.parametrize("name", ["trident", "pearl", *sorted(SEGMENTER_ONLY)])
+def test_presets_with_stages_segment_in_bf16(pair, bank, name):
     """The whole Segmenter (windows; global, windows and post stages that run other backbones or read the
-    text) on the bf16 model; labels agree with fp32 on most pixels (random weights: class maps close
-    together, so this is no accuracy measure; `bench --suites bf16` has one)."""
+    text; OV-Stitcher's stitched forward and CorrCLIPv2's whole-image features) on the bf16 model; labels
+    agree with fp32 on most pixels (random weights: class maps close together, so this is no accuracy
+    measure; `bench --suites bf16` has one)."""
     rgb = np.random.default_rng(0).integers(0, 255, (50, 70, 3), dtype=np.uint8)
+    regions = (np.arange(50)[:, None] // 25 * 2 + np.arange(70)[None] // 35).astype(np.int64)
     labels = []
     for clip in pair:
         _use(clip)
-        seg = Segmenter(clip, "sky,tree,grass", spec=name, settings=SETTINGS, templates="single")
+        spec = str(PRESETS.get(name).spec)
+        retrieval = "retrieve" in spec
+        settings = STITCH_SETTINGS if "stitch:" in spec else SETTINGS
+        seg = Segmenter(
+            clip, "sky,tree,grass", spec=name, settings=settings, templates="single", regions=lambda image, source: regions, bank=bank if retrieval else None
+        )
         labels.append(seg.predict_labels(rgb))
     assert labels[0].shape == labels[1].shape == (50, 70)
     assert np.mean(labels[0] == labels[1]) > 0.5
@@ -182,3 +208,27 @@ def test_bf16_text_tower_is_close_to_fp32(pair):
     a, b = full.encode_text(prompts), low.encode_text(prompts)
     assert b.dtype == torch.float32
     assert (a * b).sum(-1).min() > 0.999
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_both_reduced_attention_paths_match_fp32(monkeypatch, explicit):
+    """`precision.attend` written out (CPUs without AMX) and fused (AMX, GPUs) give softmax(q k^T / sqrt(d)) v
+    in bf16 within bf16's rounding of fp32 attention, for a head width whose scale is exact (64) and one
+    whose scale is not (80)."""
+    monkeypatch.setattr(precision, "explicit_attention_is_faster", lambda device: explicit)
+    g = torch.Generator().manual_seed(0)
+    for d in (64, 80):
+        q, k, v = (torch.randn(2, 3, 50, d, generator=g) for _ in range(3))
+        expected = F.scaled_dot_product_attention(q, k, v)
+        got = precision.attend(q.bfloat16(), k.bfloat16(), v.bfloat16())
+        assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+        assert (got.float() - expected).abs().max() < 0.02
+        assert F.cosine_similarity(got.float(), expected, dim=-1).min() > 0.999
+
+
+def test_explicit_attention_is_chosen_on_cpus_without_amx(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert precision.explicit_attention_is_faster(torch.device("cpu"))
+    assert not precision.explicit_attention_is_faster(torch.device("cuda"))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert not precision.explicit_attention_is_faster(torch.device("cpu"))

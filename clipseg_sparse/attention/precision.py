@@ -1,7 +1,7 @@
 """Reduced precision (bf16 / fp16): which parts run in the low dtype and which stay in fp32.
 
 With `load_clip(..., precision="bf16")` the weights are cast and every matrix product of the trunk runs
-in bf16 (on CPUs with AMX-BF16, oneDNN's AMX kernels; on GPUs, tensor cores). What accuracy needs stays
+in bf16 (oneDNN's AMX or AVX512-BF16 kernels on CPUs; tensor cores on GPUs). What accuracy needs stays
 in fp32: the edited block's attention scores, their normalizer (softmax or the entmax threshold and
 probabilities), the final LayerNorm and projection, the cosine with the text and the logits. The
 probabilities are rounded to the values' dtype only for their product with the values.
@@ -41,16 +41,41 @@ def _fast_block(block: torch.nn.Module) -> bool:
     )
 
 
+def explicit_attention_is_faster(device: torch.device) -> bool:
+    """Whether `attend` writes reduced-precision attention out (product, softmax, product) rather than
+    calling the fused kernel: on CPUs without AMX tiles. There torch's fused CPU kernel runs its
+    small blocked products no faster in bf16 than in fp32 (ViT-B/16 at 448 px, 12 heads x 785 tokens:
+    12.2 ms a block in bf16, 12.9 ms in fp32, on AVX512-BF16), while two large bf16 products and a
+    softmax take 5.7 ms; with AMX tiles the fused kernel's AMX path was the faster one
+    (benchmarks/README.md)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return device.type == "cpu" and not amx()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v for reduced-precision q, k, v (B x H x N x d), by the faster path on
+    this machine (`explicit_attention_is_faster`). The explicit path scales q first (exact for head
+    widths 4^k: 1/sqrt(64) = 1/8), so the scores are rounded to bf16 once; its softmax computes in fp32
+    before rounding the probabilities, which the fused kernel also rounds for their product with v.
+    (baddbmm's alpha would scale inside the product, but ran 3.6x slower than bmm here.)"""
+    if not explicit_attention_is_faster(q.device):
+        return F.scaled_dot_product_attention(q, k, v)
+    B, H, N, d = q.shape
+    q3, k3 = q.reshape(B * H, N, d), k.reshape(B * H, -1, d)
+    scores = torch.bmm(q3 * d**-0.5, k3.transpose(1, 2))
+    return (torch.softmax(scores, -1) @ v.reshape(B * H, -1, d)).view(B, H, N, d)
+
+
 def sdpa_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """open_clip's ResidualAttentionBlock.forward on x (B x N x C) with the attention written out as
-    one fused `scaled_dot_product_attention` call (the same arithmetic: ln_1, in_proj, softmax(q k^T /
-    sqrt(d)) v, out_proj, residual, ln_2, MLP, residual). nn.MultiheadAttention's inference fast path
-    runs an explicit product, softmax and product in bf16 on CPU; SDPA's fused kernel is faster there."""
+    """open_clip's ResidualAttentionBlock.forward on x (B x N x C) with the attention written as one
+    `attend` call (the same arithmetic: ln_1, in_proj, softmax(q k^T / sqrt(d)) v, out_proj, residual,
+    ln_2, MLP, residual). nn.MultiheadAttention's inference fast path computes its scores in a layout
+    that was slower in bf16 on both CPUs measured (benchmarks/README.md)."""
     attn = block.attn
     B, N, C = x.shape
     H = attn.num_heads
     q, k, v = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
-    out = F.scaled_dot_product_attention(q, k, v)
+    out = attend(q, k, v)
     x = x + block.ls_1(attn.out_proj(out.transpose(1, 2).reshape(B, N, C)))
     return x + block.ls_2(block.mlp(block.ln_2(x)))
 

@@ -7,6 +7,7 @@ run (`matmul_rates`), so the fraction says how close the forward runs to what th
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -17,26 +18,39 @@ PROBE_SIDE = 2048
 PROBE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _count_cpu_sdpa() -> None:
-    """Teach FlopCounterMode the CPU flash-attention op (counted on CUDA only in torch 2.14): same
-    formula as the CUDA kernels (two products of N x N x d per head)."""
+def _count_cpu_attention() -> None:
+    """Teach FlopCounterMode the two CPU attention ops it does not count in torch 2.14: the flash-attention
+    op (counted on CUDA only; same formula as the CUDA kernels: two products of N x N x d per head), and
+    `_native_multi_head_attention`, nn.MultiheadAttention's fused inference op, which open_clip's blocks
+    run in fp32 (uncounted, it hid about 40 % of a ViT-B/16 forward's work at 448 px)."""
     from torch.utils import flop_counter
 
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    if op in flop_counter.flop_registry:
-        return
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if sdpa not in flop_counter.flop_registry:
 
-    def flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-        return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+        def sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
-    flop_counter.register_flop_formula(op)(flops)
+        flop_counter.register_flop_formula(sdpa)(sdpa_flops)
+    mha = torch.ops.aten._native_multi_head_attention
+    if mha not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(mha)(mha_flops)
+
+
+def mha_flops(query_shape, key_shape, value_shape, embed_dim: int, num_head: int, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of `_native_multi_head_attention` on query B x N x C and key / value B x S x C (batch first):
+    the q, k and v projections, q k^T and the product with v, and the output projection."""
+    *_, n, c = query_shape
+    s = key_shape[-2]
+    b = math.prod(query_shape[:-2])
+    return 2 * b * c * c * (n + 2 * s) + 4 * b * n * s * c + 2 * b * n * c * c
 
 
 def count_gflop(fn: Callable[[], object]) -> float:
     """GFLOP that `fn()` runs, by FlopCounterMode (one extra call of `fn`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    _count_cpu_sdpa()
+    _count_cpu_attention()
     with FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops() / 1e9
