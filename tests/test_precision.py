@@ -29,6 +29,9 @@ MIN_COSINE = 0.98
 # ResCLIP's feedback map is built from the first pass's labels (argmax over the text): where bf16 flips a
 # near-tied label on random weights the map changes, so its features are held to a looser bound
 LABEL_FED = {"resclip": (0.99, 0.9), "resclip-entmax": (0.99, 0.9)}
+# SC-CLIP repairs the patches that LOF on the features ranks anomalous, a discrete cut that bf16 rounding can move:
+# on a CPU without AMX (AVX512-BF16 kernels) scclip-l14-entmax gave one patch of 49 at cosine 0.964, mean 0.9985
+LABEL_FED |= {name: (0.998, 0.9) for name in PRESETS.names() if name.startswith("scclip")}
 SAM_SIDE = 64
 SETTINGS = InferenceSettings(resolution=0, window=48, stride=16, size_multiple=16)
 STITCH_SETTINGS = InferenceSettings(resolution=120, window=112, stride=56)  # OV-Stitcher's stitch:56 needs 112 px windows
@@ -62,8 +65,9 @@ def _tiny_backbones(dtype: torch.dtype) -> list[Backbone]:
         Backbone(BACKBONES.get("dino_vitb16"), vt.VisionTransformer(img_size=32, patch_size=16, **vit)),
         Backbone(BACKBONES.get("dinov2_vitb14_reg"), dinov2),
         Backbone(dataclasses.replace(BACKBONES.get("sam_vitb"), input_size=SAM_SIDE), tiny_sam(SAM_SIDE, window_size=2)),
-        tiny_radio(),
     ]
+    with torch.random.fork_rng():  # tiny_radio seeds the global generator; the presets' draws stay as they were
+        out.append(tiny_radio())
     for bb in out:
         bb.model.eval().to(dtype)
     return out
@@ -166,9 +170,9 @@ def test_bf16_runs_the_trunk_in_bf16_and_keeps_the_accuracy_parts_fp32(pair, mon
     seen: dict[str, list] = {"blocks": [], "scores": [], "probs": []}
     real_block, real_normalize = precision.sdpa_block, combine.normalize
 
-    def block_spy(block, x):
+    def block_spy(block, x, causal=False):
         seen["blocks"].append(x.dtype)
-        return real_block(block, x)
+        return real_block(block, x, causal)
 
     def normalize_spy(scores, norm, dim=-1):
         seen["scores"].append(scores.dtype)
@@ -232,3 +236,28 @@ def test_explicit_attention_is_chosen_on_cpus_without_amx(monkeypatch):
     assert not precision.explicit_attention_is_faster(torch.device("cuda"))
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert not precision.explicit_attention_is_faster(torch.device("cpu"))
+
+
+def test_bf16_text_tower_runs_causal_blocks_of_its_own(pair, monkeypatch):
+    """In bf16 the text blocks run through `sdpa_block` with the causal mask (open_clip's masked
+    nn.MultiheadAttention transposes and copies its inputs for every projection); fp32 keeps open_clip's
+    tower. Both agree with open_clip's own bf16 `encode_text` within bf16 rounding."""
+    full, low = pair
+    calls = []
+    real = precision.sdpa_block
+    monkeypatch.setattr(precision, "sdpa_block", lambda block, x, causal=False: calls.append(causal) or real(block, x, causal))
+    prompts = ["a photo of a cat.", "a red car parked by a wall on a rainy day.", "a tree."]
+    ours = low.encode_text(prompts)
+    assert calls == [True] * len(low.model.transformer.resblocks)
+    with torch.inference_mode():
+        theirs = F.normalize(low.model.encode_text(low.tokenizer(prompts)).float(), dim=-1)
+    assert (ours * theirs).sum(-1).min() > 0.999
+    calls.clear()
+    full.encode_text(prompts)
+    assert calls == []
+    # causal: the first tokens' outputs do not depend on the tokens after them
+    block = low.model.transformer.resblocks[0]
+    x = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    head = precision.sdpa_block(block, x[:, :3], causal=True)
+    assert torch.equal(precision.sdpa_block(block, x, causal=True)[:, :3], head)
+    assert not torch.equal(precision.sdpa_block(block, x, causal=False)[:, :3], head)

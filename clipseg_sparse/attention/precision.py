@@ -52,32 +52,48 @@ def explicit_attention_is_faster(device: torch.device) -> bool:
     return device.type == "cpu" and not amx()
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for reduced-precision q, k, v (B x H x N x d), by the faster path on
-    this machine (`explicit_attention_is_faster`). The explicit path scales q first (exact for head
-    widths 4^k: 1/sqrt(64) = 1/8), so the scores are rounded to bf16 once; its softmax computes in fp32
-    before rounding the probabilities, which the fused kernel also rounds for their product with v.
-    (baddbmm's alpha would scale inside the product, but ran 3.6x slower than bmm here.)"""
+    this machine (`explicit_attention_is_faster`); `causal`: token i attends to tokens 0..i only (CLIP's
+    text tower). The explicit path scales q first (exact for head widths 4^k: 1/sqrt(64) = 1/8), so the
+    scores are rounded to bf16 once; its softmax computes in fp32 before rounding the probabilities,
+    which the fused kernel also rounds for their product with v. (baddbmm's alpha would scale inside the
+    product, but ran 3.6x slower than bmm here.)"""
     if not explicit_attention_is_faster(q.device):
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     B, H, N, d = q.shape
     q3, k3 = q.reshape(B * H, N, d), k.reshape(B * H, -1, d)
     scores = torch.bmm(q3 * d**-0.5, k3.transpose(1, 2))
+    if causal:
+        scores.masked_fill_(torch.ones(N, k3.shape[1], dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
     return (torch.softmax(scores, -1) @ v.reshape(B * H, -1, d)).view(B, H, N, d)
 
 
-def sdpa_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def sdpa_block(block: torch.nn.Module, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """open_clip's ResidualAttentionBlock.forward on x (B x N x C) with the attention written as one
     `attend` call (the same arithmetic: ln_1, in_proj, softmax(q k^T / sqrt(d)) v, out_proj, residual,
-    ln_2, MLP, residual). nn.MultiheadAttention's inference fast path computes its scores in a layout
-    that was slower in bf16 on both CPUs measured (benchmarks/README.md)."""
+    ln_2, MLP, residual); `causal`: with CLIP's causal text mask. nn.MultiheadAttention computes its scores
+    in a layout that was slower in bf16 on both CPUs measured, and with a mask it transposes its inputs
+    and copies them for every projection (benchmarks/README.md)."""
     attn = block.attn
     B, N, C = x.shape
     H = attn.num_heads
     q, k, v = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).view(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
-    out = attend(q, k, v)
+    out = attend(q, k, v, causal)
     x = x + block.ls_1(attn.out_proj(out.transpose(1, 2).reshape(B, N, C)))
     return x + block.ls_2(block.mlp(block.ln_2(x)))
+
+
+def reduced_text_transformer(transformer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """open_clip's text Transformer on reduced-precision tokens x (B x L x C) with its causal mask, block by
+    block through `sdpa_block`; None where that does not apply (fp32, other blocks, sequence-first
+    towers: the caller runs the tower itself, so fp32 text stays open_clip's own arithmetic)."""
+    blocks = getattr(transformer, "resblocks", ())
+    if not (is_reduced(x) and getattr(transformer, "batch_first", False) and blocks and all(_fast_block(b) for b in blocks)):
+        return None
+    for block in blocks:
+        x = sdpa_block(block, x, causal=True)
+    return x
 
 
 def reduced_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:

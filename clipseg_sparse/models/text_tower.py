@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..attention.precision import reduced_text_transformer
+
 CUT_POOLS = ("argmax", "eos", "first")
 
 
@@ -88,7 +90,8 @@ def encode_cut(plan: CutPlan, tokens: torch.Tensor, index: torch.Tensor) -> torc
     cast = plan.transformer.get_cast_dtype()
     x = plan.token_embedding(tokens[:, :length]).to(cast)
     x = x + plan.positional_embedding[:length].to(cast)
-    x = plan.transformer(x, attn_mask=plan.attn_mask[:length, :length])
+    fast = reduced_text_transformer(plan.transformer, x)  # bf16 / fp16 only; `plan` checked the mask is causal
+    x = plan.transformer(x, attn_mask=plan.attn_mask[:length, :length]) if fast is None else fast
     x = plan.ln_final(x[torch.arange(x.shape[0], device=x.device), index])  # LayerNorm is per token
     proj = plan.text_projection
     if proj is None:
