@@ -79,6 +79,9 @@ def roofline_lines(rows: list[BenchRow]) -> list[str]:
     if not rates:
         return []
     head = ", ".join(f"{name} {rate:,.0f} GFLOP/s" for name, rate in rates.items())
+    if len(rates) == 2 and "fp32" in rates:  # the ceiling: no forward gains more from the low precision than its products do
+        low = next(name for name in rates if name != "fp32")
+        head += f" ({low} / fp32 = {rates[low] / rates['fp32']:.1f}x: the most a forward can gain from {low} here)"
     lines = [f"matrix-product rate of this machine ({PROBE_SIDE}^3, same run): {head}"]
     for r in rows:
         if r.gflop is None or r.suite == "matmul":
