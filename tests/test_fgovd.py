@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.attention import AttentionSpec
+from clipseg_sparse.attention import AttentionSpec, resolve_spec
 from clipseg_sparse.cli.app import app
 from clipseg_sparse.files.results import progress_path
 from clipseg_sparse.evaluation.fgovd import (
@@ -441,3 +441,23 @@ def test_cli_fgovd_checks_files_before_loading_a_model(tmp_path):
 def test_cli_fgovd_help():
     res = CliRunner().invoke(app, ["fgovd", "--help"])
     assert res.exit_code == 0 and "--region" in res.output and "--scale-factor" in res.output
+
+
+@pytest.mark.parametrize("preset, stage", [("trident", "sam:1.2"), ("clipsurgery", "surgery"), ("pearl", "tlp:80")])
+def test_cli_fgovd_refuses_stages_it_cannot_run_before_loading_a_model(tmp_path, preset, stage):
+    """FG-OVD pools dense features: a preset's class-map, label or whole-image stages would be skipped
+    silently, so they are refused by name, before any model loads."""
+    res = CliRunner().invoke(app, ["fgovd", "-b", str(SUBSET), "--images", str(tmp_path), "--preset", preset, "--model", "no-such-model"])
+    assert res.exit_code == 2 and f"cannot run stage(s) {stage}" in res.output, res.output
+
+
+def test_fgovd_runs_token_stages_and_refuses_the_others(tmp_path, tiny_clip):
+    root = tmp_path / "coco"
+    make_images(SUBSET, root)
+    with pytest.raises(ValueError, match="cannot run stage\\(s\\) tlp:80"):
+        evaluate_fgovd(tiny_clip, [SUBSET], root, "pearl", settings=FAST, progress=False)
+    with pytest.raises(ValueError, match="cannot run stage\\(s\\) pamr"):
+        evaluate_fgovd(tiny_clip, [SUBSET], root, "sclip", settings=FAST.replace(stages=("pamr",)), progress=False)
+    spec = "qq+kk/softmax/hook:lof"  # SC-CLIP's LOF edits the features: a token stage (31 neighbours: 128 px)
+    result = evaluate_fgovd(tiny_clip, [SUBSET], root, spec, settings=FAST.replace(resolution=128), progress=False, limit=1)
+    assert result["config"]["attention"] == str(resolve_spec(spec))

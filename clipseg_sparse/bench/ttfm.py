@@ -97,11 +97,14 @@ def bench_ttfm(
         BenchRow("first mask", label, "total", summary["total_s"] * 1e3, 1.0, "total"),
     ]
     case = f"{clip.model_name} {len(subset)} of {len(prompts)} prompts (every {step}), max |diff| {diff:.1e}"
+    exact = clip.dtype == torch.float32  # the 1e-6 target is fp32's: in bf16 both paths round differently
+    if not exact:
+        case += f" (both in {clip.precision}; the 1e-6 target is for fp32)"
     fast, plain = "fast encode_text", "open_clip encode_text (77 tokens)"
     per_prompt = f"per prompt: fast on all {len(prompts)}, open_clip on the {len(subset)} above"
     text = [
         BenchRow("text", case, fast, times["fast"], 1.0, fast),
-        BenchRow("text", case, plain, times["plain"], summary["subset_speedup"], fast, max_abs_diff=diff),
+        BenchRow("text", case, plain, times["plain"], summary["subset_speedup"], fast, max_abs_diff=diff if exact else None),
         BenchRow("text", per_prompt, fast, text_s * 1e3 / len(prompts), 1.0, fast),
         BenchRow("text", per_prompt, plain, times["plain"] / len(subset), summary["rate_speedup"], fast),
     ]

@@ -183,6 +183,8 @@ def fgovd(
     """
     from ..runtime.distributed import init_from_env
     from ..evaluation.fgovd import evaluate_fgovd, split_name
+    from ..attention import resolve_spec
+    from ..evaluation.fgovd.evaluate import check_stages
     from ..evaluation.fgovd.report import metrics_table
     from ..segment.settings import InferenceSettings
 
@@ -193,6 +195,7 @@ def fgovd(
         split_name(path)
     spec = resolve_attention(preset, attn, default="clip" if region is Region.crop else "sclip")
     settings = InferenceSettings().replace(resolution=resolution, window=window, stride=stride)
+    check_stages(resolve_spec(spec), settings)  # before loading the model
     kwargs = {k: v for k, v in {"scale_factor": scale_factor, "negatives": negatives}.items() if v is not None}
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)

@@ -19,6 +19,8 @@ from typing import Sequence
 import torch
 
 from ...attention import AttentionSpec, resolve_spec
+from ...errors import UserValueError
+from ...stages import resolve_stages
 from ...runtime.distributed import gather, rank_and_world, shard
 from ...runtime.progress import progress_bar
 from ...segment.images import load_image
@@ -96,6 +98,19 @@ def region_embeddings(
     return feats.pool(maps)
 
 
+def check_stages(spec: AttentionSpec, settings: InferenceSettings) -> None:
+    """UserValueError for a stage FG-OVD cannot run. Its regions are pooled from dense features, so token
+    stages (which edit the features, e.g. SC-CLIP's `lof`) run; every other kind acts on class maps,
+    labels or the whole-image pipeline of `Segmenter` (PAMR, SAM, region votes, retrieval, propagation)
+    and would be skipped without a word, leaving numbers that claim a method they did not run."""
+    other = [s.name for s in resolve_stages((*spec.hooks, *settings.stage_texts())) if s.kind != "token"]
+    if other:
+        raise UserValueError(
+            f"fgovd pools region embeddings from dense features and cannot run stage(s) {', '.join(other)} of {spec} "
+            "(they act on class maps or labels): give --attn with the spec without them"
+        )
+
+
 def evaluate_fgovd(
     clip: DenseCLIP,
     benchmarks: list[Path],
@@ -127,6 +142,7 @@ def evaluate_fgovd(
     spec = resolve_spec(spec)
     clip.check_spec(spec)
     settings = settings or InferenceSettings()
+    check_stages(spec, settings)
     REGIONS.get(region)
     if negatives < 1:
         raise ValueError(f"negatives must be >= 1 (got {negatives})")
