@@ -174,7 +174,7 @@ def load_clip(
         (.pt / .pth / .bin / .safetensors), or None / "none" for random weights.
     quick_gelu: None = what the weights were trained with (the tag's setting; True for OpenAI's own
         TorchScript checkpoints). precision: fp32, fp16 or bf16 (the weights are cast): bf16 runs the trunk's
-        matrix products in bf16, on GPUs and on CPUs with AMX-BF16; the edited block's scores and
+        matrix products in bf16, on GPUs and on CPUs with AVX512-BF16 or AMX-BF16; the edited block's scores and
         normalizer, ln_post, the projection and everything after stay fp32 (`attention.precision`).
     tokenizer: for models with a Hugging Face tokenizer (SigLIP, MetaCLIP 2), a local directory holding
         its files, instead of the Hub id read from the local cache. Such a tokenizer is loaded at once
