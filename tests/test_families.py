@@ -479,3 +479,29 @@ def test_bench_normalizer_scores_on_every_family(family):
     n = clip.prefix_tokens + 16
     assert scores.shape == (12, n, n) and (scores - scores.transpose(-2, -1)).abs().max() < 1e-4
     assert (torch.softmax(scores, -1) - maps[0]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_bf16_towers_follow_the_faster_attention_path_and_stay_close_to_fp32(family, monkeypatch, explicit):
+    """In bf16, where the fused attention kernel is the slower path (CPUs without AMX), the towers' unedited
+    blocks run timm's explicit attention (its `fused_attn` off for the call, restored after); fp32 and the
+    AMX / GPU case keep the fused kernel. bf16 features stay within bf16 rounding of fp32."""
+    from clipseg_sparse.attention import precision
+
+    name, clip = family
+    low = _dense(FAMILIES[name])
+    low.model.visual.to(torch.bfloat16)
+    monkeypatch.setattr(precision, "explicit_attention_is_faster", lambda device: explicit)
+    seen: dict[torch.dtype, list[bool]] = {torch.float32: [], torch.bfloat16: []}
+    for model in (clip, low):
+        for block in model.visual.trunk.blocks:
+            attn = block.attn
+            monkeypatch.setattr(attn, "forward", lambda *a, _attn=attn, _f=attn.forward, **k: seen[a[0].dtype].append(_attn.fused_attn) or _f(*a, **k))
+    pixels = torch.randn(1, 3, 64, 96, generator=torch.Generator().manual_seed(0))
+    full, reduced = clip.encode_dense(pixels, "sclip"), low.encode_dense(pixels, "sclip")
+    depth = len(clip.visual.trunk.blocks)
+    assert seen[torch.float32] == [True] * (depth - 1)  # the last block is the edited one
+    assert seen[torch.bfloat16] == [not explicit] * (depth - 1)
+    assert all(block.attn.fused_attn for block in low.visual.trunk.blocks)
+    cosine = (full * reduced).sum(-1)  # these filled weights: EVA-02 0.9988 / 0.9983 (mean / min) on both paths
+    assert reduced.dtype == torch.float32 and cosine.mean() > 0.998 and cosine.min() > 0.99, (cosine.mean(), cosine.min())

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..attention import precision
 from .clip import DenseCLIP
 
 # --- families: what each open_clip configuration is, and whether dense inference runs on it ---------------
@@ -202,6 +203,20 @@ class TowerBlock(nn.Module):
         return self.attn.qkv(u, self._tower[0].rope(grid, u), prefix)
 
     def forward_grid(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """timm's block on x; in reduced precision on CPUs where the fused attention kernel is the slower
+        path (`precision.explicit_attention_is_faster`) with timm's own explicit attention (q * scale, q k^T,
+        softmax, product), as open_clip's blocks run there; fp32 keeps the block's setting."""
+        attn = self.block.attn
+        fused = getattr(attn, "fused_attn", None)
+        if fused and precision.is_reduced(x) and precision.explicit_attention_is_faster(x.device):
+            attn.fused_attn = False
+            try:
+                return self._forward(x, grid)
+            finally:
+                attn.fused_attn = fused
+        return self._forward(x, grid)
+
+    def _forward(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         if self._rope:
             return self.block(x, rope=self._tower[0].rope(grid, x))
         return self.block(x)
