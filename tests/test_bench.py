@@ -180,3 +180,51 @@ def test_bench_ttfm_in_bf16_leaves_the_fp32_exactness_target_out():
     text = [r for r in rows if r.suite == "text"]
     assert all(r.max_abs_diff is None for r in text) and "the 1e-6 target is for fp32" in text[0].case
     assert "text max abs difference to open_clip encode_text" not in {name for name, *_ in target_checks(rows)}
+
+
+def test_region_prototypes_are_the_cells_mean_features_and_label_their_own_cells():
+    """3 x 3 cells of a 6 x 6 patch grid, each cell's features one direction plus noise: every prototype is its
+    cell's normalised mean, and each patch's nearest prototype is its own cell's."""
+    import torch
+    import torch.nn.functional as F
+
+    from clipseg_sparse.bench.precision import prototype_labels, region_prototypes
+
+    g = torch.Generator().manual_seed(0)
+    cell = torch.arange(6)[:, None] // 2 * 3 + torch.arange(6)[None] // 2
+    directions = torch.eye(16)[:9]
+    feats = F.normalize(directions[cell] + 0.05 * torch.randn(6, 6, 16, generator=g), dim=-1)[None]
+    prototypes = region_prototypes(feats)
+    expected = torch.stack([F.normalize(feats[0][cell == c].mean(0), dim=0) for c in range(9)])
+    torch.testing.assert_close(prototypes, expected)
+    assert torch.equal(prototype_labels(feats, prototypes)[0], cell)
+
+
+def test_bench_precision_rows_and_accuracy_on_the_tiny_model():
+    """The bf16 suite end to end on the tiny model: forward rows per spec with the fp32 FLOP count and the
+    accuracy in the case; the text and segment rows only when prompts and images are given."""
+    import numpy as np
+
+    from clipseg_sparse.bench.roofline import count_gflop
+    from clipseg_sparse.bench.run import bench_precision
+    from clipseg_sparse.bench.timing import smooth_image
+
+    images = [smooth_image((40, 60), np.random.default_rng(0))]
+    settings = InferenceSettings(resolution=64, window=64, stride=32)
+    rows = bench_precision([TINY_CONFIG], 64, images, ["a", "b", "c"], settings, repeat=1, prompts=4)
+    suites = [(r.suite, r.variant) for r in rows]
+    assert suites == [("precision forward", v) for _ in range(3) for v in ("fp32", "bf16")] + [
+        ("precision text", "fp32"), ("precision text", "bf16"), ("precision segment", "fp32"), ("precision segment", "bf16")]
+    forward = [r for r in rows if r.suite == "precision forward"]
+    assert [r.case.split(" (")[0].split(" ", 4)[-1] for r in forward[::2]] == ["unpatched CLIP", "sclip", "sclip-entmax"]
+    assert all("feature cosine mean" in r.case and "prototype labels agree" in r.case for r in forward)
+    assert "entmax support agrees" in forward[4].case and "entmax support" not in forward[2].case
+    from clipseg_sparse import load_clip
+    import torch
+
+    clip = load_clip(TINY_CONFIG, pretrained=None, device="cpu")
+    with torch.inference_mode():
+        gflop = count_gflop(lambda: clip.encode_dense(torch.zeros(1, 3, 64, 64), "sclip"))
+    assert forward[2].gflop == pytest.approx(gflop)
+    only = bench_precision([TINY_CONFIG], 64, [], ["a"], settings, repeat=1, prompts=0)
+    assert {r.suite for r in only} == {"precision forward"}

@@ -224,7 +224,8 @@ def bench_precision(
 ) -> list[BenchRow]:
     """The bf16 suite (precision.py) on random weights loaded in fp32 and in `low` (bf16, or fp16 on a
     GPU): the forward of each model at `px` (unpatched, SCLIP, SCLIP with entmax), the text tower on
-    `prompts` of the 12,000 ADE20K prompts, and `predict_labels` of the first model on `images`."""
+    `prompts` of the 12,000 ADE20K prompts, and `predict_labels` of the first model on `images` (none
+    with 0 prompts / no images)."""
     from .precision import bench_precision_forward, bench_precision_text, bench_segment_precision
     from .ttfm import ade20k_names
 
@@ -233,8 +234,9 @@ def bench_precision(
         torch.manual_seed(0)
         pair = [load_clip(name, pretrained=None, device=device, precision=p) for p in ("fp32", low)]
         rows += bench_precision_forward(*pair, px, repeat=repeat)[0]
-        if i == 0:
+        if i == 0 and prompts:  # 0 prompts / no images: forwards only (e.g. towers whose tokenizer is not cached)
             rows += bench_precision_text(*pair, ade20k_names(), prompts, repeat=max(1, repeat - 1))
+        if i == 0 and len(images):
             segmenters = [Segmenter(c, vocabulary, spec="sclip", settings=settings, templates="single") for c in pair]
             rows += bench_segment_precision(*segmenters, images, repeat=max(1, repeat - 1))[0]
         del pair
