@@ -183,3 +183,32 @@ def test_missing_extra_is_one_line():
     with pytest.raises(MissingExtraError) as e:
         require_extra("clipseg_sparse_no_such_package", "SAM2 region masks")
     assert "\n" not in str(e.value) and 'pip install -e ".[proxy]"' in str(e.value)
+
+
+def test_missing_weights_reads_the_hub_cache_and_checkpoint_files_only(tmp_path, monkeypatch):
+    """What the demo leaves out: Hub weights in the cache (its real layout) are there, others are missing
+    while offline; a checkpoint file must exist; random weights always are. No network: HF_HUB_OFFLINE."""
+    from types import SimpleNamespace
+
+    from huggingface_hub import constants
+
+    from clipseg_sparse.models.proxies import missing_weights
+
+    repo = tmp_path / "models--timm--vit_base_patch8_224.dino"  # huggingface_hub's folder for timm/vit_base_patch8_224.dino
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "model.safetensors").write_bytes(b"weights")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    real = lambda weights: SimpleNamespace(pretrained="openai", proxy_weights=weights)  # noqa: E731
+
+    missing = missing_weights(["dino_vitb8", "sam_vitb"], real("auto"))
+    assert list(missing) == ["sam_vitb"]
+    assert "timm/samvit_base_patch16.sa1b" in missing["sam_vitb"] and "HF_HUB_OFFLINE is set" in missing["sam_vitb"]
+    sam = tmp_path / "sam_vit_b.pth"
+    assert str(sam) in missing_weights(["dino_vitb8", "sam_vitb"], real(f"sam_vitb={sam}"))["sam_vitb"]
+    sam.write_bytes(b"weights")
+    assert missing_weights(["dino_vitb8", "sam_vitb"], real(f"sam_vitb={sam}")) == {}
+    assert missing_weights(["dino_vitb8", "sam_vitb"], SimpleNamespace(pretrained="none", proxy_weights="auto")) == {}
+    assert missing_weights(["dino_vitb8", "sam_vitb"], real("none")) == {}

@@ -119,3 +119,99 @@ def test_a_preset_that_fails_says_why_as_a_demo_error(tiny_clip, image):
     model = DemoModel(tiny_clip, SETTINGS, "single")
     with pytest.raises(DemoError, match="corrclip: "):
         model.predict(image, "a,b", ["corrclip"])
+
+
+def test_presets_with_a_retrieval_stage_are_left_out_naming_the_bank(vit_b16):
+    """corrclipv2 was offered and failed on pick ("needs an image bank"): the demo takes no --bank."""
+    from clipseg_sparse.analysis.demo import offered_presets
+
+    offered, left_out = offered_presets(vit_b16, regions=object())
+    for name in ("corrclipv2", "corrclipv2-entmax"):
+        assert name not in offered and "retrieve:20:0.5 needs an image bank" in left_out[name] and "--bank BANK" in left_out[name]
+    assert "needs more blocks than" in left_out["corrclipv2-l14"]  # too deep for a ViT-B first
+    assert {"corrclipv2-values", "corrclip"} <= set(offered)  # the same region maps, no retrieval stage
+    assert "needs region masks" in offered_presets(vit_b16)[1]["corrclipv2"]  # without a region source, that first
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Hub weights cached for the backbones in the returned set only, the Hub unreachable, and any load or
+    download an error (the check must look at files only)."""
+    import huggingface_hub
+
+    from clipseg_sparse.models import backbones, proxies
+
+    cached: set[str] = set()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the availability check loaded or downloaded weights")
+
+    monkeypatch.setattr(proxies, "hub_weights_cached", lambda info: info.name in cached)
+    monkeypatch.setattr(proxies, "hub_unavailable", lambda repo: "huggingface.co is unreachable")
+    for module, name in ((proxies, "load_backbone"), (backbones, "create_backbone_model"), (huggingface_hub, "hf_hub_download")):
+        monkeypatch.setattr(module, name, refuse)
+    return cached
+
+
+def _pretrained(clip, proxy_weights: str = "auto"):
+    """The model as if it had real weights (its backbones then default to the Hub), weights unchanged."""
+    import copy
+
+    clip = copy.copy(clip)
+    clip.pretrained, clip.proxy_weights = "openai", proxy_weights
+    return clip
+
+
+def test_random_weights_leave_no_preset_out_for_backbone_weights(vit_b16, offline):
+    """With --pretrained none the proxies run with random weights too: nothing is missing, even offline."""
+    from clipseg_sparse.analysis.demo import offered_presets
+    from clipseg_sparse.attention import list_presets
+
+    clip = _pretrained(vit_b16)
+    clip.pretrained = "none"
+    offered, left_out = offered_presets(clip, regions=object())
+    assert {"proxyclip", "proxyclip-sam", "corrclip", "ovstitcher", "trident", "lposs", "lposs+"} <= set(offered)
+    assert not [why for why in left_out.values() if "backbone weights" in why]
+    assert set(offered) | set(left_out) == set(list_presets())
+
+
+def test_presets_whose_backbone_weights_are_not_at_hand_offline_are_left_out_naming_them(vit_b16, offline, tmp_path, monkeypatch):
+    from clipseg_sparse.analysis.demo import offered_presets
+    from clipseg_sparse.models import proxies
+
+    offline.add("dinov2_vitb14_reg")
+    offered, left_out = offered_presets(_pretrained(vit_b16), regions=object())
+    assert {"sclip", "pearl", "proxyclip-dinov2", "proxyclip-dinov2-entmax"} <= set(offered)  # no backbone, or a cached one
+    for name in ("proxyclip", "corrclip", "ovstitcher", "corrclipv2-values"):
+        why = left_out[name]
+        assert why.startswith("needs backbone weights: dino_vitb8's weights (timm/vit_base_patch8_224.dino)"), why
+        assert "huggingface.co is unreachable" in why and why.endswith("--proxy-weights dino_vitb8=FILE")
+    assert "sam_vitb's weights (timm/samvit_base_patch16.sa1b)" in left_out["proxyclip-sam"]
+    assert left_out["trident"].endswith("--proxy-weights dino_vitb16=FILE,sam_vitb=FILE")  # both of its backbones
+    assert "timm/vit_base_patch16_224.dino" in left_out["lposs+"]
+    assert "image bank" in left_out["corrclipv2"]  # the retrieval stage is said first
+
+    offline.add("sam_vitb")
+    assert "sam_vitb" not in offered_presets(_pretrained(vit_b16), regions=object())[1]["trident"]
+
+    # a checkpoint file given for one backbone: offered once the file exists
+    dino = tmp_path / "dino.pth"
+    clip = _pretrained(vit_b16, f"dino_vitb8={dino}")
+    why = offered_presets(clip, regions=object())[1]["proxyclip"]
+    assert str(dino) in why and "not found" in why
+    dino.write_bytes(b"weights")
+    offered, left_out = offered_presets(clip, regions=object())
+    assert {"proxyclip", "corrclip"} <= set(offered) and "trident" in left_out  # dino_vitb16 still from the Hub
+
+    # online, what is not cached is downloaded when picked, as for CLIP's own weights
+    monkeypatch.setattr(proxies, "hub_unavailable", lambda repo: None)
+    offered, left_out = offered_presets(_pretrained(vit_b16), regions=object())
+    assert {"proxyclip", "trident", "lposs"} <= set(offered) and not [w for w in left_out.values() if "backbone weights" in w]
+
+
+def test_the_page_lists_presets_left_out_for_weights_with_the_reason(vit_b16, offline):
+    """The reasons reach the page's "not offered here" list (built, not served)."""
+    demo = build_demo(_pretrained(vit_b16), SETTINGS, "single", PRESETS)
+    listed = [b.value for b in demo.blocks.values() if getattr(b, "elem_id", None) == "left-out"]
+    assert len(listed) == 1 and "- `proxyclip`: needs backbone weights: dino_vitb8's weights" in listed[0]
+    assert "- `corrclip`: needs region masks" in listed[0]

@@ -6,8 +6,8 @@ Needs the optional extra (`pip install -e ".[demo]"`). Runs on localhost only (n
     demo.launch(server_name="127.0.0.1", server_port=7860)
 
 The page offers the methods this model can run (a ViT-L preset on a ViT-B is left out, and so are presets
-that read region maps unless the demo has a region source, `--regions sam2`; the left-out ones are listed
-with the reason), each with its entmax twin behind one normalizer choice. Two API endpoints (usable with
+that read region maps unless the demo has a region source, `--regions sam2`, presets with a retrieval stage,
+and presets whose backbone weights are not at hand offline; the left-out ones are listed with the reason), each with its entmax twin behind one normalizer choice. Two API endpoints (usable with
 `gradio_client`): `/predict` (image, classes, methods, normalizer) -> one overlay per preset, and
 `/attention` (image, classes, methods, normalizer, x, y) -> one attention map per preset for the patch
 under pixel (x, y). Clicking the input image fills x, y and calls `/attention`. Every error (a bad class
@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..segment.images import load_image
-from ..segment.segmenter import Segmenter
+from ..segment.segmenter import Segmenter, hook_stages
 from ..segment.settings import InferenceSettings
 from ..models.clip import DenseCLIP
 from ..segment.vocabulary import Vocabulary
@@ -109,24 +109,37 @@ NORMALIZERS = ("softmax", "entmax:1.5", "both")
 
 
 def offered_presets(clip: DenseCLIP, regions=None) -> tuple[list[str], dict[str, str]]:
-    """(presets this demo can run, {preset it cannot: why}): a spec deeper than the model (a ViT-L preset
-    on a ViT-B) is left out, and so is one that reads region maps when the demo has no region source."""
+    """(presets this demo can run, {preset it cannot: why}), in `ls presets` order. Left out: a spec deeper
+    than the model (a ViT-L preset on a ViT-B), one that reads region maps when the demo has no region
+    source, one with a retrieval stage (the demo takes no image bank), and one whose external backbone's
+    weights cannot be had now (`missing_weights`: looks at files, loads and downloads nothing)."""
     from ..attention import list_presets, resolve_spec
+    from ..models.proxies import missing_weights, spec_backbones
     from ..segment.regions import region_reader
 
-    offered, left_out = [], {}
+    why: dict[str, str | None] = {}
+    backbones: dict[str, list[str]] = {}
     for name in list_presets():
         spec = resolve_spec(name)
         try:
             clip.check_spec(spec)
         except (UserError, ValueError):
-            left_out[name] = f"needs more blocks than {clip.model_name} has ({clip.depth}), e.g. a ViT-L"
+            why[name] = f"needs more blocks than {clip.model_name} has ({clip.depth}), e.g. a ViT-L"
             continue
+        retrieval = hook_stages(spec, (), "retrieval")
         if region_reader(spec) and regions is None:
-            left_out[name] = "needs region masks: start the demo with --regions sam2"
-            continue
-        offered.append(name)
-    return offered, left_out
+            why[name] = "needs region masks: start the demo with --regions sam2"
+        elif retrieval:
+            why[name] = f"stage {retrieval[0].name} needs an image bank, which the demo does not take: run it with `clipseg-sparse segment --bank BANK`"
+        else:
+            why[name], backbones[name] = None, spec_backbones(spec)
+    missing = missing_weights(list(dict.fromkeys(b for names in backbones.values() for b in names)), clip)
+    for name, names in backbones.items():
+        lacking = [b for b in names if b in missing]
+        if lacking:
+            files = ",".join(f"{b}=FILE" for b in lacking)
+            why[name] = f"needs backbone weights: {'; '.join(missing[b] for b in lacking)}; run any command with this preset once online, or start the demo with --proxy-weights {files}"
+    return [n for n, w in why.items() if w is None], {n: w for n, w in why.items() if w is not None}
 
 
 def methods_of(presets: Sequence[str]) -> dict[str, dict[str, str]]:

@@ -174,18 +174,34 @@ def create_backbone_model(info: BackboneInfo, pretrained: str | None, cache_dir:
     return timm.create_model(info.timm_name, pretrained=True, num_classes=0, pretrained_cfg_overlay={"file": path}, **info.timm_kwargs()), info.timm_name
 
 
-def _hub_checkpoint(info: BackboneInfo, pretrained: str, cache_dir: str | None) -> str:
-    """Local path of the registered tag's weights file: the Hugging Face Hub cache, downloaded on first use."""
-    import timm
-    from huggingface_hub import hf_hub_download
+HUB_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # the names timm's Hub repositories use, tried in order
 
+
+def hub_repo(info: BackboneInfo) -> str:
+    """The Hugging Face Hub repository of the registered timm tag (timm's registry: nothing is downloaded)."""
+    import timm
 
     repo = timm.models.get_pretrained_cfg(info.timm_name).hf_hub_id.rstrip("/")
-    if repo == "timm":
-        repo = f"timm/{info.timm_name}"
+    return f"timm/{info.timm_name}" if repo == "timm" else repo
+
+
+def hub_weights_cached(info: BackboneInfo, cache_dir: str | None = None) -> bool:
+    """Whether the registered tag's weights file is in the Hugging Face cache, so `load_backbone(..., "hub")`
+    loads it offline; looks at the cache only (no download, no model built)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    repo = hub_repo(info)
+    return any(isinstance(try_to_load_from_cache(repo, f, cache_dir=cache_dir), str) for f in HUB_WEIGHT_FILES)
+
+
+def _hub_checkpoint(info: BackboneInfo, pretrained: str, cache_dir: str | None) -> str:
+    """Local path of the registered tag's weights file: the Hugging Face Hub cache, downloaded on first use."""
+    from huggingface_hub import hf_hub_download
+
+    repo = hub_repo(info)
     error: Exception | None = None
     unreachable = _unreachable_hub({"hf_hub": repo})  # CLIP's fast offline probe: seconds, not a minute of retries
-    for filename in ("model.safetensors", "pytorch_model.bin"):
+    for filename in HUB_WEIGHT_FILES:
         try:
             with _hub_offline(unreachable is not None):
                 return hf_hub_download(repo, filename, cache_dir=cache_dir)

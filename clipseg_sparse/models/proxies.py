@@ -20,13 +20,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..attention.taps import TAPS, Tap, tap_kind
 from ..runtime.fingerprint import file_digest
-from .backbones import BACKBONES, MASK_KINDS, Backbone, load_backbone
+from ..runtime.weights import hub_unavailable
+from .backbones import BACKBONES, MASK_KINDS, Backbone, hub_repo, hub_weights_cached, load_backbone
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -110,6 +112,27 @@ def prepare_proxies(spec, clip, weights: str | None = None) -> list[str]:
         for name in names:
             PROXIES.get(name, clip.device)
     return names
+
+
+def missing_weights(names: Sequence[str], clip) -> dict[str, str]:
+    """Backbone -> why its weights cannot be had now, for those of `names` (`spec_backbones`) that cannot,
+    with the weights `clip` would give them (`clip.proxy_weights`, else the process-wide choice): a checkpoint
+    file that does not exist, or Hub weights not in the Hugging Face cache while the Hub cannot be reached.
+    Looks at files only (one reachability probe when some weights are not cached): nothing is loaded or
+    downloaded. Random weights (with a random CLIP, as in tests) are always there."""
+    chosen = ProxyBackbones(weights=clip.proxy_weights if clip.proxy_weights is not None else PROXIES.weights, clip_weights=clip.pretrained)
+    missing, uncached = {}, []
+    for name in names:
+        weights = chosen.resolved_weights(name)
+        if weights == "hub" and not hub_weights_cached(BACKBONES.get(name)):
+            uncached.append(name)
+        elif weights not in ("hub", "none") and not Path(weights).expanduser().is_file():
+            missing[name] = f"{name}'s checkpoint file {weights} is not found"
+    offline = hub_unavailable(hub_repo(BACKBONES.get(uncached[0]))) if uncached else None
+    if offline:
+        for name in uncached:
+            missing[name] = f"{name}'s weights ({hub_repo(BACKBONES.get(name))}) are not in the Hugging Face cache and {offline}"
+    return missing
 
 
 def use_backbone(backbone: Backbone, device: str | torch.device = "cpu") -> None:

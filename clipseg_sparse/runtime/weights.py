@@ -57,6 +57,11 @@ def _checkpoint_error(path: Path, model_name: str, error: Exception) -> str:
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
+def _offline_mode_set() -> bool:
+    """Whether the user set huggingface_hub's offline mode (HF_HUB_OFFLINE)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
 def _unreachable_hub(cfg: dict) -> str | None:
     """The host serving a pretrained tag when it cannot be reached now, else None.
 
@@ -68,7 +73,7 @@ def _unreachable_hub(cfg: dict) -> str | None:
     import threading
     from urllib.parse import urlparse
 
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+    if _offline_mode_set():
         return None
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
         return None
@@ -88,6 +93,15 @@ def _unreachable_hub(cfg: dict) -> str | None:
     worker.start()
     worker.join(HUB_PROBE_TIMEOUT_S + 0.5)
     return None if reached else host
+
+
+def hub_unavailable(repo: str) -> str | None:
+    """Why a download from the Hub repository `repo` cannot happen now (offline mode set, or the probe of
+    `_unreachable_hub` failed), else None; at most a few seconds, nothing downloaded."""
+    if _offline_mode_set():
+        return "HF_HUB_OFFLINE is set"
+    host = _unreachable_hub({"hf_hub": repo})
+    return f"{host} is unreachable" if host else None
 
 
 @contextlib.contextmanager
