@@ -6,8 +6,9 @@ Needs the optional extra (`pip install -e ".[demo]"`). Runs on localhost only (n
     demo.launch(server_name="127.0.0.1", server_port=7860)
 
 The page offers the methods this model can run (a ViT-L preset on a ViT-B is left out, and so are presets
-that read region maps unless the demo has a region source, `--regions sam2`, presets with a retrieval stage,
-and presets whose backbone weights are not at hand offline; the left-out ones are listed with the reason), each with its entmax twin behind one normalizer choice. Two API endpoints (usable with
+that read region maps unless the demo has a region source, `--regions sam2`, presets with a retrieval
+stage, and presets whose backbone weights are not at hand offline; the left-out ones are listed with the
+reason), each with its entmax twin behind one normalizer choice. Two API endpoints (usable with
 `gradio_client`): `/predict` (image, classes, methods, normalizer) -> one overlay per preset, and
 `/attention` (image, classes, methods, normalizer, x, y) -> one attention map per preset for the patch
 under pixel (x, y). Clicking the input image fills x, y and calls `/attention`. Every error (a bad class

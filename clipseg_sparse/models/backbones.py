@@ -185,13 +185,13 @@ def hub_repo(info: BackboneInfo) -> str:
     return f"timm/{info.timm_name}" if repo == "timm" else repo
 
 
-def hub_weights_cached(info: BackboneInfo, cache_dir: str | None = None) -> bool:
+def hub_weights_cached(info: BackboneInfo) -> bool:
     """Whether the registered tag's weights file is in the Hugging Face cache, so `load_backbone(..., "hub")`
     loads it offline; looks at the cache only (no download, no model built)."""
     from huggingface_hub import try_to_load_from_cache
 
     repo = hub_repo(info)
-    return any(isinstance(try_to_load_from_cache(repo, f, cache_dir=cache_dir), str) for f in HUB_WEIGHT_FILES)
+    return any(isinstance(try_to_load_from_cache(repo, f), str) for f in HUB_WEIGHT_FILES)
 
 
 def _hub_checkpoint(info: BackboneInfo, pretrained: str, cache_dir: str | None) -> str:
