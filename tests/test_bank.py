@@ -213,6 +213,42 @@ def test_corrclipv2_with_a_bank_equals_the_published_forward_slide(models, tmp_p
     assert "retrieve:3:0.5" in result.settings["attention"]
 
 
+STITCHED = "ext:dino_vitb8.out[cos,scale:4,region:0.2]/softmax/cls:0/noffn/in:mean@1-2/mct:0.5/stitch:56"  # ovstitcher, blocks 1..2
+
+
+def test_stitched_spec_with_retrieval_equals_the_stitched_map_fused_with_the_support(models, proxy, tmp_path):  # noqa: F811
+    """OV-Stitcher's spec + hook:retrieve: the stitched features' cosine with the text (published forward,
+    tests/test_ovstitcher.py) resized bilinearly to the network input, fused there 0.5 / 0.5 with the bank's
+    support (brute force), then bilinear to the original size. The stage in the settings runs the same."""
+    from test_corrclipv2 import image_and_regions
+    from test_ovstitcher import published_ovstitcher
+
+    clip, _, radio = models
+    jobs, regions = write_images(tmp_path / "images", 3)
+    build(tmp_path / "bank", jobs, regions, [clip], radio)
+    bank = ImageBank.open(tmp_path / "bank")
+    rgb, reg = image_and_regions(seed=3)
+    settings = InferenceSettings(resolution=112, window=112, stride=56, pos_interp="scale")
+    seg = Segmenter(clip, Vocabulary.from_names(NAMES), spec=STITCHED + "/hook:retrieve:3:0.5", settings=settings, regions=Given(reg), bank=bank)
+    pixels = seg.pixels(rgb)
+    size = tuple(pixels.shape[-2:])
+    scaled = F.interpolate(torch.from_numpy(reg)[None, None].float(), size=size, mode="nearest")[0, 0].long()
+    with torch.no_grad():
+        feats, grid = published_ovstitcher(clip, proxy[1], pixels, scaled, 112, 56, first=1, last=2)
+    own = F.interpolate((F.normalize(feats, dim=-1) @ seg.text.T).T.reshape(1, -1, *grid), size=size, mode="bilinear")[0]
+    keys = radio.image_features(torch.from_numpy(rgb), size)[0].numpy()
+    support = torch.from_numpy(numpy_support(bank, scaled.numpy(), keys, {"tiny-vit:none": seg.text.numpy().astype(np.float64)}, 3)).float()
+    expected = F.interpolate((0.5 * own + 0.5 * support)[None], size=rgb.shape[:2], mode="bilinear")[0]
+    cos = seg.cosine(rgb, reg).rows(0, rgb.shape[0])
+    torch.testing.assert_close(cos, expected, atol=1e-5, rtol=1e-4)  # measured: 5e-8
+    assert (support - own).abs().max() > 0.05  # the support moves the map far beyond the tolerance
+    in_settings = InferenceSettings(resolution=112, window=112, stride=56, pos_interp="scale", stages=("retrieve:3:0.5",))
+    staged = Segmenter(clip, Vocabulary.from_names(NAMES), spec=STITCHED, settings=in_settings, regions=Given(reg), bank=bank)
+    torch.testing.assert_close(staged.cosine(rgb, reg).rows(0, rgb.shape[0]), cos, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"stitch:M needs no hook but retrieval ones \(got hook:lof"):
+        Segmenter(clip, Vocabulary.from_names(NAMES), spec=STITCHED + "/hook:lof", settings=settings, regions=Given(reg), bank=bank)
+
+
 def test_a_bank_of_other_models_is_refused_by_name(models, tmp_path):
     clip, aux, radio = models
     jobs, regions = write_images(tmp_path / "images", 2)

@@ -45,6 +45,7 @@ from ..attention.stitched import blocked_attention, global_attention
 from ..attention.taps import run_block, tap_kind
 from ..models.clip import DenseCLIP
 from ..models.proxies import PROXIES, split_ext
+from ..stages import parse_stage
 from .preprocess import window_boxes, window_padding
 from .windows import GridSum
 
@@ -96,19 +97,23 @@ class StitchLayout:
 def check_stitched(spec: AttentionSpec | str, depth: int | None = None) -> None:
     """ValueError unless the spec is one the stitched forward runs: one `ext:NAME.out[cos,scale:T,region:EPS]`
     term, `cls:0/noffn`, one edited block in replace mode, optional `in:` branches (blocks before the last of
-    a `depth`-block model) and `mct:BETA`."""
+    a `depth`-block model), `mct:BETA` and retrieval hooks (`hook:retrieve`: they fuse the bank's support
+    into the finished image-wide map at the network input's size, which the stitched forward makes too)."""
     spec = resolve_spec(spec)
     late = [inp.last for inp in spec.block_inputs if depth is not None and inp.last >= depth]
     if late:
         raise ValueError(f"spec {spec}: in: re-runs block {late[0]}, but the model has {depth} blocks (the last one is the edited block)")
     terms = [t for g in spec.groups for t in g.terms]
+    hooks = [h for h in spec.hooks if parse_stage(h).kind != "retrieval"]
     why = None
     if len(terms) != 1 or tap_kind(terms[0].tap)[0] != "ext" or split_ext(tap_kind(terms[0].tap)[1])[1] != "out":
         why = "one score term ext:NAME.out"
     elif terms[0].metric != "cos" or terms[0].support != "region" or terms[0].shift or terms[0].iterate or terms[0].temp is not None:
         why = "the term as ext:NAME.out[cos,scale:T,region:EPS]"
-    elif spec.cls_residual != 0 or spec.ffn or spec.layers != 1 or spec.parallel or spec.hooks or spec.aggregate_in or spec.aggregate_out:
-        why = "cls:0/noffn, one edited block, no parallel path, hooks or aggregation"
+    elif spec.cls_residual != 0 or spec.ffn or spec.layers != 1 or spec.parallel or spec.aggregate_in or spec.aggregate_out:
+        why = "cls:0/noffn, one edited block, no parallel path or aggregation"
+    elif hooks:
+        why = f"no hook but retrieval ones (got hook:{hooks[0]})"
     elif spec.gauss_sigma is not None or spec.negative or spec.temperature is not None:
         why = "no gauss, neg or temp option"
     if why:
