@@ -10,14 +10,22 @@ unsegmented; here it is id -1 wherever it is).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY_CONFIG
 from test_corrclip import published_corrclip
 from test_dense_backbones import published_extract_dense, tiny_radio
+from test_proxyclip import installed_tiny_dino
 
+from clipseg_sparse import load_clip
+from clipseg_sparse.attention import resolve_spec
 from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
+from clipseg_sparse.segment.bank import ImageBank
 from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.segment.settings import InferenceSettings
 
@@ -34,6 +42,31 @@ def radio(tiny_clip):
     yield bb
     PROXIES.configure(weights="auto")
     PROXIES._loaded.clear()
+
+
+@pytest.fixture(scope="module")
+def deep_clip(tmp_path_factory):
+    """The tiny CLIP with 24 blocks (ViT-L/14's depth): the presets' spatial branches re-run blocks 6..10
+    (B/16) and 11..22 (L/14), which the 3-block tiny CLIP does not have."""
+    spec = json.loads(Path(TINY_CONFIG).read_text())
+    config = tmp_path_factory.mktemp("deep") / "tiny-deep.json"
+    config.write_text(json.dumps({**spec, "vision_cfg": {**spec["vision_cfg"], "layers": 24}}))
+    torch.manual_seed(0)
+    return load_clip(str(config), pretrained=None, device="cpu")
+
+
+@pytest.fixture()
+def deep_bank(deep_clip, radio, tmp_path):
+    """(deep CLIP, an image bank of its values) for the presets' `hook:retrieve` (tests/test_bank.py's
+    builder: tiny DINO values, the tiny RADIO keys), two small images."""
+    from test_bank import build, write_images
+
+    dino = installed_tiny_dino(deep_clip)
+    next(dino)
+    jobs, regions = write_images(tmp_path / "images", 2)
+    build(tmp_path / "bank", jobs, regions, [deep_clip], radio)
+    yield deep_clip, ImageBank.open(tmp_path / "bank")
+    next(dino, None)  # its teardown
 
 
 def image_and_regions(seed: int = 0, shape=(100, 150), n: int = 5):
@@ -129,6 +162,29 @@ def test_whole_image_proxy_spec_equals_the_published_forward_slide(tiny_clip, ra
     result = seg.predict(rgb, "x.png")
     torch.testing.assert_close(torch.as_tensor(np.asarray(result.probs)), probs, atol=1e-4, rtol=1e-4)
     assert np.array_equal(result.labels, labels.numpy())
+
+
+@pytest.mark.parametrize("preset", ["corrclipv2-entmax", "corrclipv2-l14-entmax"])
+def test_corrclipv2_entmax_near_one_is_the_softmax_preset(deep_bank, preset):
+    """The preset's spec with entmax:ALPHA for ALPHA -> 1 tends to the softmax preset (the retrieval support,
+    the same in both, fused in). Measured on these models the largest cosine difference is about
+    0.16 (ALPHA - 1) (entmax = softmax to first order in ALPHA - 1): 1.6e-4 at 1.001 (both presets
+    1.1e-4..1.6e-4, on maps of max |cos| 0.1..0.15), 1.6e-3 at 1.01, 1.8e-2 at 1.1; the tolerance 1e-3 is 6x
+    the 1.001 difference and below the 1.01 one, and the difference must grow with ALPHA."""
+    clip, bank = deep_bank
+    rgb, regions = image_and_regions()
+    spec = resolve_spec(preset)
+    softmax_preset = resolve_spec(preset.removesuffix("-entmax"))
+    assert spec.normalizer == "entmax:1.5" and spec.replace(normalizer="softmax") == softmax_preset
+
+    def cosine(s) -> torch.Tensor:
+        seg = Segmenter(clip, _vocab(), spec=s, settings=InferenceSettings(**SETTINGS), regions=Given(regions), bank=bank)
+        return seg.cosine(rgb, regions).rows(0, rgb.shape[0])
+
+    softmax = cosine(softmax_preset)
+    diffs = [float((cosine(spec.replace(normalizer=f"entmax:{a}")) - softmax).abs().max()) for a in (1.001, 1.01, 1.1, 1.5)]
+    assert diffs[0] < 1e-3, diffs
+    assert diffs == sorted(diffs) and diffs[-1] > 1e-2, diffs
 
 
 def _vocab():
