@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 from browser import run_chromium, screenshot
+from test_proxyclip import proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO installed as dino_vitb8)
 from clipseg_sparse.analysis.demo import DemoError, DemoModel, build_demo, launch
 from clipseg_sparse.segment.settings import InferenceSettings
 
@@ -119,6 +120,29 @@ def test_a_preset_that_fails_says_why_as_a_demo_error(tiny_clip, image):
     model = DemoModel(tiny_clip, SETTINGS, "single")
     with pytest.raises(DemoError, match="corrclip: "):
         model.predict(image, "a,b", ["corrclip"])
+
+
+def test_attention_of_a_preset_reading_region_maps_uses_the_demo_region_source(proxy, tmp_path):  # noqa: F811
+    """Clicking for CorrCLIP's attention failed ("needs region masks") while /predict, given the demo's
+    region source, worked: the attention now reads the same source (an upload is named "image")."""
+    from test_corrclip import TINY, region_map
+
+    from clipseg_sparse.analysis.explain import attention_image, explain
+    from clipseg_sparse.segment.regions import RegionFolder
+
+    clip, _ = proxy
+    rng = np.random.default_rng(4)
+    rgb = rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)
+    np.save(tmp_path / "image.npy", region_map(rng, 64, 96).numpy().astype(np.int32))
+    source, spec, settings = RegionFolder(tmp_path), TINY.format(eps=0.2, norm="entmax:1.5"), InferenceSettings(resolution=0, window=64, stride=32)
+    with pytest.raises(DemoError, match="needs region masks for each image"):
+        DemoModel(clip, settings, "single").attention(rgb, "cat,dog", [spec], 30, 20)
+    model = DemoModel(clip, settings, "single", regions=source)
+    assert len(model.predict(rgb, "cat,dog", [spec])) == 1
+    ((drawn, caption),) = model.attention(rgb, "cat,dog", [spec], 30, 20)
+    view = explain(clip, rgb, "cat,dog", [spec], (30, 20), settings, "single", regions=source, name="image")[0]
+    assert np.array_equal(drawn, attention_image(view)) and caption == f"{spec}: {view.title.splitlines()[1]}"
+    assert view.nonzero < view.tokens == 96  # entmax over DINO's 8 x 12 grid, scoped by the regions
 
 
 def test_presets_with_a_retrieval_stage_are_left_out_naming_the_bank(vit_b16):

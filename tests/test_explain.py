@@ -16,6 +16,9 @@ from clipseg_sparse.analysis.explain import attention_image, explain, query_patc
 from clipseg_sparse.segment.preprocess import to_pixels
 from clipseg_sparse.segment.settings import InferenceSettings
 from conftest import TINY_CONFIG
+from test_corrclip import TINY as CORRCLIP, region_map
+from test_proxyclip import proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO installed as dino_vitb8)
+from clipseg_sparse.segment.regions import RegionFolder
 
 SETTINGS = InferenceSettings(resolution=64, window=32, stride=16)
 
@@ -120,3 +123,72 @@ def test_explain_attends_over_the_pixels_eval_scores(tiny_clip, image, protocol,
     assert len(explained) == 2  # the attention, then the segmentation
     for pixels, rule in explained:
         assert rule == eval_rule and torch.equal(pixels, evaluated)
+
+
+REGION_SETTINGS = InferenceSettings(resolution=0, window=64, stride=32)
+
+
+def _segmented_point(regions: np.ndarray) -> tuple[int, int]:
+    """(x, y) in the middle of the first 8 x 8 cell (DINO ViT-B/8's patch) that lies in a region (id >= 0)."""
+    row, col = np.argwhere(regions[::8, ::8] >= 0)[0]
+    return int(col) * 8 + 4, int(row) * 8 + 4
+
+
+def test_explain_reads_the_region_map_for_the_attention_and_the_segmentation(proxy, tmp_path):  # noqa: F811
+    """CorrCLIP's attention was unexplainable (explain built its Segmenter without a region source): the
+    region map scopes the attention row, on DINO's patch-8 grid, and the labels are the Segmenter's."""
+    clip, _ = proxy
+    rng = np.random.default_rng(4)
+    rgb = rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)
+    regions = region_map(rng, 64, 96).numpy()
+    np.save(tmp_path / "photo.npy", regions.astype(np.int32))
+    source, spec = RegionFolder(tmp_path), CORRCLIP.format(eps=0.2, norm="entmax:1.5")
+    x, y = _segmented_point(regions)
+    with pytest.raises(ValueError, match=r"needs region masks for each image: give a region source \(--regions FOLDER or --regions sam2\)"):
+        explain(clip, rgb, "cat,dog,sky", [spec], (x, y), REGION_SETTINGS, templates="single")
+    view = explain(clip, rgb, "cat,dog,sky", [spec], (x, y), REGION_SETTINGS, templates="single", regions=source, name="photo.jpg")[0]
+    segmenter = Segmenter(clip, "cat,dog,sky", spec, REGION_SETTINGS, templates="single", regions=source)
+    assert np.array_equal(view.labels, segmenter.predict_labels(rgb, "photo.jpg"))
+    assert view.attention.shape == (8, 12) and view.query == (y // 8, x // 8) and view.scale == (8.0, 8.0) and view.tokens == 96
+    # independent: the query's row of the whole image's attention under its region map (no CLS: cls:0)
+    maps = clip.attention_maps(to_pixels(rgb, clip, (64, 96)), spec, regions=torch.from_numpy(regions).long()[None])[0]
+    rows = maps[:, view.query[0] * 12 + view.query[1]].double()
+    rows = rows / rows.sum(-1, keepdim=True)
+    np.testing.assert_allclose(view.attention, rows.mean(0).reshape(8, 12).numpy(), atol=1e-6)
+    ids = regions[::8, ::8]  # the map nearest-resized to the 8 x 12 grid
+    other = (ids >= 0) & (ids != ids[view.query])
+    assert other.any() and (view.attention[other] == 0).all()  # the query's region scopes its row
+    # a path names its own region file
+    (tmp_path / "images").mkdir()
+    Image.fromarray(rgb).save(tmp_path / "images" / "photo.png")
+    by_path = explain(clip, tmp_path / "images" / "photo.png", "cat,dog,sky", [spec], (x, y), REGION_SETTINGS, templates="single", regions=source)[0]
+    np.testing.assert_array_equal(by_path.attention, view.attention)
+
+
+def test_explain_cli_regions(proxy, tmp_path, monkeypatch):  # noqa: F811
+    """explain --regions as segment: a folder (or sam2 / sam3); a preset that reads regions without it, a
+    missing folder or a folder without the image's file stop it in one line before the model loads."""
+    import clipseg_sparse.cli.analysis as cli
+
+    monkeypatch.setenv("CLIPSEG_SPARSE_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(5)
+    Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(tmp_path / "img.png")
+    (tmp_path / "masks").mkdir()
+    spec = CORRCLIP.format(eps=0.2, norm="softmax")
+    args = ["explain", str(tmp_path / "img.png"), "--classes", "cat,dog", "--attn", spec, "--point", "10,10", "--model", TINY_CONFIG,
+            "--pretrained", "none", "--device", "cpu", "--templates", "single", "--resolution", "64", "--out", str(tmp_path / "e.png")]  # fmt: skip
+    runner = CliRunner()
+    with monkeypatch.context() as m:
+        m.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model loaded before the --regions check"))
+        for extra, message in (
+            ([], f"attention {spec} needs region masks for each image: give --regions FOLDER"),
+            (["--regions", str(tmp_path / "masks")], "no region masks for 1 image(s) in"),
+            (["--regions", str(tmp_path / "nowhere")], "nowhere: region-mask folder not found"),
+        ):
+            res = runner.invoke(app, [*args, *extra], env={"COLUMNS": "300"})
+            lines = [line for line in res.output.splitlines() if line.strip()]
+            assert res.exit_code == 2 and len(lines) == 1 and message in lines[0], res.output
+    Image.fromarray((region_map(rng, 64, 96).numpy() + 1).astype(np.uint8)).save(tmp_path / "masks" / "img.png")
+    res = runner.invoke(app, [*args, "--regions", str(tmp_path / "masks")], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert f"{spec}: entropy" in res.stdout and Image.open(tmp_path / "e.png").size[0] == 1000

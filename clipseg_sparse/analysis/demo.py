@@ -99,7 +99,7 @@ class DemoModel:
 
         rgb = _check(image, presets)
         try:
-            views = explain(self.clip, rgb, _vocabulary(classes), list(presets), (int(x), int(y)), self.settings, self.templates)
+            views = explain(self.clip, rgb, _vocabulary(classes), list(presets), (int(x), int(y)), self.settings, self.templates, regions=self.regions)
         except (UserError, ValueError) as e:  # a point outside the image, a preset that cannot run
             raise DemoError(str(e)) from None
         return [(attention_image(v), f"{p}: {v.title.splitlines()[1]}") for p, v in zip(presets, views)]

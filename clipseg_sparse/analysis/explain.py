@@ -5,7 +5,8 @@
     views[0].attention                         # h x w, the query patch's attention over the patches
 
 The attention is that of the last edited block over the whole image (one forward, no windows), so the
-map covers the image; its input is what `eval` cuts its windows from under the same settings (the
+map covers the image, on the grid the spec attends over (CLIP's patches, or an external backbone's: CorrCLIP's
+DINO ViT-B/8 grid is twice as fine); presets that read region maps (CorrCLIP) take a region source; its input is what `eval` cuts its windows from under the same settings (the
 protocol's resize, rounding, positional-embedding and remainder rules, `segment.preprocess.prepare`).
 Entries that entmax sets to exactly zero stay zero: they are drawn as the plain greyscale image,
 everything else on a colour scale. The row's statistics are those of `analysis` (entropy in nats,
@@ -16,13 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw
 
 from .statistics import check_tokens, normalize_rows, row_entropy
 from ..attention import AttentionSpec
+from ..attention.grid import resize_regions
+from ..attention.taps import attention_grid
 from ..segment.images import load_image
 from ..segment.preprocess import window_geometry
 from ..segment.segmenter import Segmenter
@@ -66,15 +70,21 @@ class ExplainView:
 
 
 def query_patch(
-    point: tuple[int, int], image_size: tuple[int, int], resized: tuple[int, int], patch: int, grid: tuple[int, int] | None = None
+    point: tuple[int, int],
+    image_size: tuple[int, int],
+    resized: tuple[int, int],
+    patch: int | tuple[float, float],
+    grid: tuple[int, int] | None = None,
 ) -> tuple[int, int]:
-    """(row, col) of the patch under pixel `point` = (x, y) of the original image (H, W). grid: the patches
-    encoded per side; a pixel past the last one (remainder rule drop) gets the last."""
+    """(row, col) of the patch under pixel `point` = (x, y) of the original image (H, W). patch: resized
+    pixels per grid cell (one side, or (y, x): an external backbone's grid need not be CLIP's). grid: the
+    patches encoded per side; a pixel past the last one (remainder rule drop) gets the last."""
     x, y = point
     height, width = image_size
     if not (0 <= x < width and 0 <= y < height):
         raise ValueError(f"point ({x}, {y}) is outside the {width} x {height} image")
-    row, col = int(y * resized[0] / height) // patch, int(x * resized[1] / width) // patch
+    cell_y, cell_x = patch if isinstance(patch, tuple) else (patch, patch)
+    row, col = int(y * resized[0] / height / cell_y), int(x * resized[1] / width / cell_x)
     return (row, col) if grid is None else (min(row, grid[0] - 1), min(col, grid[1] - 1))
 
 
@@ -87,6 +97,8 @@ def explain(
     settings: InferenceSettings | None = None,
     templates: str | Sequence[str] = "openai",
     head: int | None = None,
+    regions: Callable[[np.ndarray, str], np.ndarray] | None = None,
+    name: str | None = None,
 ) -> list[ExplainView]:
     """One ExplainView per spec for the pixel `point` = (x, y) of `image` (a path, PIL image or array).
 
@@ -94,39 +106,49 @@ def explain(
     pixels the windows are cut from (`Segmenter.pixels`), with the settings' `pos_interp` and `remainder`.
     head: one attention head (0-based) instead of the mean over heads. The spec's windows, at-input and post
     stages act after the attention: the segmentation runs them (`Segmenter.predict`), the attention map is
-    the same with or without them.
+    the same with or without them. regions: the region source of specs that read region maps (as
+    `Segmenter`'s; required by them), whose map of the image scopes both the attention and the
+    segmentation; name: the image's name for it (default: a path's file name).
     """
 
     rgb = load_image(image)
+    if name is None and isinstance(image, (str, Path)):
+        name = Path(image).name
     settings = settings or InferenceSettings()
     height, width = rgb.shape[:2]
     ps = clip.patch_size
     views = []
     for spec in specs:
-        seg = Segmenter(clip, vocabulary, spec, settings, templates)
+        seg = Segmenter(clip, vocabulary, spec, settings, templates, regions=regions)
         spec, pixels = seg.spec, seg.pixels(rgb)
         size = tuple(pixels.shape[-2:])
         grid = tuple(window_geometry(side, ps, settings.remainder, whole_image=True)[0] for side in size)
-        row, col = query_patch(point, (height, width), size, ps, grid)
-        whole = iter_window_features(clip, pixels, spec, window=0, pos_interp=settings.pos_interp, remainder=settings.remainder, encode=clip.attention_maps)
+        att_grid = attention_grid(spec, (grid[0] * ps, grid[1] * ps), grid)  # the encoded crop: whole patches from 0
+        cell = (grid[0] * ps / att_grid[0], grid[1] * ps / att_grid[1])  # resized pixels per attention cell
+        row, col = query_patch(point, (height, width), size, cell, att_grid)
+        region_map = seg.region_map(rgb, name)
+        scaled = None if region_map is None else resize_regions(torch.from_numpy(np.asarray(region_map, dtype=np.int64)), size)
+        whole = iter_window_features(
+            clip, pixels, spec, window=0, pos_interp=settings.pos_interp, remainder=settings.remainder, encode=clip.attention_maps, regions=scaled
+        )
         maps = next(whole)[1][0]  # heads x N x N (attention.attention_maps)
-        check_tokens(maps.shape[-1], grid[0] * grid[1], spec)
-        cls = int(maps.shape[-1] == grid[0] * grid[1] + 1)  # CLS first, unless the spec drops it (cls:C)
+        check_tokens(maps.shape[-1], att_grid[0] * att_grid[1], spec)
+        cls = int(maps.shape[-1] == att_grid[0] * att_grid[1] + 1)  # CLS first, unless the spec drops it (cls:C)
         if head is not None and not 0 <= head < maps.shape[0]:
             raise ValueError(f"head {head} does not exist: the model has {maps.shape[0]} heads (0..{maps.shape[0] - 1})")
         rows = normalize_rows(maps[:, cls + row * grid[1] + col])  # heads x N
         rows = rows[head : head + 1] if head is not None else rows
         entropy = row_entropy(rows)
-        result = seg.predict(rgb)
+        result = seg.predict(rgb, name)
         views.append(
             ExplainView(
                 spec=str(spec),
-                attention=rows.mean(0)[cls:].reshape(grid).cpu().numpy(),
+                attention=rows.mean(0)[cls:].reshape(att_grid).cpu().numpy(),
                 labels=result.labels,
                 class_names=result.class_names,
                 present=result.present(),
                 query=(row, col),
-                scale=(height / size[0] * ps, width / size[1] * ps),
+                scale=(height / size[0] * cell[0], width / size[1] * cell[1]),
                 entropy=float(entropy.mean()),
                 support=float(entropy.exp().mean()),
                 nonzero=float((rows > 0).sum(-1).double().mean()),

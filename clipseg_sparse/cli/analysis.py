@@ -20,6 +20,7 @@ from .common import (
     ProtocolModelOpt,
     ProtocolPretrainedOpt,
     ProxyWeightsOpt,
+    RegionsOpt,
     check_out,
     fail,
     load_model,
@@ -141,11 +142,13 @@ def explain(
     pretrained: PretrainedOpt = "openai",
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
+    regions: RegionsOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
 ) -> None:
     """One PNG: per spec, the attention of the patch under --point over the image (entmax's exact zeros
     in grey) beside the segmentation overlay, titled with the row's entropy and support size."""
     from ..analysis.explain import explain as run_explain, write_explain
+    from ..segment.regions import region_reader
     from ..segment.settings import InferenceSettings
     from ..segment.vocabulary import Vocabulary
 
@@ -165,12 +168,14 @@ def explain(
     vocabulary = Vocabulary.parse(classes)
     vocabulary.check_unique()  # as segment: a repeated name could never win
     settings = InferenceSettings().replace(resolution=resolution)
+    reader = next(filter(None, (region_reader(spec, settings.stage_texts()) for spec in specs)), None)
+    region_src = load_regions(regions, [image.name], device, reader)
     clip = load_model(model, pretrained, device, precision)
-    views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head)
+    views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head, region_src)
     note = " - RANDOM WEIGHTS: the maps show the mechanics only" if clip.pretrained == "none" else ""
     write_explain(views, out, caption=f"{image.name}, point ({x}, {y}), {clip.model_name} ({clip.pretrained}){note}")
     for view in views:
-        out_console().print(view.title.replace("\n", ": "), highlight=False)
+        out_console().print(view.title.replace("\n", ": "), highlight=False, markup=False)  # a spec's [options] are not markup
     err_console.print(f"wrote {out}", highlight=False)
 
 
