@@ -115,6 +115,7 @@ CASES = {
     ("analyze", "label file"): (["analyze", "--dataset", "ade20k", "--root", "{bad_ade}", *MODEL, "--resolution", "32", "--window", "0"], "{bad_ade}"),
     ("explain", "output"): ([*EXPLAIN, "--out", "OUT.png"], "OUT"),
     ("explain", "image"): (["explain", "{bad_image}", *EXPLAIN[2:], "--out", "{tmp}/e.png"], "{bad_image}"),
+    ("explain", "region masks"): ([*EXPLAIN, "--attn", "qk[region:0.5]/softmax", "--regions", "{bad_masks}", "--out", "{tmp}/e.png"], "{bad_masks}/a.npy"),
     ("dna train", "output"): ([*DNA, "--out", "OUT"], "OUT"),
     ("dna train", "label file"): (["dna", "train", "--root", "{bad_ade}", *DNA[4:], "--out", "{tmp}/dna"], "{bad_ade}"),
     ("dna train", "image"): (["dna", "train", "--objective", "image", "--root", "{bad_imagefolder}", *MODEL, "--steps", "1", "--batch-size", "4",
