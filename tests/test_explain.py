@@ -129,8 +129,10 @@ REGION_SETTINGS = InferenceSettings(resolution=0, window=64, stride=32)
 
 
 def _segmented_point(regions: np.ndarray) -> tuple[int, int]:
-    """(x, y) in the middle of the first 8 x 8 cell (DINO ViT-B/8's patch) that lies in a region (id >= 0)."""
-    row, col = np.argwhere(regions[::8, ::8] >= 0)[0]
+    """(x, y) in the middle of the last 8 x 8 cell (DINO ViT-B/8's patch) that lies in a region (id >= 0):
+    past the first row and column, where CLIP's 16-pixel grid would name another cell."""
+    row, col = np.argwhere(regions[::8, ::8] >= 0)[-1]
+    assert row > 0 and col > 0
     return int(col) * 8 + 4, int(row) * 8 + 4
 
 

@@ -5,9 +5,10 @@
     views[0].attention                         # h x w, the query patch's attention over the patches
 
 The attention is that of the last edited block over the whole image (one forward, no windows), so the
-map covers the image, on the grid the spec attends over (CLIP's patches, or an external backbone's: CorrCLIP's
-DINO ViT-B/8 grid is twice as fine); presets that read region maps (CorrCLIP) take a region source; its input is what `eval` cuts its windows from under the same settings (the
-protocol's resize, rounding, positional-embedding and remainder rules, `segment.preprocess.prepare`).
+map covers the image, on the grid the spec attends over (CLIP's patches, or an external backbone's:
+CorrCLIP's DINO ViT-B/8 grid is twice as fine); presets that read region maps (CorrCLIP) take a region
+source. Its input is what `eval` cuts its windows from under the same settings (the protocol's resize,
+rounding, positional-embedding and remainder rules, `segment.preprocess.prepare`).
 Entries that entmax sets to exactly zero stay zero: they are drawn as the plain greyscale image,
 everything else on a colour scale. The row's statistics are those of `analysis` (entropy in nats,
 support = exp(entropy), exact non-zero count), averaged over heads unless one head is chosen.
@@ -136,7 +137,7 @@ def explain(
         cls = int(maps.shape[-1] == att_grid[0] * att_grid[1] + 1)  # CLS first, unless the spec drops it (cls:C)
         if head is not None and not 0 <= head < maps.shape[0]:
             raise ValueError(f"head {head} does not exist: the model has {maps.shape[0]} heads (0..{maps.shape[0] - 1})")
-        rows = normalize_rows(maps[:, cls + row * grid[1] + col])  # heads x N
+        rows = normalize_rows(maps[:, cls + row * att_grid[1] + col])  # heads x N
         rows = rows[head : head + 1] if head is not None else rows
         entropy = row_entropy(rows)
         result = seg.predict(rgb, name)
