@@ -194,3 +194,17 @@ def test_explain_cli_regions(proxy, tmp_path, monkeypatch):  # noqa: F811
     res = runner.invoke(app, [*args, "--regions", str(tmp_path / "masks")], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output
     assert f"{spec}: entropy" in res.stdout and Image.open(tmp_path / "e.png").size[0] == 1000
+
+
+def test_explain_cli_takes_proxy_weights_as_segment(tmp_path, monkeypatch):
+    """--proxy-weights reaches the external backbones of the explained specs: a checkpoint that does not exist
+    stops the command in one line naming it, before any image is read."""
+    monkeypatch.setenv("CLIPSEG_SPARSE_CACHE", str(tmp_path / "cache"))
+    Image.fromarray(np.zeros((64, 96, 3), dtype=np.uint8)).save(tmp_path / "img.png")
+    missing = tmp_path / "dino.pth"
+    args = ["explain", str(tmp_path / "img.png"), "--classes", "cat,dog", "--attn", "ext:dino_vitb16[cos]/softmax/cls:0/noffn", "--point", "10,10",
+            "--model", TINY_CONFIG, "--pretrained", "none", "--device", "cpu", "--proxy-weights", f"dino_vitb16={missing}", "--out", str(tmp_path / "e.png")]  # fmt: skip
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and str(missing) in lines[0], res.output
+    assert not (tmp_path / "e.png").exists()

@@ -24,6 +24,7 @@ from .common import (
     check_out,
     fail,
     load_model,
+    load_proxies,
     load_regions,
     out_console,
     user_errors,
@@ -143,6 +144,7 @@ def explain(
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
     regions: RegionsOpt = None,
+    proxy_weights: ProxyWeightsOpt = "auto",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
 ) -> None:
     """One PNG: per spec, the attention of the patch under --point over the image (entmax's exact zeros
@@ -171,6 +173,8 @@ def explain(
     reader = next(filter(None, (region_reader(spec, settings.stage_texts()) for spec in specs)), None)
     region_src = load_regions(regions, [image.name], device, reader)
     clip = load_model(model, pretrained, device, precision)
+    for spec in specs:  # as segment: the backbones load (or fail in one line) before any image is read
+        load_proxies(spec, clip, proxy_weights)
     views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head, region_src)
     note = " - RANDOM WEIGHTS: the maps show the mechanics only" if clip.pretrained == "none" else ""
     write_explain(views, out, caption=f"{image.name}, point ({x}, {y}), {clip.model_name} ({clip.pretrained}){note}")
