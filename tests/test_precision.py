@@ -261,3 +261,24 @@ def test_bf16_text_tower_runs_causal_blocks_of_its_own(pair, monkeypatch):
     head = precision.sdpa_block(block, x[:, :3], causal=True)
     assert torch.equal(precision.sdpa_block(block, x, causal=True)[:, :3], head)
     assert not torch.equal(precision.sdpa_block(block, x, causal=False)[:, :3], head)
+
+
+def test_fp16_on_a_cpu_without_amx_fp16_is_refused_in_one_line(tmp_path, monkeypatch):
+    """fp16 matrix products are emulated on such CPUs (tens of times slower than fp32): load_clip and every
+    command refuse it, naming bf16, before the weights load; a CPU with AMX-FP16 may run it."""
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli.app import app
+    from clipseg_sparse.errors import UserValueError
+    from conftest import TINY_CONFIG
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)
+    with pytest.raises(UserValueError, match="fp16 on the CPU.*use bf16"):
+        load_clip(TINY_CONFIG, pretrained=None, device="cpu", precision="fp16")
+    (tmp_path / "a.png").write_bytes(b"")  # never read: the precision is refused first
+    res = CliRunner().invoke(app, ["segment", str(tmp_path / "a.png"), "--classes", "a,b", "--model", "no-such-model", "--precision", "fp16",
+                                   "--device", "cpu", "--out", str(tmp_path / "out")])  # fmt: skip
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "--precision fp16 on the CPU" in lines[0], res.output
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: True)
+    assert load_clip(TINY_CONFIG, pretrained=None, device="cpu", precision="fp16").dtype == torch.float16

@@ -70,7 +70,7 @@ PRECISION_HELP = (
     "see benchmarks/README.md); kept in fp32: the edited block's attention scores and normalizer (softmax, "
     "entmax threshold), ln_post, the projection, the cosine with the text and the logits. bf16 is opt-in, not "
     "the CPU default: labels from class prototypes agreed with fp32 on 99.2-99.7 % of patches (the condition "
-    "is 99.9 %), measured on random weights only, and entmax specs gain least. fp16: GPUs only."
+    "is 99.9 %), measured on random weights only, and entmax specs gain least. fp16: GPUs (refused on CPUs without AMX-FP16, where its products are emulated)."
 )
 PrecisionOpt = Annotated[Precision, typer.Option("--precision", help=PRECISION_HELP)]
 PresetOpt = Annotated[

@@ -24,7 +24,7 @@ from ..attention import OPTIONS, AttentionSpec, resolve_spec
 from ..attention import blocks as attention_blocks
 from ..attention.precision import fp32_layer_norm
 from ..attention.taps import attention_grid
-from ..runtime.device import PRECISIONS, resolve_device
+from ..runtime.device import PRECISIONS, check_precision, resolve_device
 from ..runtime.fingerprint import file_digest
 from ..runtime.weights import (
     is_checkpoint_path,
@@ -186,10 +186,11 @@ def load_clip(
         raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     if isinstance(pretrained, str) and pretrained.lower() in ("", "none"):
         pretrained = None
+    dev = resolve_device(device)
+    check_precision(precision, dev)  # before the weights load
     model, name, weights, gelu, digest = _create_open_clip(model_name, pretrained, quick_gelu, cache_dir)
     import open_clip
 
-    dev = resolve_device(device)
     model = model.to(device=dev, dtype=PRECISIONS[precision]).eval().requires_grad_(False)
     config = open_clip.get_model_config(name)
     text_tokenizer = open_clip.get_tokenizer(name) if tokenizer is None and "hf_tokenizer_name" not in config["text_cfg"] else None
