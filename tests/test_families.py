@@ -497,8 +497,20 @@ def test_bf16_towers_follow_the_faster_attention_path_and_stay_close_to_fp32(fam
         for block in model.visual.trunk.blocks:
             attn = block.attn
             monkeypatch.setattr(attn, "forward", lambda *a, _attn=attn, _f=attn.forward, **k: seen[a[0].dtype].append(_attn.fused_attn) or _f(*a, **k))
+    from clipseg_sparse.attention import combine
+
+    normalized: list[tuple[torch.dtype, torch.dtype]] = []
+    real_normalize = combine.normalize
+    def normalize_spy(scores, norm, dim=-1):
+        out = real_normalize(scores, norm, dim)
+        normalized.append((scores.dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(combine, "normalize", normalize_spy)
     pixels = torch.randn(1, 3, 64, 96, generator=torch.Generator().manual_seed(0))
-    full, reduced = clip.encode_dense(pixels, "sclip"), low.encode_dense(pixels, "sclip")
+    full, reduced = clip.encode_dense(pixels, "sclip-entmax"), low.encode_dense(pixels, "sclip-entmax")
+    groups = len(resolve_spec("sclip-entmax").groups)  # one normalizer call per score group and model
+    assert normalized == [(torch.float32, torch.float32)] * 2 * groups  # the edited block's scores and entmax stay fp32 in bf16 too
     depth = len(clip.visual.trunk.blocks)
     assert seen[torch.float32] == [True] * (depth - 1)  # the last block is the edited one
     assert seen[torch.bfloat16] == [not explicit] * (depth - 1)
