@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
+from clipseg_sparse.attention import resolve_spec
 from clipseg_sparse.cli.app import app
 from clipseg_sparse.evaluation.protocols import PROTOCOLS
 from clipseg_sparse.segment.segmenter import Segmenter
@@ -19,6 +20,9 @@ from conftest import TINY_CONFIG
 from test_corrclip import TINY as CORRCLIP, region_map
 from test_proxyclip import proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO installed as dino_vitb8)
 from clipseg_sparse.segment.regions import RegionFolder
+from clipseg_sparse.segment.bank import ImageBank
+from test_bank import TINY_V2 as CORRCLIPV2, models  # noqa: F401  (fixture: tiny CLIP, aux CLIP, tiny RADIO as c_radio_v3_l)
+from test_corrclipv2 import Given
 
 SETTINGS = InferenceSettings(resolution=64, window=32, stride=16)
 
@@ -208,3 +212,79 @@ def test_explain_cli_takes_proxy_weights_as_segment(tmp_path, monkeypatch):
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and str(missing) in lines[0], res.output
     assert not (tmp_path / "e.png").exists()
+
+
+def _bank(models, folder):
+    """An image bank of two small images built with the models' CLIP (values) and tiny RADIO (keys)."""
+    from test_bank import build, write_images
+
+    clip, _, radio = models
+    jobs, regions = write_images(folder / "images", 2)
+    build(folder / "bank", jobs, regions, [clip], radio)
+    return ImageBank.open(folder / "bank")
+
+
+def test_explain_corrclipv2_gets_the_whole_image_features_and_the_bank(models, tmp_path):
+    """CorrCLIPv2 was unexplainable: its `ext:c_radio_v3_l.image` taps read whole-image features that the
+    attention forward was not given, and its retrieval stage needs a bank. The row is the whole image's
+    attention under the backbone's features of the image and its region map; the labels are the Segmenter's
+    with the same regions and bank (the bank acts after the attention)."""
+    clip, _, radio = models
+    bank = _bank(models, tmp_path)
+    rng = np.random.default_rng(6)
+    rgb = rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)
+    regions = region_map(rng, 64, 96).numpy()
+    source, point = Given(regions), _segmented_point(regions)
+    with pytest.raises(ValueError, match=r"stage retrieve:3:0.5 needs an image bank: give --bank BANK"):
+        explain(clip, rgb, "cat,dog,sky", [CORRCLIPV2], point, REGION_SETTINGS, templates="single", regions=source)
+    view = explain(clip, rgb, "cat,dog,sky", [CORRCLIPV2], point, REGION_SETTINGS, templates="single", regions=source, bank=bank)[0]
+    segmenter = Segmenter(clip, "cat,dog,sky", CORRCLIPV2, REGION_SETTINGS, templates="single", regions=source, bank=bank)
+    assert np.array_equal(view.labels, segmenter.predict_labels(rgb, "photo.png"))
+    assert view.attention.shape == (8, 12) and view.query == (point[1] // 8, point[0] // 8) and view.tokens == 96
+    # independent: the whole image's attention with RADIO's features of it at the input size and the region map
+    features = {"c_radio_v3_l": radio.image_features(torch.from_numpy(rgb), (64, 96))}
+    maps = clip.attention_maps(to_pixels(rgb, clip, (64, 96)), CORRCLIPV2, torch.from_numpy(regions)[None], context={"image_features": features})[0]
+    rows = maps[:, view.query[0] * 12 + view.query[1]].double()
+    rows = rows / rows.sum(-1, keepdim=True)
+    np.testing.assert_allclose(view.attention, rows.mean(0).reshape(8, 12).numpy(), atol=1e-6)
+    ids = regions[::8, ::8]
+    other = (ids >= 0) & (ids != ids[view.query])
+    assert other.any() and (view.attention[other] == 0).all()  # region-scoped, as CorrCLIP's
+    # the features are what the score reads: other features give another row
+    shuffled = {"c_radio_v3_l": features["c_radio_v3_l"].flip(-1)}
+    moved = clip.attention_maps(to_pixels(rgb, clip, (64, 96)), CORRCLIPV2, torch.from_numpy(regions)[None], context={"image_features": shuffled})[0]
+    assert not torch.allclose(moved[:, view.query[0] * 12 + view.query[1]].double(), maps[:, view.query[0] * 12 + view.query[1]].double())
+
+
+def test_explain_cli_bank(models, tmp_path, monkeypatch):
+    """explain --bank as segment: a retrieval preset without it, or a folder that is no bank, stops in one line
+    before the model loads; with it, the command draws the spec (a spec without retrieval notes it unused)."""
+    import clipseg_sparse.cli.analysis as cli
+
+    monkeypatch.setenv("CLIPSEG_SPARSE_CACHE", str(tmp_path / "cache"))
+    _bank(models, tmp_path)
+    rng = np.random.default_rng(7)
+    Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(tmp_path / "img.png")
+    (tmp_path / "masks").mkdir()
+    np.save(tmp_path / "masks" / "img.npy", region_map(rng, 64, 96).numpy().astype(np.int32))
+    common = ["explain", str(tmp_path / "img.png"), "--classes", "cat,dog", "--point", "10,10", "--model", TINY_CONFIG, "--pretrained", "none",
+              "--device", "cpu", "--templates", "single", "--resolution", "64", "--regions", str(tmp_path / "masks")]  # fmt: skip
+    runner = CliRunner()
+    with monkeypatch.context() as m:
+        m.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model loaded before the --bank check"))
+        for extra, message in (
+            (["--preset", "corrclipv2"], "stage retrieve:20:0.5 needs an image bank: give --bank BANK (build one with `clipseg-sparse bank build`)"),
+            (["--attn", CORRCLIPV2, "--bank", str(tmp_path / "images")], "not an image bank"),
+        ):
+            res = runner.invoke(app, [*common, *extra, "--out", str(tmp_path / "x.png")], env={"COLUMNS": "300"})
+            lines = [line for line in res.output.splitlines() if line.strip()]
+            assert res.exit_code == 2 and len(lines) == 1 and message in lines[0], res.output
+    plain = CORRCLIPV2.removesuffix("/hook:retrieve:3:0.5")
+    args = [*common, "--attn", CORRCLIPV2, "--attn", plain, "--bank", str(tmp_path / "bank"), "--out", str(tmp_path / "e.png")]
+    res = runner.invoke(app, args, env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    lines = dict(line.split(": ", 1) for line in res.stdout.splitlines())
+    assert list(lines) == [str(resolve_spec(CORRCLIPV2)), plain] and Image.open(tmp_path / "e.png").size[0] == 1000
+    assert lines[plain].startswith("entropy") and lines[str(resolve_spec(CORRCLIPV2))] == lines[plain]  # the bank acts after the attention
+    unused = runner.invoke(app, [*common, "--attn", plain, "--bank", str(tmp_path / "bank"), "--out", str(tmp_path / "f.png")], env={"COLUMNS": "300"})
+    assert unused.exit_code == 0 and "--bank" in unused.stderr and "unused" in unused.stderr, unused.output

@@ -7,8 +7,9 @@
 The attention is that of the last edited block over the whole image (one forward, no windows), so the
 map covers the image, on the grid the spec attends over (CLIP's patches, or an external backbone's:
 CorrCLIP's DINO ViT-B/8 grid is twice as fine); presets that read region maps (CorrCLIP) take a region
-source. Its input is what `eval` cuts its windows from under the same settings (the protocol's resize,
-rounding, positional-embedding and remainder rules, `segment.preprocess.prepare`).
+source, and those with a retrieval stage (CorrCLIPv2) an image bank. Its input is what `eval` cuts its
+windows from under the same settings (the protocol's resize, rounding, positional-embedding and remainder
+rules, `segment.preprocess.prepare`).
 Entries that entmax sets to exactly zero stay zero: they are drawn as the plain greyscale image,
 everything else on a colour scale. The row's statistics are those of `analysis` (entropy in nats,
 support = exp(entropy), exact non-zero count), averaged over heads unless one head is chosen.
@@ -28,12 +29,14 @@ from .statistics import check_tokens, normalize_rows, row_entropy
 from ..attention import AttentionSpec
 from ..attention.grid import resize_regions
 from ..attention.taps import attention_grid
+from ..segment.bank import ImageBank
 from ..segment.images import load_image
 from ..segment.preprocess import window_geometry
 from ..segment.segmenter import Segmenter
 from ..segment.settings import InferenceSettings
 from ..segment.windows import iter_window_features
 from ..models.clip import DenseCLIP
+from ..models.proxies import image_backbones
 from ..files.outputs import overlay_image
 
 
@@ -100,6 +103,7 @@ def explain(
     head: int | None = None,
     regions: Callable[[np.ndarray, str], np.ndarray] | None = None,
     name: str | None = None,
+    bank: ImageBank | None = None,
 ) -> list[ExplainView]:
     """One ExplainView per spec for the pixel `point` = (x, y) of `image` (a path, PIL image or array).
 
@@ -109,7 +113,10 @@ def explain(
     stages act after the attention: the segmentation runs them (`Segmenter.predict`), the attention map is
     the same with or without them. regions: the region source of specs that read region maps (as
     `Segmenter`'s; required by them), whose map of the image scopes both the attention and the
-    segmentation; name: the image's name for it (default: a path's file name).
+    segmentation; name: the image's name for it (default: a path's file name). Whole-image features of an
+    external backbone (CorrCLIPv2's `ext:NAME.image` taps) are computed as the Segmenter computes them and
+    reach the attention forward too. bank: the image bank of specs with a retrieval stage (as `Segmenter`'s;
+    required by them), which acts after the attention: it changes the segmentation, not the map.
     """
 
     rgb = load_image(image)
@@ -120,7 +127,7 @@ def explain(
     ps = clip.patch_size
     views = []
     for spec in specs:
-        seg = Segmenter(clip, vocabulary, spec, settings, templates, regions=regions)
+        seg = Segmenter(clip, vocabulary, spec, settings, templates, regions=regions, bank=bank)
         spec, pixels = seg.spec, seg.pixels(rgb)
         size = tuple(pixels.shape[-2:])
         grid = tuple(window_geometry(side, ps, settings.remainder, whole_image=True)[0] for side in size)
@@ -130,7 +137,8 @@ def explain(
         region_map = seg.region_map(rgb, name)
         scaled = None if region_map is None else resize_regions(torch.from_numpy(np.asarray(region_map, dtype=np.int64)), size)
         whole = iter_window_features(
-            clip, pixels, spec, window=0, pos_interp=settings.pos_interp, remainder=settings.remainder, encode=clip.attention_maps, regions=scaled
+            clip, pixels, spec, window=0, pos_interp=settings.pos_interp, remainder=settings.remainder, encode=clip.attention_maps, regions=scaled,
+            image_features=seg.image_features(rgb, size, image_backbones(spec)),
         )
         maps = next(whole)[1][0]  # heads x N x N (attention.attention_maps)
         check_tokens(maps.shape[-1], att_grid[0] * att_grid[1], spec)

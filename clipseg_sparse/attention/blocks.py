@@ -283,9 +283,11 @@ def _parallel(edited, state: EncoderState, spec: AttentionSpec, sink: list | Non
 
 
 def attention_maps_from_tokens(
-    visual: torch.nn.Module, x: torch.Tensor, spec: AttentionSpec, grid: tuple[int, int], pixels=None, regions=None
+    visual: torch.nn.Module, x: torch.Tensor, spec: AttentionSpec, grid: tuple[int, int], pixels=None, regions=None,
+    context: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
-    """B x H x N x N attention of the last edited block's main path (see `attention.attention_maps`)."""
+    """B x H x N x N attention of the last edited block's main path (see `attention.attention_maps`);
+    context as `encode_tokens`' (the `image_features` crops `ext:NAME.image` taps read)."""
     sink: list = []
-    encode_tokens(visual, x, spec, grid, pixels, sink=sink, regions=regions)
+    encode_tokens(visual, x, spec, grid, pixels, sink=sink, context=context, regions=regions)
     return sink[-1]

@@ -19,6 +19,7 @@ from .common import (
     PretrainedOpt,
     ProtocolModelOpt,
     ProtocolPretrainedOpt,
+    BankOpt,
     ProxyWeightsOpt,
     RegionsOpt,
     check_out,
@@ -26,6 +27,7 @@ from .common import (
     load_model,
     load_proxies,
     load_regions,
+    open_bank,
     out_console,
     user_errors,
 )
@@ -144,6 +146,7 @@ def explain(
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
     regions: RegionsOpt = None,
+    bank: BankOpt = None,
     proxy_weights: ProxyWeightsOpt = "auto",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
 ) -> None:
@@ -172,10 +175,11 @@ def explain(
     settings = InferenceSettings().replace(resolution=resolution)
     reader = next(filter(None, (region_reader(spec, settings.stage_texts()) for spec in specs)), None)
     region_src = load_regions(regions, [image.name], device, reader)
+    image_bank = open_bank(bank, specs, settings.stage_texts())
     clip = load_model(model, pretrained, device, precision)
     for spec in specs:  # as segment: the backbones load (or fail in one line) before any image is read
         load_proxies(spec, clip, proxy_weights)
-    views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head, region_src)
+    views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head, region_src, bank=image_bank)
     note = " - RANDOM WEIGHTS: the maps show the mechanics only" if clip.pretrained == "none" else ""
     write_explain(views, out, caption=f"{image.name}, point ({x}, {y}), {clip.model_name} ({clip.pretrained}){note}")
     for view in views:

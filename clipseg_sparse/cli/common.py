@@ -220,13 +220,15 @@ def note_softmax_aliases(normalizers) -> None:
             err_console.print(f"note: {text} is softmax (entmax's alpha -> 1 limit); it runs and is recorded as softmax", highlight=False)
 
 
-def open_bank(value: Path | None, spec, stages: Sequence[str] = ()):
+def open_bank(value: Path | None, specs: Sequence, stages: Sequence[str] = ()):
     """The --bank (`segment.bank.ImageBank`, memory-mapped), opened before any model loads; None when no
-    retrieval stage runs (a note says it is unused). A retrieval stage without --bank is an error."""
+    retrieval stage runs under any of `specs` (a note says it is unused). A retrieval stage without --bank
+    is an error."""
     from ..segment.bank import ImageBank
     from ..stages import resolve_stages
 
-    needs = [st.name for st in (*resolve_stages(spec.hooks), *resolve_stages(stages)) if st.kind == "retrieval"]
+    run = [st for spec in specs for st in resolve_stages(spec.hooks)] + list(resolve_stages(stages))
+    needs = [st.name for st in run if st.kind == "retrieval"]
     if needs and value is None:
         fail(f"stage {needs[0]} needs an image bank: give --bank BANK (build one with `clipseg-sparse bank build`)")
     if value is not None and not needs:

@@ -106,7 +106,7 @@ def eval_cmd(
         from ..segment.regions import region_reader
 
         region_src = load_regions(regions, [s.id for s in samples], device, region_reader(spec, stages))
-        image_bank = open_bank(bank, spec, stages)
+        image_bank = open_bank(bank, [spec], stages)
     elif regions is not None or bank is not None:
         fail(f"--{'regions' if regions is not None else 'bank'}: {pipeline.name} reads no {'region masks' if regions is not None else 'image bank'}")
     else:

@@ -112,7 +112,7 @@ def segment(
     from ..segment.regions import region_reader
 
     region_src = load_regions(regions, [str(job.rel) for job in found.jobs], device, region_reader(spec, settings.stage_texts()))
-    image_bank = open_bank(bank, spec, settings.stage_texts())
+    image_bank = open_bank(bank, [spec], settings.stage_texts())
     rank, world = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
     load_proxies(spec, clip, proxy_weights)

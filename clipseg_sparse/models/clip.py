@@ -453,13 +453,19 @@ class DenseCLIP:
 
     @torch.inference_mode()
     def attention_maps(
-        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, regions: torch.Tensor | None = None, pos_interp: str = "size"
+        self,
+        pixels: torch.Tensor,
+        spec: AttentionSpec | str | None = None,
+        regions: torch.Tensor | None = None,
+        pos_interp: str = "size",
+        context: Mapping[str, Any] | None = None,
     ) -> torch.Tensor:
         """B x H x N x N attention of the last edited block; see `clipseg_sparse.attention.attention_maps`.
-        pos_interp: the positional-embedding rule, as in `encode_dense`."""
+        pos_interp and context: as in `encode_dense` (`image_features`: the whole-image backbone features'
+        crops that CorrCLIPv2's `ext:NAME.image` taps score with)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
-        return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels, regions).float()
+        return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels, regions, context).float()
 
     def _tower(self, spec: AttentionSpec):
         """What the blocks run from: the image tower, or the view of it a spec option's `tower` hook gives

@@ -62,8 +62,8 @@ def iter_window_features(
     y1 + i*patch .. y1 + (i+1)*patch (and likewise in x) and its grid may reach past the window.
     encode(crops, spec, pos_interp=...) replaces `clip.encode_dense` (e.g. `clip.attention_maps` for the
     analysis, which then sees the windows and positional embeddings `encode_dense` would; and the region
-    crops, as `regions=`, when `regions` is given). context:
-    passed to `clip.encode_dense` (the text a `feedback` term's first pass reads).
+    crops, as `regions=`, when `regions` is given; and the context, as `context=`, when there is one).
+    context: passed to `clip.encode_dense` (the text a `feedback` term's first pass reads).
     regions: H x W integer region ids of `pixels` (-1 unsegmented), cropped like each window; padded
     pixels form one more region (CorrCLIP pads its masks with 10000), for specs that read regions.
     image_features: backbone name -> 1 x C x H x W whole-image features of `pixels` (`ext:NAME.image`), cropped
@@ -84,7 +84,8 @@ def iter_window_features(
             crops_of = {name: pad_replicate(torch.cat([f[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk]), (left, right, top, bottom)) for name, f in image_features.items()}
             context = dict(context or {}, image_features=crops_of)
         if encode is not None:
-            yield chunk, encode(crops, spec, pos_interp=pos_interp, **({"regions": crop_regions} if regions is not None else {}))
+            given = {**({"regions": crop_regions} if regions is not None else {}), **({"context": context} if context else {})}
+            yield chunk, encode(crops, spec, pos_interp=pos_interp, **given)
         else:
             # ResCLIP's first pass upsamples to the whole window, also where `drop` cuts it to whole patches
             ctx = dict(context, windows=windows) if context and min(right, bottom) < 0 else context
