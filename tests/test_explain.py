@@ -22,7 +22,7 @@ from test_proxyclip import proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO 
 from clipseg_sparse.segment.regions import RegionFolder
 from clipseg_sparse.segment.bank import ImageBank
 from test_bank import TINY_V2 as CORRCLIPV2, models  # noqa: F401  (fixture: tiny CLIP, aux CLIP, tiny RADIO as c_radio_v3_l)
-from test_corrclipv2 import Given
+from test_corrclipv2 import Given, deep_bank, deep_clip, radio  # noqa: F401  (fixtures: 24-block tiny CLIP, its bank, tiny RADIO)
 
 SETTINGS = InferenceSettings(resolution=64, window=32, stride=16)
 
@@ -200,7 +200,18 @@ def test_explain_cli_regions(proxy, tmp_path, monkeypatch):  # noqa: F811
     assert f"{spec}: entropy" in res.stdout and Image.open(tmp_path / "e.png").size[0] == 1000
 
 
-def test_explain_cli_takes_proxy_weights_as_segment(tmp_path, monkeypatch):
+@pytest.fixture()
+def kept_proxies(monkeypatch):
+    """The process-wide proxy backbones put back after the test: a command run with --proxy-weights
+    reconfigures them, which drops the tiny backbones the module's fixtures installed."""
+    from clipseg_sparse.models.proxies import PROXIES
+
+    for attr in ("weights", "clip_weights", "precision", "clip_mean", "clip_std"):
+        monkeypatch.setattr(PROXIES, attr, getattr(PROXIES, attr))
+    monkeypatch.setattr(PROXIES, "_loaded", dict(PROXIES._loaded))
+
+
+def test_explain_cli_takes_proxy_weights_as_segment(tmp_path, monkeypatch, kept_proxies):
     """--proxy-weights reaches the external backbones of the explained specs: a checkpoint that does not exist
     stops the command in one line naming it, before any image is read."""
     monkeypatch.setenv("CLIPSEG_SPARSE_CACHE", str(tmp_path / "cache"))
@@ -288,3 +299,22 @@ def test_explain_cli_bank(models, tmp_path, monkeypatch):
     assert lines[plain].startswith("entropy") and lines[str(resolve_spec(CORRCLIPV2))] == lines[plain]  # the bank acts after the attention
     unused = runner.invoke(app, [*common, "--attn", plain, "--bank", str(tmp_path / "bank"), "--out", str(tmp_path / "f.png")], env={"COLUMNS": "300"})
     assert unused.exit_code == 0 and "--bank" in unused.stderr and "unused" in unused.stderr, unused.output
+
+
+def test_explain_runs_the_corrclipv2_presets(deep_bank, radio):  # noqa: F811
+    """The presets themselves (blocks 6..10 of a 24-block tiny CLIP, hook:retrieve:20): labels as the
+    Segmenter's, rows as the whole image's attention under RADIO's features of it."""
+    clip, bank = deep_bank
+    rng = np.random.default_rng(8)
+    rgb = rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)
+    regions = region_map(rng, 64, 96).numpy()
+    presets, point = ["corrclipv2", "corrclipv2-entmax"], _segmented_point(regions)
+    views = explain(clip, rgb, "cat,dog,sky", presets, point, REGION_SETTINGS, templates="single", regions=Given(regions), bank=bank)
+    features = {"c_radio_v3_l": radio.image_features(torch.from_numpy(rgb), (64, 96))}
+    for preset, view in zip(presets, views):
+        segmenter = Segmenter(clip, "cat,dog,sky", preset, REGION_SETTINGS, templates="single", regions=Given(regions), bank=bank)
+        assert view.spec == str(resolve_spec(preset)) and np.array_equal(view.labels, segmenter.predict_labels(rgb))
+        maps = clip.attention_maps(to_pixels(rgb, clip, (64, 96)), preset, torch.from_numpy(regions)[None], context={"image_features": features})[0]
+        rows = maps[:, view.query[0] * 12 + view.query[1]].double()
+        np.testing.assert_allclose(view.attention, (rows / rows.sum(-1, keepdim=True)).mean(0).reshape(8, 12).numpy(), atol=1e-6)
+    assert views[0].nonzero > views[1].nonzero  # entmax drops some of softmax's support
