@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
-from clipseg_sparse.attention import resolve_spec
+from clipseg_sparse.attention import attention_maps, resolve_spec
 from clipseg_sparse.cli.app import app
 from clipseg_sparse.evaluation.protocols import PROTOCOLS
 from clipseg_sparse.segment.segmenter import Segmenter
@@ -42,8 +42,6 @@ def test_query_patch_maps_original_pixels_to_the_resized_grid():
 
 
 def test_views_hold_the_query_row_and_its_statistics(tiny_clip, image):
-    from clipseg_sparse.attention import attention_maps
-
     views = explain(tiny_clip, image, "a,b,c", ["qq/softmax", "qq/entmax:1.5"], (60, 30), SETTINGS, templates="single")
     assert [v.spec for v in views] == ["qq/softmax", "qq/entmax:1.5"]
     soft, sparse = views
@@ -314,7 +312,7 @@ def test_explain_runs_the_corrclipv2_presets(deep_bank, radio):  # noqa: F811
     for preset, view in zip(presets, views):
         segmenter = Segmenter(clip, "cat,dog,sky", preset, REGION_SETTINGS, templates="single", regions=Given(regions), bank=bank)
         assert view.spec == str(resolve_spec(preset)) and np.array_equal(view.labels, segmenter.predict_labels(rgb))
-        maps = clip.attention_maps(to_pixels(rgb, clip, (64, 96)), preset, torch.from_numpy(regions)[None], context={"image_features": features})[0]
+        maps = attention_maps(clip, to_pixels(rgb, clip, (64, 96)), preset, torch.from_numpy(regions)[None], context={"image_features": features})[0]
         rows = maps[:, view.query[0] * 12 + view.query[1]].double()
         np.testing.assert_allclose(view.attention, (rows / rows.sum(-1, keepdim=True)).mean(0).reshape(8, 12).numpy(), atol=1e-6)
     assert views[0].nonzero > views[1].nonzero  # entmax drops some of softmax's support

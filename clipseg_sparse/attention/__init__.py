@@ -68,7 +68,7 @@ from .taps import TAPS, BlockContext, Tap
 from .transforms import gaussian_prior
 
 
-def attention_maps(clip, pixels, spec, regions=None, pos_interp: str = "size") -> "torch.Tensor":  # noqa: F821
+def attention_maps(clip, pixels, spec, regions=None, pos_interp: str = "size", context=None) -> "torch.Tensor":  # noqa: F821
     """B x H x N x N: the normalised attention that multiplies the values in the last edited block
     (main path), per head, computed by the forward's own score and normalize functions.
 
@@ -77,9 +77,11 @@ def attention_maps(clip, pixels, spec, regions=None, pos_interp: str = "size") -
     row-major), or h*w with `cls:C`. Rows sum to 1 (to the sum of group weights with weights, plus W
     with `neg:W`); for source `id` the identity. regions: B x H x W region ids of the pixels, for specs
     with the `region:EPS` support (CorrCLIP). pos_interp: the positional-embedding rule ("size", or the
-    published repositories' "scale"), as the protocol `eval` runs under gives it.
+    published repositories' "scale"), as the protocol `eval` runs under gives it. context: as `encode_dense`'s
+    (`image_features`: backbone name -> B x C x H x W whole-image features of the pixels, for CorrCLIPv2's
+    `ext:NAME.image` taps).
     """
-    return clip.attention_maps(pixels, spec, regions, pos_interp)
+    return clip.attention_maps(pixels, spec, regions, pos_interp, context)
 
 
 __all__ = [
