@@ -78,20 +78,25 @@ def analyze(
     per_head: Annotated[bool, typer.Option("--per-head", help="Also keep every statistic per attention head.")] = False,
     stuff: Annotated[Optional[str], typer.Option("--stuff", help="Comma-separated class names counted as background/stuff (default: the dataset's list).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Recompute finished or partial results in --out.")] = False,
+    regions: RegionsOpt = None,
+    proxy_weights: ProxyWeightsOpt = "auto",
 ) -> None:
     """Attention statistics on labelled data: entropy, support, non-zeros, own-class mass, diffusivity.
 
     Per query patch of the last edited block (labels reduced to the patch grid by majority; void patches
     skipped), averaged over heads, then per image, per class and over the dataset. Default spec: sclip.
+    Presets whose attention reads region masks (corrclip, corrclipv2) take --regions; no --bank: retrieval
+    acts after the attention.
     """
     from ..analysis.statistics import analyze as run_analysis
     from ..datasets import DATASETS
+    from ..attention.scope import needs_regions
     from ..evaluation.protocols import PROTOCOLS
     from ..files.results import config_hash
 
     check_out(out, folder=True)
     bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
-    bench.samples(root)  # a missing dataset fails before the model loads
+    samples = bench.samples(root)  # a missing dataset fails before the model loads
     stuff_ids = None
     if stuff is not None:
         names = [n.strip() for n in stuff.split(",") if n.strip()]
@@ -100,15 +105,21 @@ def analyze(
             fail(f"--stuff: {', '.join(missing)} not among the {bench.name} classes (e.g. {', '.join(bench.classes[:5])}, ...)")
         stuff_ids = [bench.classes.index(n) for n in names]
     specs = resolve_specs(preset, attn, default="sclip")
+    # only the attention's readers need regions: analyze runs no stage (regionvote, retrieve act after it)
+    reader = next((f"attention {spec}" for spec in specs if needs_regions(spec)), None)
+    region_src = load_regions(regions, [s.id for s in samples[:limit]], device, reader)
     clip = load_model(*proto.clip_weights(model, pretrained), device, precision)
+    for spec in specs:  # as eval: the backbones load (or fail in one line) before any image is read
+        load_proxies(spec, clip, proxy_weights)
     overrides = dict(resolution=resolution, window=window, stride=stride, batch_size=batch_size)
     overrides = {k: v for k, v in overrides.items() if v is not None}
     records = []
     for spec in specs:
-        key = config_hash({"model": clip.config(), "root": str(root.resolve()), "protocol": protocol, **overrides,
-                           "limit": limit, "per_head": per_head, "stuff": stuff_ids})[:8]  # fmt: skip
+        used = region_src if needs_regions(spec) else None
+        key = config_hash({"model": clip.config(), "root": str(root.resolve()), "protocol": protocol, **overrides, "limit": limit,
+                           "per_head": per_head, "stuff": stuff_ids, **({"regions": used.source()} if used else {})})[:8]  # fmt: skip
         path = analysis_file(out, bench.name, spec, key) if out is not None else None
-        records.append(run_analysis(clip, bench.name, root, spec, protocol, overrides, limit, path, per_head, stuff_ids, overwrite=overwrite))
+        records.append(run_analysis(clip, bench.name, root, spec, protocol, overrides, limit, path, per_head, stuff_ids, overwrite=overwrite, regions=used))
         if path is not None:
             err_console.print(f"result: {path}", highlight=False)
     out_console().print(analysis_table(records))

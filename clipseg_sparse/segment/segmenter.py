@@ -55,6 +55,13 @@ def global_stage(spec: AttentionSpec, stages: Sequence[Stage]) -> Stage | None:
     return found[0] if found else None
 
 
+def whole_image_features(image: np.ndarray, size: tuple[int, int], names: Sequence[str], device) -> dict[str, torch.Tensor]:
+    """Backbone name -> 1 x C x h x w whole-image features of the original RGB image at the network
+    input's `size` (`Backbone.image_features`: one run per image, CorrCLIPv2's `ext:NAME.image` taps);
+    the analysis computes them here too, so its attention is the one the forward gets."""
+    return {name: PROXIES.get(name, device).image_features(torch.from_numpy(np.array(image)), size) for name in names}
+
+
 class Segmenter:
     """Open-vocabulary segmentation of single images with a fixed model, spec, vocabulary and settings.
 
@@ -251,9 +258,8 @@ class Segmenter:
         return DenseMap(cos)
 
     def image_features(self, image: np.ndarray, size: tuple[int, int], names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Backbone name -> 1 x C x h x w whole-image features of the original RGB image at the network
-        input's `size` (`Backbone.image_features`: one run per image, CorrCLIPv2)."""
-        return {name: PROXIES.get(name, self.clip.device).image_features(torch.from_numpy(np.array(image)), size) for name in names}
+        """`whole_image_features` on this segmenter's device."""
+        return whole_image_features(image, size, names, self.clip.device)
 
     def _run_post(self, stage: Stage, cos: torch.Tensor, guide: torch.Tensor) -> torch.Tensor:
         """One post stage (stages.py), with the text embeddings when it reads them."""
