@@ -1,5 +1,6 @@
 """`analyze` on CorrCLIPv2 specs: the attention reads whole-image backbone features (`ext:NAME.image`) and
-region maps, on a grid twice as fine as CLIP's; the retrieval stage acts after it (no bank)."""
+region maps, on a grid twice as fine as CLIP's; the retrieval stage acts after it (no bank). CorrCLIP v1's
+spec (DINO B/8 q+k per window, same grid) runs the same way."""
 
 import json
 import math
@@ -18,6 +19,7 @@ from clipseg_sparse.segment.regions import RegionFolder
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 from test_analysis import _loop_majority
+from test_corrclip import TINY as CORRCLIP
 from test_bank import TINY_V2, models  # noqa: F401  (fixture: tiny CLIP, aux CLIP, tiny RADIO as c_radio_v3_l)
 from test_proxyclip import proxy  # noqa: F401  (the fixture `models` builds on)
 
@@ -37,14 +39,15 @@ def _voc_with_masks(root):
 
 def _loop_statistics(clip, radio, rgb, labels, regions, spec, pos_interp) -> tuple[int, dict]:
     """Per-window plain loops over `clip.attention_maps` of each 32-px window crop, given RADIO's whole-image
-    features of the image cropped like the window and the region crop; labels by majority over 8-px cells."""
+    features of the image cropped like the window (for specs that read them) and the region crop; labels by
+    majority over 8-px cells."""
     pixels = to_pixels(rgb, clip, (64, 96))
     features = radio.image_features(torch.from_numpy(np.array(rgb)), (64, 96))
     sums, n = {"entropy": 0.0, "own_mass": 0.0, "nonzero": 0.0}, 0
     for y1 in (0, 16, 32):
         for x1 in (0, 16, 32, 48, 64):
             box = (slice(y1, y1 + 32), slice(x1, x1 + 32))
-            context = {"image_features": {"c_radio_v3_l": features[..., box[0], box[1]]}}
+            context = {"image_features": {"c_radio_v3_l": features[..., box[0], box[1]]}} if ".image" in spec else None
             region = torch.from_numpy(regions[box].astype(np.int64))[None]
             maps = clip.attention_maps(pixels[..., box[0], box[1]], spec, region, pos_interp=pos_interp, context=context)[0].double().numpy()
             grid = _loop_majority(labels[box], 8)
@@ -61,26 +64,28 @@ def _loop_statistics(clip, radio, rgb, labels, regions, spec, pos_interp) -> tup
     return n, sums
 
 
-def test_analyze_corrclipv2_measures_the_attention_the_forward_gets(models, tmp_path):  # noqa: F811
-    """analyze could not run CorrCLIPv2: its attention reads whole-image features the windows were not given.
-    Per image the statistics equal plain loops over `clip.attention_maps` with RADIO's features and the region
-    map of each window; no bank is needed (retrieval acts after the attention)."""
+@pytest.mark.parametrize("spec", [TINY_V2, CORRCLIP.format(eps=0.3, norm="softmax")])
+def test_analyze_corrclipv2_measures_the_attention_the_forward_gets(models, tmp_path, spec):  # noqa: F811
+    """analyze could not run CorrCLIPv2: its attention reads whole-image features the windows were not given
+    (and, as CorrCLIP's, region maps, on a grid finer than CLIP's). Per image the statistics equal plain loops
+    over `clip.attention_maps` with RADIO's features and the region map of each window; no bank is needed
+    (retrieval acts after the attention)."""
     from clipseg_sparse.segment.images import load_image
 
     clip, _, radio = models
     samples = _voc_with_masks(tmp_path)
     source = RegionFolder(tmp_path / "masks")
     with pytest.raises(ValueError, match=r"needs region masks for each image: give a region source"):
-        analyze(clip, "voc21", tmp_path / "voc", TINY_V2, "corrclipv2", OVERRIDES, progress=False)
-    record = analyze(clip, "voc21", tmp_path / "voc", TINY_V2, "corrclipv2", OVERRIDES, progress=False, regions=source)
+        analyze(clip, "voc21", tmp_path / "voc", spec, "corrclipv2", OVERRIDES, progress=False)
+    record = analyze(clip, "voc21", tmp_path / "voc", spec, "corrclipv2", OVERRIDES, progress=False, regions=source)
     c = record["config"]
-    assert c["regions"] == source.source() and list(c["proxy_backbones"]) == ["c_radio_v3_l"]
+    assert c["regions"] == source.source() and list(c["proxy_backbones"]) == ["c_radio_v3_l" if spec == TINY_V2 else "dino_vitb8"]
     settings = PROTOCOLS.get("corrclipv2").settings("voc21", OVERRIDES)
     assert (settings.resize, settings.remainder) == ("torch", "pad")  # the loops' pixels are the protocol's
     bench = DATASETS.get("voc21")
     for sample in samples:
         regions = np.load(tmp_path / "masks" / f"{sample.id}.npy")
-        n, sums = _loop_statistics(clip, radio, load_image(sample.image), bench.load_label(sample.label), regions, TINY_V2, settings.pos_interp)
+        n, sums = _loop_statistics(clip, radio, load_image(sample.image), bench.load_label(sample.label), regions, spec, settings.pos_interp)
         got = record["per_image"][sample.id]
         assert got["patches"] == n > 0
         for stat, total in sums.items():
