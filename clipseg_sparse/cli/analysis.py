@@ -89,8 +89,8 @@ def analyze(
     acts after the attention.
     """
     from ..analysis.statistics import analyze as run_analysis
-    from ..datasets import DATASETS
     from ..attention.scope import needs_regions
+    from ..datasets import DATASETS
     from ..evaluation.protocols import PROTOCOLS
     from ..files.results import config_hash
 
