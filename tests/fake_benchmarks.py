@@ -50,3 +50,19 @@ def make_benchmark(dataset: str, root: Path, n: int = 3, size: tuple[int, int] =
         split.parent.mkdir(parents=True, exist_ok=True)
         split.write_text("".join(f"{Path(img_t.format(i=i)).stem}\n" for i in range(n)))
     return raws
+
+
+def make_benchmark_with_masks(dataset: str, root: Path, n: int, size: tuple[int, int], seed: int = 6) -> tuple[Path, Path]:
+    """`make_benchmark` under root / "voc" plus one blocky region map per sample id (8 x 8 px blocks of ids
+    -1..3, -1 unsegmented) saved as root / "masks" / ID.npy, the layout `--regions FOLDER` reads.
+    Returns (benchmark root, masks folder)."""
+    from clipseg_sparse.datasets import DATASETS
+
+    make_benchmark(dataset, root / "voc", n=n, size=size)
+    masks = root / "masks"
+    masks.mkdir()
+    rng = np.random.default_rng(seed)
+    for s in DATASETS.get(dataset).samples(root / "voc"):
+        cells = rng.integers(-1, 4, (size[0] // 8, size[1] // 8))
+        np.save(masks / f"{s.id}.npy", np.kron(cells, np.ones((8, 8), dtype=np.int64)).astype(np.int32))
+    return root / "voc", masks

@@ -17,7 +17,7 @@ from clipseg_sparse.evaluation.protocols import PROTOCOLS
 from clipseg_sparse.segment.preprocess import to_pixels
 from clipseg_sparse.segment.regions import RegionFolder
 from conftest import TINY_CONFIG
-from fake_benchmarks import make_benchmark
+from fake_benchmarks import make_benchmark_with_masks
 from test_analysis import _loop_majority
 from test_corrclip import TINY as CORRCLIP
 from test_bank import TINY_V2, models  # noqa: F401  (fixture: tiny CLIP, aux CLIP, tiny RADIO as c_radio_v3_l)
@@ -28,13 +28,8 @@ OVERRIDES = dict(resolution=64, window=32, stride=16)  # 64 x 96 images: 3 x 5 w
 
 def _voc_with_masks(root):
     """Two 64 x 96 voc21 images and a blocky region map per sample id (-1 unsegmented)."""
-    make_benchmark("voc21", root / "voc", n=2, size=(64, 96))
-    samples = DATASETS.get("voc21").samples(root / "voc")
-    (root / "masks").mkdir()
-    rng = np.random.default_rng(6)
-    for s in samples:
-        np.save(root / "masks" / f"{s.id}.npy", np.kron(rng.integers(-1, 4, (8, 12)), np.ones((8, 8), dtype=np.int64)).astype(np.int32))
-    return samples
+    make_benchmark_with_masks("voc21", root, n=2, size=(64, 96))
+    return DATASETS.get("voc21").samples(root / "voc")
 
 
 def _loop_statistics(clip, radio, rgb, labels, regions, spec, pos_interp) -> tuple[int, dict]:

@@ -380,9 +380,8 @@ def test_two_gloo_ranks_build_the_same_bank_as_one_process(tmp_path):
 
 def test_eval_with_a_bank_records_its_hash_and_sweep_files_name_it(models, tmp_path):
     from conftest import TINY_CONFIG
-    from fake_benchmarks import make_benchmark
+    from fake_benchmarks import make_benchmark_with_masks
 
-    from clipseg_sparse.datasets import DATASETS
     from clipseg_sparse.sweeps.grid import Grid
     from clipseg_sparse.sweeps.run import SweepPaths
 
@@ -390,12 +389,7 @@ def test_eval_with_a_bank_records_its_hash_and_sweep_files_name_it(models, tmp_p
     jobs, regions = write_images(tmp_path / "images", 2)
     build(tmp_path / "bank", jobs, regions, [clip], radio)
     bank = ImageBank.open(tmp_path / "bank")
-    make_benchmark("voc21", tmp_path / "voc", n=2, size=(48, 64))
-    samples = DATASETS.get("voc21").samples(tmp_path / "voc")
-    (tmp_path / "masks").mkdir()
-    rng = np.random.default_rng(6)
-    for s in samples:
-        np.save(tmp_path / "masks" / f"{s.id}.npy", np.kron(rng.integers(-1, 4, (6, 8)), np.ones((8, 8), dtype=np.int64)).astype(np.int32))
+    make_benchmark_with_masks("voc21", tmp_path, n=2, size=(48, 64))
     args = ["eval", "--dataset", "voc21", "--root", tmp_path / "voc", "--protocol", "corrclipv2", "--attn", TINY_V2, "--model", TINY_CONFIG,
             "--pretrained", "none", "--device", "cpu", "--templates", "single", "--resolution", 64, "--window", 64, "--stride", 32,
             "--regions", tmp_path / "masks", "--out", tmp_path / "voc.json"]  # fmt: skip
