@@ -22,16 +22,14 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
 
 from .statistics import check_tokens, normalize_rows, row_entropy
 from ..attention import AttentionSpec
-from ..attention.grid import resize_regions
 from ..attention.taps import attention_grid
 from ..segment.bank import ImageBank
 from ..segment.images import load_image
-from ..segment.preprocess import window_geometry
+from ..segment.preprocess import input_regions, window_geometry
 from ..segment.segmenter import Segmenter
 from ..segment.settings import InferenceSettings
 from ..segment.windows import iter_window_features
@@ -134,8 +132,7 @@ def explain(
         att_grid = attention_grid(spec, (grid[0] * ps, grid[1] * ps), grid)  # the encoded crop: whole patches from 0
         cell = (grid[0] * ps / att_grid[0], grid[1] * ps / att_grid[1])  # resized pixels per attention cell
         row, col = query_patch(point, (height, width), size, cell, att_grid)
-        region_map = seg.region_map(rgb, name)
-        scaled = None if region_map is None else resize_regions(torch.from_numpy(np.asarray(region_map, dtype=np.int64)), size)
+        scaled = input_regions(seg.region_map(rgb, name), size)
         whole = iter_window_features(
             clip, pixels, spec, window=0, pos_interp=settings.pos_interp, remainder=settings.remainder, encode=clip.attention_maps, regions=scaled,
             image_features=seg.image_features(rgb, size, image_backbones(spec)),

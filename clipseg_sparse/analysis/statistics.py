@@ -226,9 +226,8 @@ def image_statistics(
     regions: the image's H x W region ids (-1 unsegmented) for specs that read them, resized and cut as in
     `Segmenter.cosine`; the whole-image features of `ext:NAME.image` taps are computed as the Segmenter
     computes them (`whole_image_features`), so the rows are those of the forward `eval` runs."""
-    from ..attention.grid import resize_regions
     from ..models.proxies import image_backbones
-    from ..segment.preprocess import prepare, window_padding
+    from ..segment.preprocess import input_regions, prepare, window_padding
     from ..segment.segmenter import global_stage, whole_image_features
     from ..segment.windows import iter_window_features
     from ..stages import resolve_stages
@@ -237,7 +236,7 @@ def image_statistics(
     pixels = prepare(rgb, clip, s, splices=global_stage(spec, resolve_stages(s.stage_texts())) is not None)
     size = tuple(pixels.shape[-2:])
     resized = nearest_labels(labels, size)
-    scaled = None if regions is None else resize_regions(torch.from_numpy(np.asarray(regions, dtype=np.int64)), size)
+    scaled = input_regions(regions, size)
     total = None
     windows = iter_window_features(
         clip, pixels, spec, s.window, s.stride, s.batch_size, pos_interp=s.pos_interp, remainder=s.remainder, encode=clip.attention_maps,

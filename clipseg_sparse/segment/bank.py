@@ -245,13 +245,12 @@ class ValueModel:
     def feature_map(self, rgb: np.ndarray, regions: np.ndarray, image_features: dict | None = None):
         """D x H x W unnormalised dense features at the image's size, rows on demand (a CosineMap against
         the identity: the published builder's window-averaged projections resized bilinearly)."""
-        from ..attention.grid import resize_regions
-        from .preprocess import prepare
+        from .preprocess import input_regions, prepare
         from .windows import dense_cosine
 
         s = self.settings
         pixels = prepare(rgb, self.clip, s)
-        scaled = resize_regions(torch.from_numpy(np.asarray(regions, dtype=np.int64)), tuple(pixels.shape[-2:]))
+        scaled = input_regions(regions, tuple(pixels.shape[-2:]))
         eye = torch.eye(int(self.clip.visual.proj.shape[1]))
         return dense_cosine(
             self.clip, pixels, eye, self.spec, s.window, s.stride, s.batch_size, tuple(rgb.shape[:2]), (), s.pos_interp, s.remainder,

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..attention.grid import resize_regions
 from ..models.clip import DenseCLIP
 from .settings import REMAINDER_RULES, RESIZE_METHODS, SIZE_RULES, InferenceSettings
 
@@ -138,3 +139,10 @@ def prepare(
     if multiple is None:
         multiple = settings.size_multiple or (clip.patch_size if splices else 0)
     return round_up_pixels(pixels, multiple, settings.window, settings.size_rule) if multiple else pixels
+
+
+def input_regions(regions: np.ndarray | None, size: tuple[int, int]) -> torch.Tensor | None:
+    """An image's H x W region ids (any integer array; None passes through) resized nearest to the network
+    input's `size`, as int64: the region map every consumer of the input (segmentation, bank, analysis,
+    explain) crops its windows from."""
+    return None if regions is None else resize_regions(torch.from_numpy(np.asarray(regions, dtype=np.int64)), tuple(size))

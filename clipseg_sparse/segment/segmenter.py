@@ -18,14 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionSpec, resolve_spec, stitch_multiple
-from ..attention.grid import resize_regions
 from ..models.clip import DenseCLIP
 from ..models.proxies import PROXIES, image_backbones, proxy_config, spec_backbones
 from ..stages import Stage, resolve_stages
 from .images import load_image
 from .bank import ImageBank, clip_id, retrieval_logits
 from .labels import ClassMaps, SegmentationResult
-from .preprocess import prepare
+from .preprocess import input_regions, prepare
 from .regions import region_reader
 from .settings import InferenceSettings
 from .stitch import check_stitched, stitched_features
@@ -212,7 +211,7 @@ class Segmenter:
         s = self.settings
         height, width = image.shape[:2]
         pixels = self.pixels(image)
-        scaled = None if regions is None else resize_regions(torch.from_numpy(np.asarray(regions, dtype=np.int64)), tuple(pixels.shape[-2:]))
+        scaled = input_regions(regions, tuple(pixels.shape[-2:]))
         at_input = [st for st in self.post_stages if st.at_input]  # run at the network input's size
         size = tuple(pixels.shape[-2:])
         out_size = size if at_input or self.retrieval_stages else (height, width)
