@@ -461,3 +461,6 @@ def test_fgovd_runs_token_stages_and_refuses_the_others(tmp_path, tiny_clip):
     spec = "qq+kk/softmax/hook:lof"  # SC-CLIP's LOF edits the features: a token stage (31 neighbours: 128 px)
     result = evaluate_fgovd(tiny_clip, [SUBSET], root, spec, settings=FAST.replace(resolution=128), progress=False, limit=1)
     assert result["config"]["attention"] == str(resolve_spec(spec))
+    plain = evaluate_fgovd(tiny_clip, [SUBSET], root, "qq+kk/softmax", settings=FAST.replace(resolution=128), progress=False, limit=1)
+    scores = [np.array([a["scores"] for a in r["per_annotation"]]) for r in (result, plain)]
+    assert scores[0].shape == scores[1].shape and not np.allclose(*scores)  # the stage ran: it moved the region scores
