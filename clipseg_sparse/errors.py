@@ -14,3 +14,7 @@ class UserError(Exception):
 
 class UserValueError(UserError, ValueError):
     """A bad value: an argument, a setting, a file's content (the plain `ValueError` of user input)."""
+
+
+class UserFileNotFoundError(UserError, FileNotFoundError):
+    """A file the user named (an argument, an option, an entry of a list file) that does not exist."""

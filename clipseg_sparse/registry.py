@@ -22,14 +22,14 @@ import threading
 from importlib import metadata
 from typing import Callable, Generic, Iterator, Sequence, TypeVar
 
-from .errors import UserError
+from .errors import UserValueError
 
 T = TypeVar("T")
 
 ENTRY_POINT_GROUP = "clipseg_sparse.methods"
 
 
-class UnknownNameError(UserError, KeyError, ValueError):
+class UnknownNameError(UserValueError, KeyError):
     """A name that is not in a registry; the message lists close matches and all choices."""
 
     def __str__(self) -> str:  # KeyError quotes its message; show it plainly.
