@@ -22,6 +22,8 @@ from typing import Iterator
 
 import torch
 
+from ..errors import UserValueError
+
 ATTENTION_BACKENDS = ("torch", "adasplash")
 ADASPLASH_HEAD_DIMS = (16, 32, 64, 128, 256)
 ADASPLASH_NITER = 10
@@ -37,7 +39,7 @@ def get_attention_backend() -> str:
 def attention_backend(name: str) -> Iterator[None]:
     """Use `name` (`torch` or `adasplash`) for entmax attention inside the block."""
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose {', '.join(ATTENTION_BACKENDS)}")
+        raise UserValueError(f"unknown attention backend {name!r}; choose {', '.join(ATTENTION_BACKENDS)}")
     token = _backend.set(name)
     try:
         yield

@@ -27,7 +27,7 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
         return torch.device("cpu")
     dev = torch.device(device)
     if (dev.type == "cuda" and not _cuda_available()) or (dev.type == "mps" and not _mps_available()):
-        raise ValueError(f"device {str(dev)!r} is not available on this machine (torch {torch.__version__}); use --device cpu or auto")
+        raise UserValueError(f"device {str(dev)!r} is not available on this machine (torch {torch.__version__}); use --device cpu or auto")
     return dev
 
 

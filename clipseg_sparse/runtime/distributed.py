@@ -16,6 +16,8 @@ from typing import Any, Iterator, Sequence, TypeVar
 
 import numpy as np
 
+from ..errors import UserValueError
+
 T = TypeVar("T")
 
 
@@ -92,7 +94,7 @@ def parse_shard(text: str) -> tuple[int, int]:
     except ValueError:
         index = count = 0
     if not sep or not 1 <= index <= count:
-        raise ValueError(f"--shard {text}: expected I/N with 1 <= I <= N, e.g. 1/4 (the first of 4 parts)")
+        raise UserValueError(f"--shard {text}: expected I/N with 1 <= I <= N, e.g. 1/4 (the first of 4 parts)")
     return index - 1, count
 
 
