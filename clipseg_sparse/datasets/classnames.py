@@ -23,6 +23,7 @@ import hashlib
 from functools import lru_cache
 from pathlib import Path
 
+from ..errors import UserValueError
 from ..segment.vocabulary import Vocabulary
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -65,7 +66,7 @@ def class_names_file(dataset: str, which: str) -> Path:
         return path if path.is_file() else DATA_DIR / "class_names" / "sclip" / f"{dataset}.txt"
     path = Path(which)
     if not path.is_file():
-        raise ValueError(f"class names {which!r}: not one of {', '.join(NAME_SETS)} and not an existing file")
+        raise UserValueError(f"class names {which!r}: not one of {', '.join(NAME_SETS)} and not an existing file")
     return path
 
 
@@ -75,7 +76,7 @@ def class_vocabulary(dataset: str, which: str = "sclip") -> tuple[Vocabulary, st
     vocab = Vocabulary.from_file(path)
     labels = display_labels(dataset)
     if len(vocab) != len(labels):
-        raise ValueError(f"{path}: {len(vocab)} classes (lines) but {dataset} has {len(labels)}; one line per class is needed")
+        raise UserValueError(f"{path}: {len(vocab)} classes (lines) but {dataset} has {len(labels)}; one line per class is needed")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
     source = which if which in NAME_SETS else f"file:{path.name}"
     return Vocabulary(vocab.names, labels), f"{source}/{path.name}@{digest}"

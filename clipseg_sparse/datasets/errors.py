@@ -1,9 +1,9 @@
 """The one error type for a missing or malformed dataset."""
 
-from ..errors import UserError
+from ..errors import UserValueError
 
 DOCS = "datasets.md"
 
 
-class DatasetError(UserError, ValueError):
+class DatasetError(UserValueError):
     """A dataset that is missing or not in the expected layout; the message names the path to fix."""

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import UserValueError
 from .errors import DatasetError
 
 IGNORE_INDEX = 255  # the label value of pixels no benchmark scores (void)
@@ -50,7 +51,7 @@ MAX_PNG_CLASSES = len(PALETTE)
 def label_image(labels: np.ndarray) -> Image.Image:
     """H x W class indices (< 256) -> mode "P" image with PALETTE; pixel value = class index."""
     if labels.max(initial=0) >= MAX_PNG_CLASSES:
-        raise ValueError(f"a palette PNG holds at most {MAX_PNG_CLASSES} classes; use --format coco-rle")
+        raise UserValueError(f"a palette PNG holds at most {MAX_PNG_CLASSES} classes; use --format coco-rle")
     img = Image.fromarray(labels.astype(np.uint8), "P")
     img.putpalette(PALETTE.tobytes())
     return img
