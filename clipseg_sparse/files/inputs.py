@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Sequence
 
-from ..errors import UserError
+from ..errors import UserValueError
 from ..segment.images import is_image_path
 
 # Every suffix an output writer may add to a base; naming is resolved against all of them so that the
@@ -33,7 +33,7 @@ from ..segment.images import is_image_path
 OUTPUT_SUFFIXES = (".png", ".overlay.png", ".json", ".probs.npz", ".rle.json")
 
 
-class InputError(UserError, ValueError):
+class InputError(UserValueError):
     """Bad INPUT arguments (missing path, input inside the output folder, clashing outputs)."""
 
 

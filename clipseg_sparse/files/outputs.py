@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from ..errors import UserError
+from ..errors import UserError, UserValueError
 from ..datasets.labels import MAX_PNG_CLASSES, PALETTE, voc_palette, write_label_png
 from ..segment.labels import SegmentationResult
 from ..registry import Registry
@@ -172,7 +172,7 @@ class OutputOptions:
     def check_classes(self, num_classes: int) -> None:
         """Refuse, before any work, a vocabulary that the mask format cannot hold."""
         if self.mask_format == "png" and num_classes > MAX_PNG_CLASSES:
-            raise ValueError(f"{num_classes} classes do not fit a palette PNG (at most {MAX_PNG_CLASSES}); use --format coco-rle")
+            raise UserValueError(f"{num_classes} classes do not fit a palette PNG (at most {MAX_PNG_CLASSES}); use --format coco-rle")
 
     def files(self, base: Path) -> dict[str, Path]:
         """kind -> path of every file this run writes for the output base (the record "json" included)."""

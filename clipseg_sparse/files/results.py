@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..errors import UserError
+from ..errors import UserValueError
 from ..runtime.atomic import jsonable
 
 RESULT_SCHEMA = 1
@@ -41,7 +41,7 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-class ConfigMismatchError(UserError, ValueError):
+class ConfigMismatchError(UserValueError):
     """An existing log or result was made with a different configuration."""
 
 
