@@ -19,18 +19,19 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..errors import UserValueError
 from ..datasets.labels import IGNORE_INDEX
 
 
 def intersect_and_union(pred: np.ndarray, label: np.ndarray, num_classes: int, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
     """3 x C int64 counts (intersect, pred area, label area) of one image; pred and label are H x W."""
     if pred.shape != label.shape:
-        raise ValueError(f"prediction {pred.shape} and label {label.shape} differ in size")
+        raise UserValueError(f"prediction {pred.shape} and label {label.shape} differ in size")
     keep = label != ignore_index
     p, t = pred[keep].astype(np.int64).ravel(), label[keep].astype(np.int64).ravel()
     for name, x in (("prediction", p), ("label", t)):
         if x.size and (x.min() < 0 or x.max() >= num_classes):
-            raise ValueError(f"{name} values must be in 0..{num_classes - 1} (or {ignore_index} for labels)")
+            raise UserValueError(f"{name} values must be in 0..{num_classes - 1} (or {ignore_index} for labels)")
     return np.stack(
         [
             np.bincount(p[p == t], minlength=num_classes),

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ..errors import UserValueError
 from ..attention import AttentionSpec
 from ..runtime.progress import inner_progress, progress_bar
 from ..datasets import DATASETS, Benchmark, DatasetError, Sample, class_vocabulary
@@ -83,21 +84,21 @@ def evaluate(
     bench = DATASETS.get(dataset_name)
     proto = PROTOCOLS.get(protocol)
     if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1 (got {limit})")
+        raise UserValueError(f"limit must be >= 1 (got {limit})")
     every_sample = bench.samples(root)
     samples = every_sample[:limit]
     which = class_names or proto.class_names
     vocabulary, names_version = class_vocabulary(bench.name, which)
     settings = proto.settings(bench.name, overrides)
     if not bench.background and (settings.bg_threshold or settings.area_threshold):
-        raise ValueError(f"{bench.name} has no background class: bg_threshold and area_threshold must be 0")
+        raise UserValueError(f"{bench.name} has no background class: bg_threshold and area_threshold must be 0")
     rank, world = rank_and_world()
     named = find_pipeline(spec if spec is not None else proto.attention)
     pipeline = find_pipeline(proto.pipeline_text(bench.name, spec)) if named else None  # the dataset's constants
     if pipeline is not None and isinstance(clip, DenseCLIP):
-        raise ValueError(f"{pipeline.name} is a pipeline with its own model, not a CLIP spec: pass the model its Pipeline.load gives")
+        raise UserValueError(f"{pipeline.name} is a pipeline with its own model, not a CLIP spec: pass the model its Pipeline.load gives")
     if pipeline is not None and prompts is not None:
-        raise ValueError(f"prompts: {pipeline.name} is not a CLIP spec and embeds no prompt file")
+        raise UserValueError(f"prompts: {pipeline.name} is not a CLIP spec and embeds no prompt file")
     if pipeline is not None:  # not a CLIP spec (SAM 3): `clip` is the pipeline's loaded model
         segmenter = pipeline.build(clip, vocabulary, settings)
     else:

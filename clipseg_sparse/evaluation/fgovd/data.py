@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, NoReturn
 
-from ...errors import UserError
+from ...errors import UserFileNotFoundError, UserValueError
 from ...registry import Registry
 
 SPLITS: Registry[str] = Registry("FG-OVD benchmark file")
@@ -40,11 +40,11 @@ for _stem, _name, _help in (
 DIFFICULTY_SPLITS = ("hard", "medium", "easy")
 
 
-class BenchmarkFormatError(UserError, ValueError):
+class BenchmarkFormatError(UserValueError):
     """A benchmark file that is not valid FG-OVD JSON; the message names the first bad entry and field."""
 
 
-class MissingImageError(UserError, FileNotFoundError):
+class MissingImageError(UserFileNotFoundError):
     """A COCO image named by a benchmark file is not under the given images root."""
 
 
@@ -168,7 +168,7 @@ def read_benchmark(path: str | Path, split: str | None = None) -> BenchmarkFile:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: benchmark file not found")
+        raise UserFileNotFoundError(f"{path}: benchmark file not found")
     split = split or split_name(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -62,7 +62,7 @@ def _select(benchmarks: Sequence[BenchmarkFile], limit: int | None) -> dict[str,
 def _read_image(path: Path, ann: RegionAnnotation):
     rgb = load_image(path, exif_transpose=False)  # COCO boxes refer to the stored pixels
     if rgb.shape[:2] != (ann.height, ann.width):
-        raise ValueError(
+        raise UserValueError(
             f"{path}: image is {rgb.shape[1]}x{rgb.shape[0]} but the benchmark declares {ann.width}x{ann.height} "
             f"(image id {ann.image_id}, fields 'width'/'height'); wrong COCO root or a different image"
         )
@@ -94,7 +94,7 @@ def region_embeddings(
     if len(empty):
         a = annotations[int(empty[0])]
         field = "bbox" if region == "pool" else "segmentation"
-        raise ValueError(f"{a.split} annotation id {a.id} (image id {a.image_id}): field {field!r} covers no pixel of the image")
+        raise UserValueError(f"{a.split} annotation id {a.id} (image id {a.image_id}): field {field!r} covers no pixel of the image")
     return feats.pool(maps)
 
 
@@ -145,16 +145,16 @@ def evaluate_fgovd(
     check_stages(spec, settings)
     REGIONS.get(region)
     if negatives < 1:
-        raise ValueError(f"negatives must be >= 1 (got {negatives})")
+        raise UserValueError(f"negatives must be >= 1 (got {negatives})")
     if scale_factor <= 0:
-        raise ValueError(f"scale_factor must be > 0 (got {scale_factor})")
+        raise UserValueError(f"scale_factor must be > 0 (got {scale_factor})")
     if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1 (got {limit})")
+        raise UserValueError(f"limit must be >= 1 (got {limit})")
     templates = resolve_templates(templates)  # fails early on a bad template argument
     loaded = [read_benchmark(p) for p in benchmarks]
     splits = [b.split for b in loaded]
     if len(set(splits)) != len(splits):
-        raise ValueError(f"each split can be given once (got {', '.join(splits)})")
+        raise UserValueError(f"each split can be given once (got {', '.join(splits)})")
     config = {
         **clip.config(),
         "attention": str(spec),

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...errors import UserValueError
 from ...attention import AttentionSpec
 from ...segment.settings import InferenceSettings
 from ...segment.windows import iter_window_features
@@ -58,7 +59,7 @@ def mask_map(ann: RegionAnnotation, size: tuple[int, int]) -> torch.Tensor:
 
     seg, h, w = ann.segmentation, ann.height, ann.width
     if seg is None:
-        raise ValueError(f"{ann.split} annotation id {ann.id} has no segmentation")
+        raise UserValueError(f"{ann.split} annotation id {ann.id} has no segmentation")
     if isinstance(seg, list):  # polygons
         rle = mask_utils.merge(mask_utils.frPyObjects(seg, h, w))
     elif isinstance(seg.get("counts"), list):  # uncompressed RLE
