@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from ..errors import UserValueError
 from ..runtime.accel import adasplash_installed, attention_backend
 from ..segment.images import load_image
 from ..segment.preprocess import window_boxes
@@ -184,7 +185,7 @@ def run_all(
 
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:
-        raise ValueError(f"unknown benchmark suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
+        raise UserValueError(f"unknown benchmark suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     models = [model] if model else (["ViT-B-16"] if quick else ["ViT-B-16", "ViT-L-14"])
     sizes = [224] if quick else [224, 336, 448]

@@ -96,13 +96,13 @@ class Grid:
                 import open_clip
 
                 if pretrained not in open_clip.list_pretrained_tags_by_model(name):
-                    raise ValueError(f"model {entry!r}: {name} has no pretrained tag {pretrained!r}; tags: {', '.join(open_clip.list_pretrained_tags_by_model(name)) or '(none)'}")
+                    raise UserValueError(f"model {entry!r}: {name} has no pretrained tag {pretrained!r}; tags: {', '.join(open_clip.list_pretrained_tags_by_model(name)) or '(none)'}")
         if not self.datasets and not self.fgovd:
-            raise ValueError("the grid names no data: give datasets and/or FG-OVD benchmark files")
+            raise UserValueError("the grid names no data: give datasets and/or FG-OVD benchmark files")
         if any(int(r) <= 0 for r in self.resolutions):
-            raise ValueError(f"resolutions must be positive (got {list(self.resolutions)})")
+            raise UserValueError(f"resolutions must be positive (got {list(self.resolutions)})")
         if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be >= 1 (got {self.limit})")
+            raise UserValueError(f"limit must be >= 1 (got {self.limit})")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Grid":
@@ -115,7 +115,7 @@ class Grid:
             import difflib
 
             hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, known, n=1)) else repr(k) for k in unknown]
-            raise ValueError(f"unknown grid key(s) {', '.join(hints)}; keys: alphas, {', '.join(sorted(known))}")
+            raise UserValueError(f"unknown grid key(s) {', '.join(hints)}; keys: alphas, {', '.join(sorted(known))}")
         normalizers = tuple(data.pop("normalizers", None) or ()) + tuple(f"entmax:{a}" for a in alphas)
         return cls(**data, normalizers=normalizers)
 
@@ -233,7 +233,7 @@ def check_fgovd_negatives(grid: Grid, metric: str | None = None) -> list[str]:
         if not counts:
             continue
         if asked and max(counts) < int(asked.group(1)):
-            raise ValueError(
+            raise UserValueError(
                 f"report metric {metric}: {Path(path).name} has no region with {asked.group(1)} hard negatives (at most "
                 f"{max(counts)}); use the metric without @N (each split at the N it supports) or negatives <= {max(counts)}"
             )
@@ -282,7 +282,7 @@ def read_grid_file(
     try:
         grid = Grid.from_dict(data)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise UserValueError(f"{path}: {e}") from None
     return GridFile(grid, description, roots, path.parent / images_root if images_root else None, report)
 
 

@@ -18,7 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..errors import UserError
+from ..errors import UserValueError
 
 # Knobs that do not change a number: ignored when grouping records and when matching the softmax run.
 NEUTRAL_KEYS = frozenset({"device", "batch_size", "num_workers"})
@@ -32,7 +32,7 @@ DERIVED_KEYS = ("source", "normalizer", "alpha", "block")
 NORMALIZER_ORDER = ("softmax", "entmax", "sparsemax", "randmask")
 
 
-class ReportError(UserError, ValueError):
+class ReportError(UserValueError):
     """Bad input to the reporter: no results, an unknown metric or key."""
 
 

@@ -19,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from ..errors import UserValueError
 from ..files.results import RESULT_SCHEMA, WEIGHTS_KEY
 from ..runtime.atomic import write_json_atomic
 from ..runtime.fingerprint import file_digest
@@ -75,7 +76,7 @@ class SweepPaths:
     def root(self, dataset: str) -> Path:
         root = self.roots.get(dataset, self.roots.get("*"))
         if root is None:
-            raise ValueError(f"no data root given for dataset {dataset!r} (use --root {dataset}=DIR or --root DIR)")
+            raise UserValueError(f"no data root given for dataset {dataset!r} (use --root {dataset}=DIR or --root DIR)")
         return Path(root)
 
 
@@ -164,7 +165,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths, progress: bool = False, overwr
         from ..segment.settings import InferenceSettings
 
         if paths.images_root is None:
-            raise ValueError("FG-OVD cells need the COCO images folder (--images-root)")
+            raise UserValueError("FG-OVD cells need the COCO images folder (--images-root)")
         changes = cell.settings_changes
         settings = InferenceSettings().replace(**changes) if changes else None
         evaluate_fgovd(clip, [Path(cell.data)], paths.images_root, cell.attention, region=g.region, negatives=g.negatives,
