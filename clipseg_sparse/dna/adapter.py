@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
+from ..errors import UserValueError
 from .convert import dna_modules, vision_blocks
 from ..attention.taps import positive_attention
 from .module import DenoisingAttention
@@ -24,7 +24,7 @@ from .module import DenoisingAttention
 FORMAT = "clipseg-sparse-dna/1"
 
 
-class AdapterError(UserError, ValueError):
+class AdapterError(UserValueError):
     """An adapter file that is missing, malformed, or made for another model; the message is one line."""
 
 

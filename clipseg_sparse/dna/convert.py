@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from ..errors import UserValueError
 from .module import DenoisingAttention
 
 WARM_START_EPS = 1e-4
@@ -37,11 +38,11 @@ def block_indices(num_blocks: int, blocks: int | Sequence[int]) -> list[int]:
     """An int N = the last N blocks; a sequence = those indices (negative ones count from the end). Sorted, unique."""
     if isinstance(blocks, int):
         if not 1 <= blocks <= num_blocks:
-            raise ValueError(f"cannot convert the last {blocks} blocks: the model has {num_blocks}")
+            raise UserValueError(f"cannot convert the last {blocks} blocks: the model has {num_blocks}")
         return list(range(num_blocks - blocks, num_blocks))
     out = sorted({b + num_blocks if b < 0 else b for b in blocks})
     if not out or out[0] < 0 or out[-1] >= num_blocks:
-        raise ValueError(f"block indices {list(blocks)} out of range for a model with {num_blocks} blocks")
+        raise UserValueError(f"block indices {list(blocks)} out of range for a model with {num_blocks} blocks")
     return out
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..datasets.errors import DatasetError
 from ..datasets import IGNORE_INDEX, Benchmark
 from ..datasets.labels import patch_labels
 from ..segment.images import IMAGE_SUFFIXES, load_image
@@ -33,7 +34,7 @@ def image_folder(root: str | Path) -> tuple[list[str], list[tuple[Path, int]]]:
     name's underscores become spaces in the class name (`golden_retriever` -> `golden retriever`)."""
     root = Path(root)
     if not root.is_dir():
-        raise ValueError(f"{root}: image folder not found (expected one sub-folder of images per class)")
+        raise DatasetError(f"{root}: image folder not found (expected one sub-folder of images per class)")
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     items = [
         (path, c)
@@ -42,7 +43,7 @@ def image_folder(root: str | Path) -> tuple[list[str], list[tuple[Path, int]]]:
         if path.suffix.lower() in IMAGE_SUFFIXES and not path.name.startswith(".")
     ]
     if len(classes) < 2 or not items:
-        raise ValueError(f"{root}: an ImageFolder needs at least 2 class sub-folders holding images (found {len(classes)} folders, {len(items)} images)")
+        raise DatasetError(f"{root}: an ImageFolder needs at least 2 class sub-folders holding images (found {len(classes)} folders, {len(items)} images)")
     return [c.replace("_", " ") for c in classes], items
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from ..attention.normalizers import Normalizer, normalize
 
 PUBLISHED_SIGN = {False: 1, True: -1}  # shared_values -> sign of the published variant (dna_models.py / dna.py)
@@ -60,10 +61,10 @@ class DenoisingAttention(nn.Module):
             raise ValueError("positive attention must be a packed nn.MultiheadAttention of the same width and heads")
         sign = PUBLISHED_SIGN[shared_values] if sign is None else sign
         if sign not in (1, -1):
-            raise ValueError(f"sign must be +1 or -1 (got {sign})")
+            raise UserValueError(f"sign must be +1 or -1 (got {sign})")
         norm = Normalizer.parse(negative)
         if norm.kind == "randmask":
-            raise ValueError("the negative normalizer must be softmax, entmax:ALPHA or sparsemax")
+            raise UserValueError("the negative normalizer must be softmax, entmax:ALPHA or sparsemax")
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.batch_first = positive.batch_first
         self.positive = positive

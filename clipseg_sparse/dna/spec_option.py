@@ -36,15 +36,15 @@ def check_arg(arg: str) -> str:
     """Canonical `PATH@HASH`; ValueError for an empty argument, a missing file without a recorded hash,
     or a file whose content no longer matches the recorded hash."""
     if not arg:
-        raise ValueError("dna needs an adapter file: dna:PATH")
+        raise AdapterError("dna needs an adapter file: dna:PATH")
     path, recorded = split_arg(arg)
     if not path.is_file():
         if recorded is None:
-            raise ValueError(f"{path}: DnA adapter file not found")
+            raise AdapterError(f"{path}: DnA adapter file not found")
         return arg  # read back from a result elsewhere: keep the record as it is
     digest = file_digest(path)
     if recorded is not None and recorded != digest:
-        raise ValueError(f"{path}: DnA adapter changed since it was recorded (sha256 {digest}, recorded {recorded})")
+        raise AdapterError(f"{path}: DnA adapter changed since it was recorded (sha256 {digest}, recorded {recorded})")
     return f"{path}@{digest}"
 
 

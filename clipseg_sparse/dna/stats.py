@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from ..errors import UserValueError
 from ..datasets import IGNORE_INDEX
 from ..runtime.fingerprint import file_digest
 from .module import DenoisingAttention
@@ -60,7 +61,7 @@ def value_subspaces(modules: dict[int, DenoisingAttention]) -> list[dict]:
         d = C // H
         v_pos = m.positive.in_proj_weight[2 * C :].detach()
         if m.v_neg is None:
-            raise ValueError(f"block {block}: the shared-value ablation has no V- to compare with V+")
+            raise UserValueError(f"block {block}: the shared-value ablation has no V- to compare with V+")
         v_neg = m.v_neg.weight.detach()
         for h in range(H):
             p, n = v_pos[h * d : (h + 1) * d], v_neg[h * d : (h + 1) * d]

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import UserError
+from ..errors import UserValueError
 from ..datasets import DATASETS, IGNORE_INDEX, class_vocabulary
 from ..runtime.distributed import init_from_env
 from ..files.results import WEIGHTS_KEY
@@ -46,7 +46,7 @@ CLAIM = "settings.json"  # OUT's settings record, claimed at start (claim_run)
 AMP = ("auto", "off", "bf16", "fp16")
 
 
-class TrainError(UserError, ValueError):
+class TrainError(UserValueError):
     """A training setting or output folder that cannot be used; the message is one line."""
 
 
