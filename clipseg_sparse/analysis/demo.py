@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import UserError
+from ..errors import UserError, UserValueError
 from ..segment.images import load_image
 from ..segment.segmenter import Segmenter, hook_stages
 from ..segment.settings import InferenceSettings
@@ -34,7 +34,7 @@ RANDOM_WEIGHTS_NOTE = (
 )
 
 
-class DemoError(UserError, ValueError):
+class DemoError(UserValueError):
     """Bad input in the demo form (shown to the user in the page)."""
 
 

@@ -27,6 +27,8 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
+from ..errors import UserValueError
+
 THUMB_WIDTH = 360
 LEGEND_ROWS = 10  # legends of save-pred overlays list the largest classes only (thumbnails stay short)
 
@@ -80,7 +82,7 @@ def parse_columns(items: Sequence[str]) -> list[tuple[str, Path]]:
         name, sep, path = item.partition("=")
         folder = Path(path if sep else item)
         if not folder.is_dir():
-            raise ValueError(f"{folder}: not a folder of segment outputs or eval --save-pred predictions")
+            raise UserValueError(f"{folder}: not a folder of segment outputs or eval --save-pred predictions")
         out.append((name if sep else _column_name(folder), folder))
     return out
 
@@ -142,11 +144,11 @@ def collect_gallery(columns: Sequence[tuple[str, Path]], dataset: str | None = N
     for name, folder in columns:
         has_records = any(folder.rglob("*.overlay.png"))
         if not has_records and bench is None:
-            raise ValueError(f"{folder}: no segment outputs (*.overlay.png); for eval --save-pred folders give --dataset and --root")
+            raise UserValueError(f"{folder}: no segment outputs (*.overlay.png); for eval --save-pred folders give --dataset and --root")
         per_column.append(_segment_cells(folder, bench, samples) if has_records else _prediction_cells(folder, bench, samples))
     keys = sorted({k for cells in per_column for k in cells})
     if not keys:
-        raise ValueError("no images found in the gallery folders")
+        raise UserValueError("no images found in the gallery folders")
     return Gallery([name for name, _ in columns], {k: [cells.get(k) for cells in per_column] for k in keys})
 
 
@@ -235,7 +237,7 @@ def write_gallery(
 
     out = Path(out)
     if out.exists() and not overwrite:
-        raise ValueError(f"{out} exists; pass --overwrite to replace it")
+        raise UserValueError(f"{out} exists; pass --overwrite to replace it")
     gallery = collect_gallery(parse_columns(columns), dataset, root)
     note = f"{len(gallery.rows)} images x {len(gallery.columns)} predictions" + (f"; mIoU against {dataset} labels" if gallery.has_miou else "")
     with atomic_path(out) as tmp:
