@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from ..errors import UserValueError
 from ..attention.presets import register_entmax_variant, register_preset
 from ..evaluation.protocols import PROTOCOLS
 from ..segment.bank import NUM_SUPPORT, SUPPORT_WEIGHT
@@ -64,9 +65,9 @@ def _retrieve_stage(args: str) -> Stage:
         k = int(parts[0]) if parts else NUM_SUPPORT
         alpha = float(parts[1]) if len(parts) > 1 else SUPPORT_WEIGHT
     except ValueError:
-        raise ValueError(f"bad stage 'retrieve:{args}': {usage}") from None
+        raise UserValueError(f"bad stage 'retrieve:{args}': {usage}") from None
     if len(parts) > 2 or k < 1 or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"bad stage 'retrieve:{args}': {usage}")
+        raise UserValueError(f"bad stage 'retrieve:{args}': {usage}")
     return Stage("retrieval", f"retrieve:{k}:{alpha:g}", lambda cosine, regions, retrieve: retrieval_fusion(cosine, retrieve, k, alpha))
 
 

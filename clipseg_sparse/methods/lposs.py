@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from ..attention.presets import register_preset
 from ..evaluation.protocols import PROTOCOLS, Protocol
 from ..stages import STAGES, Stage
@@ -176,18 +177,18 @@ def lp_patch(
 def _floats(name: str, args: str, defaults: Sequence[float], usage: str) -> list[float]:
     parts = args.split(":") if args else []
     if len(parts) > len(defaults):
-        raise ValueError(f"bad stage '{name}:{args}': {usage}")
+        raise UserValueError(f"bad stage '{name}:{args}': {usage}")
     try:
         return [float(p) for p in parts] + list(defaults[len(parts) :])
     except ValueError:
-        raise ValueError(f"bad stage '{name}:{args}': {usage}") from None
+        raise UserValueError(f"bad stage '{name}:{args}': {usage}") from None
 
 
 def _patch_stage(args: str) -> Stage:
     usage = "expected lp:patch[:K[:GAMMA[:ALPHA[:SIGMA]]]], K >= 1, GAMMA > 0, 0 < ALPHA < 1, SIGMA >= 0, e.g. lp:patch:400:3:0.95:0.01"
     k, gamma, alpha, sigma = _floats("lp:patch", args, (PATCH_K, PATCH_GAMMA, LP_ALPHA, PATCH_SIGMA), usage)
     if k != int(k) or k < 1 or gamma <= 0 or not 0 < alpha < 1 or sigma < 0:
-        raise ValueError(f"bad stage 'lp:patch:{args}': {usage}")
+        raise UserValueError(f"bad stage 'lp:patch:{args}': {usage}")
     name = f"lp:patch:{int(k)}:{gamma:g}:{alpha:g}:{sigma:g}"
 
     def run(cosine, boxes, pixels, patch):
@@ -247,7 +248,7 @@ def _pixel_stage(args: str) -> Stage:
     usage = "expected lp:pixel[:TAU[:RADIUS[:ALPHA]]], TAU > 0, RADIUS >= 1, 0 < ALPHA < 1, e.g. lp:pixel:0.01:6:0.95"
     tau, radius, alpha = _floats("lp:pixel", args, (PIXEL_TAU, PIXEL_RADIUS, LP_ALPHA), usage)
     if tau <= 0 or radius != int(radius) or radius < 1 or not 0 < alpha < 1:
-        raise ValueError(f"bad stage 'lp:pixel:{args}': {usage}")
+        raise UserValueError(f"bad stage 'lp:pixel:{args}': {usage}")
     name = f"lp:pixel:{tau:g}:{int(radius)}:{alpha:g}"
     return Stage("post", name, lambda cosine, rgb: lp_pixel(cosine, rgb, tau, int(radius), alpha), at_input=True)
 
@@ -259,7 +260,7 @@ def _lp_stage(args: str) -> Stage:
         return _patch_stage(rest)
     if graph == "pixel":
         return _pixel_stage(rest)
-    raise ValueError(f"bad stage 'lp:{args}': expected lp:patch[:K[:GAMMA[:ALPHA[:SIGMA]]]] or lp:pixel[:TAU[:RADIUS[:ALPHA]]]")
+    raise UserValueError(f"bad stage 'lp:{args}': expected lp:patch[:K[:GAMMA[:ALPHA[:SIGMA]]]] or lp:pixel[:TAU[:RADIUS[:ALPHA]]]")
 
 
 STAGES.register(

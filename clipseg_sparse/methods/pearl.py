@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from ..attention.presets import register_entmax_variant, register_preset
 from ..attention.taps import TAPS, Tap
 from ..evaluation.protocols import PROTOCOLS, SCLIP_LINE, Protocol
@@ -67,7 +68,7 @@ def _parts(ctx) -> tuple[torch.Tensor, torch.Tensor]:
 def _no_arg(kind: str):
     def check(arg: str) -> None:
         if arg:
-            raise ValueError(f"tap {kind!r} takes no argument")
+            raise UserValueError(f"tap {kind!r} takes no argument")
 
     return check
 
@@ -154,9 +155,9 @@ def _tlp_stage(args: str) -> Stage:
     try:
         grid = int(args) if args else TLP_GRID
     except ValueError:
-        raise ValueError(f"bad stage 'tlp:{args}': {usage}") from None
+        raise UserValueError(f"bad stage 'tlp:{args}': {usage}") from None
     if grid < 1:
-        raise ValueError(f"bad stage 'tlp:{args}': {usage}")
+        raise UserValueError(f"bad stage 'tlp:{args}': {usage}")
     return Stage("post", f"tlp:{grid}", lambda cosine, guide, text: tlp(cosine, guide, text, grid), text=True)
 
 

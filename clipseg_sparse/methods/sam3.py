@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import UserValueError
 from ..evaluation.protocols import PROTOCOLS, Protocol
 from ..models.sam3 import Sam3Prompter, load_sam3
 from ..segment.images import load_image
@@ -59,7 +60,7 @@ class Sam3Segmenter:
     def __init__(self, prompter: Sam3Prompter, vocabulary: Vocabulary, settings: InferenceSettings | None = None, confidence: float = CONFIDENCE) -> None:
         settings = settings or InferenceSettings()
         if settings.stage_texts() or settings.area_threshold:
-            raise ValueError(f"sam3 runs no stages and no area threshold (got stages {list(settings.stage_texts())}, area_threshold {settings.area_threshold})")
+            raise UserValueError(f"sam3 runs no stages and no area threshold (got stages {list(settings.stage_texts())}, area_threshold {settings.area_threshold})")
         self.prompter = prompter
         self.vocabulary = vocabulary
         self.settings = settings
@@ -107,7 +108,7 @@ def _pipeline(args: str) -> Pipeline:
     except ValueError:
         confidence = -1.0
     if not 0.0 <= confidence < 1.0:
-        raise ValueError(f"bad pipeline 'sam3:{args}': expected sam3[:CONFIDENCE] with 0 <= CONFIDENCE < 1, e.g. sam3:0.5")
+        raise UserValueError(f"bad pipeline 'sam3:{args}': expected sam3[:CONFIDENCE] with 0 <= CONFIDENCE < 1, e.g. sam3:0.5")
     return Pipeline(
         f"sam3:{confidence:g}", "sam3", load_sam3,
         lambda prompter, vocabulary, settings: Sam3Segmenter(prompter, vocabulary, settings, confidence),

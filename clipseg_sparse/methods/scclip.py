@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from ..attention.presets import register_entmax_variant, register_preset
 from ..evaluation.protocols import PROTOCOLS, SCLIP_LINE, Protocol
 from ..stages import STAGES, Stage
@@ -72,7 +73,7 @@ def lof_repair(x: torch.Tensor, grid: tuple[int, int], taps: dict | None = None)
 
 def _lof_stage(args: str) -> Stage:
     if args:
-        raise ValueError(f"bad stage 'lof:{args}': lof takes no arguments (SC-CLIP's k 30, contamination 0.05)")
+        raise UserValueError(f"bad stage 'lof:{args}': lof takes no arguments (SC-CLIP's k 30, contamination 0.05)")
     return Stage("token", "lof", lof_repair, taps=True)
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from ..attention.normalizers import Normalizer, normalize
 from ..attention.presets import register_preset
 from ..evaluation.protocols import PROTOCOLS, Protocol, register_weights_variant
@@ -163,10 +164,10 @@ def _sam_stage(args: str) -> Stage:
     try:
         cos_fac = float(parts[0]) if parts else 1.2
     except ValueError:
-        raise ValueError(f"bad stage 'sam:{args}': {usage}") from None
+        raise UserValueError(f"bad stage 'sam:{args}': {usage}") from None
     flags = parts[1:]
     if any(f not in ("neg0.6", "halves") for f in flags) or len(set(flags)) != len(flags):
-        raise ValueError(f"bad stage 'sam:{args}': {usage}")
+        raise UserValueError(f"bad stage 'sam:{args}': {usage}")
     refine_neg_cos, halves = "neg0.6" not in flags, "halves" in flags
     name = f"sam:{cos_fac:g}" + ("" if refine_neg_cos else ":neg0.6") + (":halves" if halves else "")
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from ..evaluation.protocols import PROTOCOLS
 from ..models.proxies import PROXIES
 from ..runtime.weights import WeightsUnavailableError, require_extra
@@ -238,9 +239,9 @@ def _samrefine_stage(args: str) -> Stage:
     try:
         coarse, iou = (float(parts[0]) if parts else 0.2), (float(parts[1]) if len(parts) > 1 else 0.8)
     except ValueError:
-        raise ValueError(f"bad stage 'samrefine:{args}': {usage}") from None
+        raise UserValueError(f"bad stage 'samrefine:{args}': {usage}") from None
     if len(parts) > 2 or not (0 <= coarse <= 1 and 0 <= iou <= 1):
-        raise ValueError(f"bad stage 'samrefine:{args}': {usage}")
+        raise UserValueError(f"bad stage 'samrefine:{args}': {usage}")
 
     def run(labels: torch.Tensor, maps, image: np.ndarray) -> torch.Tensor:
         return sam_refine(labels, maps, image, coarse, iou)
