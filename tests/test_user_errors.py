@@ -97,3 +97,78 @@ def test_a_plain_error_is_not_swallowed(monkeypatch):
     monkeypatch.setitem(ls.TABLES, ls.Listable.presets, raises)
     result = CliRunner().invoke(app, ["ls", "presets"])
     assert result.exit_code == 1 and isinstance(result.exception, ValueError)
+
+
+def _bad_inputs():
+    """(folder, call) pairs: one user-facing error per migrated folder, each a bad argument a user can give."""
+    import numpy as np
+
+    from clipseg_sparse.analysis.gallery import parse_columns
+    from clipseg_sparse.datasets.classnames import class_names_file
+    from clipseg_sparse.datasets.labels import label_image
+    from clipseg_sparse.dna.convert import block_indices
+    from clipseg_sparse.dna.data import image_folder
+    from clipseg_sparse.dna.spec_option import check_arg
+    from clipseg_sparse.evaluation.fgovd.data import read_benchmark
+    from clipseg_sparse.evaluation.metrics import intersect_and_union
+    from clipseg_sparse.files.outputs import OutputOptions
+    from clipseg_sparse.runtime.accel import attention_backend
+    from clipseg_sparse.runtime.distributed import parse_shard
+    from clipseg_sparse.stages import parse_stage
+    from clipseg_sparse.sweeps.grid import Grid
+
+    def enter(context):
+        with context:
+            pass
+
+    return {
+        "runtime: --shard": lambda: parse_shard("5/4"),
+        "runtime: attention backend": lambda: enter(attention_backend("cudnn")),
+        "datasets: class names": lambda: class_names_file("ade20k", "/no/such/names.txt"),
+        "datasets: palette": lambda: label_image(np.full((2, 2), 300)),
+        "files: mask format": lambda: OutputOptions().check_classes(300),
+        "evaluation: metrics": lambda: intersect_and_union(np.zeros((2, 2), int), np.zeros((3, 3), int), 2),
+        "evaluation: fgovd file": lambda: read_benchmark("/no/such/benchmark.json"),
+        "sweeps: grid key": lambda: Grid.from_dict({"datasets": ["ade20k"], "resolutoins": [336]}),
+        "dna: --blocks": lambda: block_indices(12, 13),
+        "dna: adapter option": lambda: check_arg(""),
+        "dna: image folder": lambda: image_folder("/no/such/folder"),
+        "methods: stage arguments": lambda: parse_stage("lof:3"),
+        "analysis: gallery column": lambda: parse_columns(["/no/such/folder"]),
+    }
+
+
+BAD_INPUTS = _bad_inputs()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_migrated_folders_raise_user_errors_for_bad_input(case):
+    """The folders migrated so far (issue 30 item 5) raise a UserError for input a user gives, still a ValueError
+    (or FileNotFoundError), so callers' `except ValueError` keeps working."""
+    with pytest.raises(UserError) as caught:
+        BAD_INPUTS[case]()
+    assert isinstance(caught.value, (ValueError, FileNotFoundError)), type(caught.value).__mro__
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 30 item 5, the boundary switch: `segment` still lists ValueError in @user_errors, because segment/, "
+    "attention/, models/ and stages.py still raise plain ValueError for bad input. Once every user-facing error "
+    "there is a UserError and user_errors() takes no builtins, this passes: remove the mark then.",
+)
+def test_an_internal_value_error_in_a_command_is_a_traceback(tmp_path, monkeypatch):
+    """A bug in the library (here planted: a plain ValueError from a function `segment` calls before any
+    model loads) must surface as itself (exit 1, the exception kept for the traceback), not as a one-line
+    `error:` blaming the user's input with exit 2."""
+    from PIL import Image
+
+    from clipseg_sparse.files import inputs
+
+    def internal(*args, **kwargs):
+        raise ValueError("internal")
+
+    monkeypatch.setattr(inputs, "discover_images", internal)
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    result = CliRunner().invoke(app, ["segment", str(tmp_path / "a.png"), "--classes", "cat,dog", "--out", str(tmp_path / "out")])
+    assert "error: internal" not in result.stderr, result.stderr
+    assert result.exit_code == 1 and type(result.exception) is ValueError and str(result.exception) == "internal"
