@@ -76,7 +76,7 @@ def _column_name(folder: Path) -> str:
 
 
 def parse_columns(items: Sequence[str]) -> list[tuple[str, Path]]:
-    """`NAME=DIR` or `DIR` (named by its spec or folder name) -> (name, folder); ValueError if not a folder."""
+    """`NAME=DIR` or `DIR` (named by its spec or folder name) -> (name, folder); UserValueError if not a folder."""
     out = []
     for item in items:
         name, sep, path = item.partition("=")
@@ -232,7 +232,7 @@ def write_gallery(
     columns: Sequence[str], out: str | Path, dataset: str | None = None, root: str | Path | None = None, overwrite: bool = False, title: str = "clipseg-sparse gallery"
 ) -> tuple[Path, Gallery]:
     """Build the page from `NAME=DIR` / `DIR` columns and write it (atomically; never over an existing
-    file unless `overwrite`). ValueError for bad folders, an existing page, or nothing to show."""
+    file unless `overwrite`). UserValueError for bad folders, an existing page, or nothing to show."""
     from ..runtime.atomic import atomic_path
 
     out = Path(out)

@@ -33,7 +33,7 @@ def split_arg(arg: str) -> tuple[Path, str | None]:
 
 
 def check_arg(arg: str) -> str:
-    """Canonical `PATH@HASH`; ValueError for an empty argument, a missing file without a recorded hash,
+    """Canonical `PATH@HASH`; AdapterError for an empty argument, a missing file without a recorded hash,
     or a file whose content no longer matches the recorded hash."""
     if not arg:
         raise AdapterError("dna needs an adapter file: dna:PATH")

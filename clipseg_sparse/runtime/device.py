@@ -18,7 +18,7 @@ def _mps_available() -> bool:
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """`auto` picks CUDA, then Apple MPS, then CPU; ValueError for a device this machine lacks."""
+    """`auto` picks CUDA, then Apple MPS, then CPU; UserValueError for a device this machine lacks."""
     if device is None or str(device) == "auto":
         if _cuda_available():
             return torch.device("cuda")

@@ -87,7 +87,7 @@ def shard(items: Sequence[T], rank: int, world: int) -> list[T]:
 
 
 def parse_shard(text: str) -> tuple[int, int]:
-    """`I/N` (1 <= I <= N) -> (I - 1, N), the 0-based part for `shard`; ValueError otherwise."""
+    """`I/N` (1 <= I <= N) -> (I - 1, N), the 0-based part for `shard`; UserValueError otherwise."""
     part, sep, parts = text.partition("/")
     try:
         index, count = int(part), int(parts)

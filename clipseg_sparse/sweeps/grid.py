@@ -219,7 +219,7 @@ def model_weights(entry: str) -> tuple[str, str | None]:
 
 def check_fgovd_negatives(grid: Grid, metric: str | None = None) -> list[str]:
     """Before any cell runs: a note per FG-OVD file that is reported below the grid's `negatives` (each
-    split at the N most of its regions reach, `fgovd.metrics.supported_negatives`); ValueError when
+    split at the N most of its regions reach, `fgovd.metrics.supported_negatives`); UserValueError when
     `metric` names an N (`top1@10`) for which a file has no region, so its split could never be shown."""
     import re
 
