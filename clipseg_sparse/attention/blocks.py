@@ -22,11 +22,12 @@ import torch
 from ..errors import UserValueError
 from . import feedback
 from .combine import _attend, aggregate, attended_values, attention_weights
+from .contract import Block, grid_block, negative_branch, positive_attention
 from .grid import resize_regions
 from .precision import like
 from .scope import mask_class_tokens, mct_step, needs_regions, prepare_regions, semantic_tokens, semantic_weight
 from .spec import AttentionSpec
-from .taps import TAPS, BlockContext, block_qkv, clip_attention, positive_attention, run_block, tap_kind
+from .taps import TAPS, BlockContext, block_qkv, clip_attention, run_block, tap_kind
 
 
 @dataclass
@@ -75,7 +76,7 @@ def check_depth(spec: AttentionSpec, depth: int) -> None:
         raise UserValueError(f"spec {spec} reads block {late[0]}, which is edited or past the last block; taps and inputs must come from blocks 1..{n_plain} of this model's {depth}")
 
 
-def _context(state: EncoderState, reads: torch.Tensor, block: torch.nn.Module, offset: int, hidden) -> BlockContext:
+def _context(state: EncoderState, reads: torch.Tensor, block: Block, offset: int, hidden) -> BlockContext:
     """ln_1 and q/k/v (B x H x N x d) of `reads` (B x N x C) for `block` (`taps.block_qkv`)."""
     u = block.ln_1(reads)
     q, k, v = block_qkv(block, u, state.grid)
@@ -85,7 +86,7 @@ def _context(state: EncoderState, reads: torch.Tensor, block: torch.nn.Module, o
 
 
 def edited_block_forward(
-    block: torch.nn.Module,
+    block: Block,
     x: torch.Tensor,
     spec: AttentionSpec,
     grid: tuple[int, int],
@@ -94,8 +95,8 @@ def edited_block_forward(
     main: bool = True,
     sink: list | None = None,
 ) -> torch.Tensor:
-    """Run one open_clip `ResidualAttentionBlock` (or an adapted timm block, `models/towers.py`) with the
-    attention described by `spec`.
+    """Run one block (`contract.Block`: open_clip's `ResidualAttentionBlock`, or a timm block adapted by its
+    family, `models/families/timm_tower.py`) with the attention described by `spec`.
 
     x: B x N x C tokens (batch first, the prefix tokens (CLS; none in SigLIP) first, then the h x w patch
     grid row-major).
@@ -105,7 +106,7 @@ def edited_block_forward(
     `attn.out_proj`, `ln_1`, `ln_2`, `mlp`, `ls_*`) and changes none of them.
     """
     attn = positive_attention(block.attn)  # a DnA block (dna:PATH) adds its negative branch below
-    if not isinstance(attn, torch.nn.MultiheadAttention) and not hasattr(block, "project_qkv"):
+    if not isinstance(attn, torch.nn.MultiheadAttention) and grid_block(block) is None:
         raise TypeError(
             f"attention edits need open_clip's default ResidualAttentionBlock (nn.MultiheadAttention) or an "
             f"adapted timm block, got {type(attn).__name__}"
@@ -127,7 +128,7 @@ def edited_block_forward(
         out = ctx.v
     else:
         out = _attend(ctx.q, ctx.k, ctx.v, spec, grid, ctx)
-    branch = getattr(block.attn, "negative_branch", None)  # a WrappedAttention (DnA, dna:PATH)
+    branch = negative_branch(block.attn)  # a WrappedAttention's (DnA, dna:PATH)
     if branch is not None:
         if out.shape[2] != ctx.u.shape[1]:
             raise ValueError("dna:PATH adds its branch on CLIP's token grid; it cannot be combined with attention on an external grid")

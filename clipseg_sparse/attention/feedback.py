@@ -171,7 +171,7 @@ def feedback_scores(
     threshold = float(tap_kind(feedback_terms(spec)[0].tap)[1])
     text = context["text"].to(tokens.device).float()
     normed = visual.ln_post(tokens[:, -grid[0] * grid[1] :])  # the patch tokens
-    head = getattr(visual, "dense_head", None)  # an adapted timm tower's per-token head (models/towers.py)
+    head = getattr(visual, "dense_head", None)  # a timm tower's per-token head (models/families/timm_tower.py)
     feats = F.normalize((normed @ visual.proj if head is None else head(normed)).float(), dim=-1)  # B x N x D
     patch = windows.shape[-2] // grid[0]  # the encoded windows are whole patches
     windows = context.get("windows", windows)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .contract import is_block
+
 REDUCED = (torch.bfloat16, torch.float16)
 
 
@@ -28,17 +30,12 @@ def like(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def _fast_block(block: torch.nn.Module) -> bool:
-    """Whether `block` is open_clip's plain ResidualAttentionBlock (self-attention through an
-    nn.MultiheadAttention with fused q/k/v weights, batch first), which `sdpa_block` reproduces."""
-    attn = getattr(block, "attn", None)
-    return (
-        type(block).__name__ == "ResidualAttentionBlock"
-        and type(attn) is torch.nn.MultiheadAttention
-        and attn.batch_first
-        and attn.in_proj_weight is not None
-        and not hasattr(block, "ln_1_kv")
-        and all(hasattr(block, name) for name in ("ln_1", "ln_2", "mlp", "ls_1", "ls_2"))
-    )
+    """Whether `block` is open_clip's plain ResidualAttentionBlock (a `contract.Block` whose self-attention
+    is an nn.MultiheadAttention with fused q/k/v weights, batch first), which `sdpa_block` reproduces."""
+    if type(block).__name__ != "ResidualAttentionBlock" or not is_block(block) or hasattr(block, "ln_1_kv"):
+        return False
+    attn = block.attn
+    return type(attn) is torch.nn.MultiheadAttention and attn.batch_first and attn.in_proj_weight is not None
 
 
 def explicit_attention_is_faster(device: torch.device) -> bool:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .contract import Block, grid_block, positive_attention
 from .grid import merge_regions, resize_regions
 from .spec import AttentionSpec, Term, _num, fmt_num, register_option
-from .taps import TAPS, BlockContext, attention_grid, positive_attention, tap_kind
+from .taps import TAPS, BlockContext, attention_grid, tap_kind
 
 
 def region_terms(spec: AttentionSpec) -> list[Term]:
@@ -85,15 +86,15 @@ def mask_class_tokens(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
     return x[:, :1].expand(B, R, -1).clone(), allowed, index
 
 
-def mct_step(block: torch.nn.Module, mct: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+def mct_step(block: Block, mct: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     """One block for the MCTs (B x R x C): queries from the MCTs, keys and values from the block's input x
     (B x (1 + N) x C, the original tokens on `grid`), restricted to `allowed`; residual and FFN.
-    open_clip's block: the q and kv rows of its fused in_proj (as published); an adapted timm block
-    (`project_qkv`, models/towers.py): the MCTs project as prefix tokens before x, so like the CLS they copy
-    they get no RoPE, and the patches get theirs."""
+    open_clip's block: the q and kv rows of its fused in_proj (as published); a `contract.GridBlock` (timm
+    towers, models/families/timm_tower.py): the MCTs project as prefix tokens before x, so like the CLS they
+    copy they get no RoPE, and the patches get theirs."""
     attn = positive_attention(block.attn)
     B, R, C = mct.shape
-    own = getattr(block, "project_qkv", None)
+    own = grid_block(block)
     if own is None:
         H = attn.num_heads
         w_q, w_kv = attn.in_proj_weight[:C], attn.in_proj_weight[C:]
@@ -101,7 +102,7 @@ def mct_step(block: torch.nn.Module, mct: torch.Tensor, x: torch.Tensor, allowed
         q = F.linear(block.ln_1(mct), w_q, b_q).view(B, R, H, C // H).transpose(1, 2)
         k, v = F.linear(block.ln_1(x), w_kv, b_kv).view(B, -1, 2, H, C // H).permute(2, 0, 3, 1, 4)
     else:
-        q, k, v = own(block.ln_1(torch.cat([mct, x], dim=1)), grid)
+        q, k, v = own.project_qkv(block.ln_1(torch.cat([mct, x], dim=1)), grid)
         q, k, v = q[:, :, :R], k[:, :, R:], v[:, :, R:]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
     y = mct + block.ls_1(attn.out_proj(out.transpose(1, 2).reshape(B, R, C)))

@@ -15,29 +15,15 @@ softmax(q k^T / sqrt(d)) maps, per head).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from ..registry import ENTRY_POINT_GROUP, Registry
+from .contract import Block, grid_block, positive_attention
 from .precision import reduced_block
 
-
-@runtime_checkable
-class WrappedAttention(Protocol):
-    """What the engine needs of an attention module that wraps a block's own one (DnA's
-    `DenoisingAttention`): the wrapped `nn.MultiheadAttention` and the branch it adds to an edited
-    block's attention output. The engine asks for these attributes; it imports no wrapper."""
-
-    positive: torch.nn.MultiheadAttention
-
-    def negative_branch(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
-
-
-def positive_attention(attn: torch.nn.Module) -> torch.nn.Module:
-    """The nn.MultiheadAttention holding a block's own q/k/v/out weights, whether or not a wrapper holds it."""
-    return getattr(attn, "positive", attn)
 
 Features = Callable[["BlockContext", str], "tuple[torch.Tensor, torch.Tensor]"]
 Maps = Callable[["BlockContext", str], torch.Tensor]
@@ -173,17 +159,17 @@ TAPS.register(
 )
 
 
-def block_qkv(block: torch.nn.Module, u: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_qkv(block: Block, u: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v (B x H x N x d) of a block's ln_1 state u (B x N x C) on the patch grid `grid`.
 
-    The one place the engine projects q/k/v: a block that brings its own `project_qkv(u, grid)` (an adapted
-    timm tower, `models/towers.py`: separate or fused weights, q/k norms, RoPE where the model applies it)
+    The one place the engine projects q/k/v: a `contract.GridBlock` (a timm tower's adapted block,
+    `models/families/timm_tower.py`: separate or fused weights, q/k norms, RoPE where the model applies it)
     is asked for them; otherwise the fused `in_proj` of open_clip's nn.MultiheadAttention (of its positive
     branch when the block runs DnA). N may be the prefix tokens + h*w patches, or the h*w patches alone.
     """
-    own = getattr(block, "project_qkv", None)
+    own = grid_block(block)
     if own is not None:
-        return own(u, grid)
+        return own.project_qkv(u, grid)
     attn = positive_attention(block.attn)
     B, N, C = u.shape
     H = attn.num_heads
@@ -191,17 +177,17 @@ def block_qkv(block: torch.nn.Module, u: torch.Tensor, grid: tuple[int, int]) ->
     return q, k, v
 
 
-def run_block(block: torch.nn.Module, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """An unedited block on tokens x (B x N x C); adapted timm blocks take the grid (`forward_grid`, for RoPE).
+def run_block(block: Block, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """An unedited block on tokens x (B x N x C); a `contract.GridBlock` takes the grid (`forward_grid`, for RoPE).
     In reduced precision open_clip's blocks run through one fused attention call (`precision.sdpa_block`)."""
-    own = getattr(block, "forward_grid", None)
+    own = grid_block(block)
     if own is not None:
-        return own(x, grid)
+        return own.forward_grid(x, grid)
     fast = reduced_block(block, x)
     return block(x) if fast is None else fast
 
 
-def clip_attention(block: torch.nn.Module, x: torch.Tensor, grid: tuple[int, int] = (0, 0)) -> torch.Tensor:
+def clip_attention(block: Block, x: torch.Tensor, grid: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """B x H x N x N softmax(q k^T / sqrt(d)) of an unmodified block on tokens x (B x N x C) on `grid`
     (of its positive branch when the block runs DnA)."""
     q, k, _ = block_qkv(block, block.ln_1(x), grid)

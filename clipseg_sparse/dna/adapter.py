@@ -18,7 +18,7 @@ import torch
 
 from ..errors import UserValueError
 from .convert import dna_modules, vision_blocks
-from ..attention.taps import positive_attention
+from ..attention.contract import positive_attention
 from .module import DenoisingAttention
 
 FORMAT = "clipseg-sparse-dna/1"
