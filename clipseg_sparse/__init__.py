@@ -93,6 +93,7 @@ _MOVED = {
     "model": "models.clip",
     "text_tower": "models.text_tower",
     "backbones": "models.backbones",
+    "models.towers": ("models.families.timm_tower", "models.tower"),
     "proxy_source": "models.proxies",
     "inference": "segment",
     "text": "segment.vocabulary",

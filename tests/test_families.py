@@ -1,4 +1,4 @@
-"""timm-tower CLIP families (models/towers.py): EVA-02, SigLIP 2, PE-Core through the one engine.
+"""timm-tower CLIP families (models/families/): EVA-02, SigLIP 2, PE-Core through the one engine.
 
 The towers are open_clip's real architectures (`_build_vision_tower` / `_build_text_tower` of the shipped
 configs) built on the meta device and filled with seeded random weights (timm's own init of 86M
@@ -23,7 +23,9 @@ from clipseg_sparse.attention import edited_block_forward, resolve_spec
 from clipseg_sparse.attention.spec import SOURCES
 from clipseg_sparse.models.clip import check_model_name, supported_models
 from clipseg_sparse.models.text_tower import cut_plan, encode_tokens
-from clipseg_sparse.models.towers import TimmDenseCLIP, model_family
+from clipseg_sparse.models.clip import DenseCLIP
+from clipseg_sparse.models.families.timm_tower import TimmTower
+from clipseg_sparse.models.tower import model_family
 
 FAMILIES = {"eva02": "EVA02-B-16", "siglip2": "ViT-B-16-SigLIP2", "pecore": "PE-Core-B-16"}
 SMALL = (32, 48)  # a 2 x 3 patch grid at /16
@@ -60,11 +62,11 @@ def _vision(name: str) -> nn.Module:
     return visual
 
 
-def _dense(name: str) -> TimmDenseCLIP:
+def _dense(name: str) -> DenseCLIP:
     holder = nn.Module()
     holder.visual = _vision(name)
     holder.logit_scale = nn.Parameter(torch.tensor(2.0))
-    return TimmDenseCLIP(model=holder, tokenizer=None, model_name=name, pretrained="none")
+    return DenseCLIP(model=holder, tokenizer=None, model_name=name, pretrained="none")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -77,7 +79,7 @@ def one_thread():
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request) -> tuple[str, TimmDenseCLIP]:
+def family(request) -> tuple[str, DenseCLIP]:
     return request.param, _dense(FAMILIES[request.param])
 
 
@@ -317,7 +319,7 @@ def test_large_towers_shapes(name, patch):
         holder = nn.Module()
         holder.visual = visual
         holder.logit_scale = nn.Parameter(torch.tensor(1.0))
-    clip = TimmDenseCLIP(model=holder, tokenizer=None, model_name=name, pretrained="none")
+    clip = DenseCLIP(model=holder, tokenizer=None, model_name=name, pretrained="none")
     x = torch.empty(1, 3, 3 * patch, 5 * patch, device="meta")
     with torch.inference_mode():
         feats, pooled = clip.encode_dense(x, "sclip", with_cls=True)
@@ -325,7 +327,7 @@ def test_large_towers_shapes(name, patch):
 
 
 def test_load_clip_gives_a_timm_tower_and_a_lazy_hub_tokenizer(monkeypatch, tmp_path):
-    """load_clip on SigLIP 2 with random weights: TimmDenseCLIP, images run offline, and the Hugging Face
+    """load_clip on SigLIP 2 with random weights: DenseCLIP, images run offline, and the Hugging Face
     tokenizer is only asked for with the first text: a missing local directory is one line."""
     from clipseg_sparse import WeightsUnavailableError, load_clip
     from clipseg_sparse.models import clip as clip_module
@@ -338,7 +340,7 @@ def test_load_clip_gives_a_timm_tower_and_a_lazy_hub_tokenizer(monkeypatch, tmp_
     model.visual.preprocess_cfg = {"mean": (0.5,) * 3, "std": (0.5,) * 3}
     monkeypatch.setattr(clip_module, "_create_open_clip", lambda *a, **k: (model, name, None, False, None))
     clip = load_clip(name, pretrained=None, device="cpu")
-    assert isinstance(clip, TimmDenseCLIP) and isinstance(clip.tokenizer, HubTokenizer) and clip.tokenizer._tokenizer is None
+    assert isinstance(clip.tower, TimmTower) and isinstance(clip.tokenizer, HubTokenizer) and clip.tokenizer._tokenizer is None
     assert clip.encode_dense(torch.zeros(1, 3, *SMALL)).shape == (1, 2, 3, 768) and clip.mean == (0.5,) * 3
     missing = tmp_path / "no-tokenizer"
     clip = load_clip(name, pretrained=None, device="cpu", tokenizer=str(missing))
@@ -419,7 +421,7 @@ def test_segmenter_runs_unchanged_on_timm_towers(name):
     model.visual.preprocess_cfg = {"mean": (0.5,) * 3, "std": (0.5,) * 3}
     cfg = open_clip.get_model_config(name)["text_cfg"]
     tokenizer = _WordIds(cfg["context_length"], cfg["vocab_size"]) if "hf_tokenizer_name" in cfg else open_clip.get_tokenizer(name)
-    clip = TimmDenseCLIP(model=model, tokenizer=tokenizer, model_name=name, pretrained="none")
+    clip = DenseCLIP(model=model, tokenizer=tokenizer, model_name=name, pretrained="none")
     settings = InferenceSettings(resolution=64, window=32, stride=16)
     image = np.random.default_rng(0).integers(0, 255, (48, 80, 3), dtype=np.uint8)
     with torch.inference_mode():

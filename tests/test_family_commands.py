@@ -24,17 +24,18 @@ from typer.testing import CliRunner
 from clipseg_sparse.bench import run as bench_run
 from clipseg_sparse.cli.app import app
 from clipseg_sparse.models import clip as clip_module
-from clipseg_sparse.models.towers import TimmDenseCLIP, model_family
+from clipseg_sparse.models.clip import DenseCLIP
+from clipseg_sparse.models.tower import model_family
 from fake_benchmarks import make_benchmark
 from test_families import _WordIds, _fill
 from test_fgovd import SUBSET, make_images
 
 FAMILIES = {"EVA-02": "EVA02-B-16", "SigLIP": "ViT-B-16-SigLIP", "SigLIP 2": "ViT-B-16-SigLIP2", "PE-Core": "PE-Core-B-16"}
 FAST = ["--templates", "single", "--resolution", "32"]
-_BUILT: dict[tuple[str, str], TimmDenseCLIP] = {}
+_BUILT: dict[tuple[str, str], DenseCLIP] = {}
 
 
-def _family_clip(name: str, precision: str = "fp32") -> TimmDenseCLIP:
+def _family_clip(name: str, precision: str = "fp32") -> DenseCLIP:
     """The real architecture `name`, seeded random weights, built once per session and precision."""
     if (name, precision) not in _BUILT:
         with torch.device("meta"):
@@ -43,7 +44,7 @@ def _family_clip(name: str, precision: str = "fp32") -> TimmDenseCLIP:
         model.visual.preprocess_cfg = {"mean": (0.5,) * 3, "std": (0.5,) * 3}
         cfg = open_clip.get_model_config(name)["text_cfg"]
         tokenizer = _WordIds(cfg["context_length"], cfg["vocab_size"]) if "hf_tokenizer_name" in cfg else open_clip.get_tokenizer(name)
-        _BUILT[name, precision] = TimmDenseCLIP(model=model, tokenizer=tokenizer, model_name=name, pretrained="none", precision=precision)
+        _BUILT[name, precision] = DenseCLIP(model=model, tokenizer=tokenizer, model_name=name, pretrained="none", precision=precision)
     return _BUILT[name, precision]
 
 

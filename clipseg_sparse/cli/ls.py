@@ -2,7 +2,8 @@
 
 Every kind but `models` is a registry of the package (defined next to its entries' type, `registry.py`);
 a row is the entry's own description plus its help, and for the plug-in kinds (presets, stages, taps, spec
-options) a "defined in" column names the module that registered each entry.
+options) a "defined in" column names the module that registered each entry. `models` lists open_clip's
+configurations, each with the family of the registry `models.tower.FAMILIES` it belongs to.
 """
 
 from __future__ import annotations
@@ -84,12 +85,13 @@ def registry_table(what: Listable):
 
 
 def models_table():
-    """`ls models`: every open_clip configuration with its family, whether dense inference runs on it (and
-    why not where it does not), and its pretrained tags."""
+    """`ls models`: every open_clip configuration with its family (the first of the registered families,
+    `models.tower.FAMILIES`, that matches it), whether dense inference runs on it (and why not where it does
+    not), and its pretrained tags."""
     import open_clip
     from rich.table import Table
 
-    from ..models.towers import model_family
+    from ..models.tower import model_family
 
     table = Table("model", "family", "dense", "pretrained tags / why not")
     for name in open_clip.list_models():

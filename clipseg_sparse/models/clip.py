@@ -5,6 +5,8 @@ a local checkpoint or no weights at all, and turns every way of failing to get w
 `WeightsUnavailableError` that says what to do. `DenseCLIP.encode_dense` runs the untouched model up to
 the last `spec.layers` blocks, then runs those blocks itself from their own weights (no fork of
 open_clip's code, nothing patched in place), so one loaded model serves any number of specs.
+`DenseCLIP` holds its family's image tower (`tower.Tower`, one file per family in `families/`), so it runs
+every family the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import torch.nn.functional as F
 
 from ..attention import OPTIONS, AttentionSpec, resolve_spec
 from ..attention import blocks as attention_blocks
-from ..attention.precision import fp32_layer_norm
 from ..attention.taps import attention_grid
 from ..runtime.device import PRECISIONS, check_precision, resolve_device
 from ..runtime.fingerprint import file_digest
@@ -37,11 +38,17 @@ from ..runtime.weights import (
 )
 from .proxies import PROXIES, ext_backbones
 from .text_tower import encode_tokens
+from .tower import Tower, model_family, wrap_tower
 
 POS_INTERP_RULES = ("size", "scale")  # see DenseCLIP.positional_embedding
 # The library's default CLIP: what runs when neither the command line nor a protocol names one
 # (`evaluation.protocols.Protocol.clip_weights` writes that precedence once).
 DEFAULT_MODEL, DEFAULT_PRETRAINED = "ViT-B-16", "openai"
+
+
+def _check_rule(rule: str) -> None:
+    if rule not in POS_INTERP_RULES:
+        raise ValueError(f"unknown positional-embedding rule {rule!r}; choose {', '.join(POS_INTERP_RULES)}")
 
 
 def _is_torchscript_archive(path: Path) -> bool:
@@ -54,15 +61,13 @@ def _is_torchscript_archive(path: Path) -> bool:
 
 
 def _unsupported(config: dict, name: str = "") -> str | None:
-    """Why an open_clip model config cannot be used here (None if it can); see `towers.model_family`."""
-    from .towers import model_family
-
+    """Why an open_clip model config cannot be used here (None if it can); see `tower.model_family`."""
     return model_family(name, config).reason
 
 
 def supported_models() -> list[str]:
-    """open_clip names `load_clip` accepts: ViTs of open_clip's own VisionTransformer and the timm towers
-    the adapter runs (EVA-02, SigLIP / SigLIP 2, PE-Core; `towers.py`)."""
+    """open_clip names `load_clip` accepts: those of a family that runs (`families/`: open_clip's own
+    VisionTransformer, and the timm towers EVA-02, SigLIP / SigLIP 2, PE-Core)."""
     import open_clip
 
     return [m for m in open_clip.list_models() if _unsupported(open_clip.get_model_config(m), m) is None]
@@ -180,7 +185,7 @@ def load_clip(
         its files, instead of the Hub id read from the local cache. Such a tokenizer is loaded at once
         with weights, and on the first text otherwise (random weights run offline on images).
     Raises WeightsUnavailableError with instructions when weights (or a Hub tokenizer) cannot be had.
-    timm towers (EVA-02, SigLIP, PE-Core) come back as `towers.TimmDenseCLIP`, the same interface.
+    Every family comes back as a DenseCLIP holding the tower its family wraps (`tower.wrap_tower`).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
@@ -200,9 +205,7 @@ def load_clip(
         text_tokenizer = HubTokenizer(name, config["text_cfg"], tokenizer, cache_dir)
         if weights is not None:
             text_tokenizer.load()  # fail before any image is read, as missing weights do
-    from .towers import TimmDenseCLIP, is_timm_tower
-
-    return (TimmDenseCLIP if is_timm_tower(config) else DenseCLIP)(
+    return DenseCLIP(
         model=model,
         tokenizer=text_tokenizer,
         model_name=name,
@@ -210,6 +213,7 @@ def load_clip(
         precision=precision,
         quick_gelu=gelu,
         pretrained_sha256=digest,
+        tower=wrap_tower(model, name, config),
     )
 
 
@@ -221,6 +225,8 @@ class DenseCLIP:
     quick_gelu: whether the activation is QuickGELU (it changes every embedding, so results record it).
     pretrained_sha256: the checkpoint file's content digest when `pretrained` is a file (`runtime.fingerprint`),
     taken when it was loaded: a checkpoint rewritten in place no longer matches results made before.
+    tower: the image tower as its family wraps it (`tower.Tower`); default: the family of `model_name`'s
+    open_clip configuration wraps `model` (`tower.wrap_tower`).
     """
 
     model: torch.nn.Module
@@ -234,7 +240,11 @@ class DenseCLIP:
     # which follows this CLIP's own weights: random backbones for a random CLIP)
     proxy_weights: str | None = None
     pretrained_sha256: str | None = None
-    _pos_cache: dict = field(default_factory=dict, repr=False)
+    tower: Tower | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tower is None:
+            self.tower = wrap_tower(self.model, self.model_name)
 
     def config(self) -> dict:
         """What identifies this model's numbers in a result file: name, weights, precision, activation,
@@ -254,23 +264,25 @@ class DenseCLIP:
 
     @property
     def visual(self) -> torch.nn.Module:
-        return self.model.visual
+        """The image tower as the engine runs it (`tower.Tower.visual`): open_clip's VisionTransformer, or a
+        family's adapter with the same `transformer.resblocks`, `ln_post` and `preprocess_cfg`."""
+        return self.tower.visual
 
     @property
     def device(self) -> torch.device:
-        return self.visual.proj.device
+        return self.tower.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.visual.proj.dtype
+        return self.tower.dtype
 
     @property
     def patch_size(self) -> int:
-        return int(self.visual.patch_size[0])
+        return self.tower.patch_size
 
     @property
     def embed_dim(self) -> int:
-        return int(self.visual.proj.shape[1])
+        return self.tower.embed_dim
 
     @property
     def mean(self) -> tuple[float, float, float]:
@@ -282,8 +294,8 @@ class DenseCLIP:
 
     @property
     def prefix_tokens(self) -> int:
-        """Tokens before the patch grid (open_clip ViTs: the CLS token)."""
-        return 1
+        """Tokens before the patch grid (open_clip ViTs: the CLS token; SigLIP: none)."""
+        return self.tower.prefix_tokens
 
     @property
     def logit_scale(self) -> float:
@@ -301,8 +313,9 @@ class DenseCLIP:
         tokens = self.tokenizer(list(texts)).to(self.device)
         return F.normalize(encode_tokens(self.model, tokens, batch_size, advance).float(), dim=-1)
 
-    def positional_embedding(self, grid: tuple[int, int], rule: str = "size") -> torch.Tensor:
-        """Positional embeddings (1 + h*w) x C for a patch grid, bicubic from the native grid.
+    def positional_embedding(self, grid: tuple[int, int], rule: str = "size") -> torch.Tensor | None:
+        """Positional embeddings for a patch grid, by the tower's family (open_clip ViTs: (1 + h*w) x C,
+        bicubic from the native grid; timm towers: timm's resampling, None without absolute positions).
 
         rule "size": interpolate to exactly `grid` (source coordinate (i + 0.5) * native / h - 0.5).
         rule "scale": the published repositories' `interpolate_pos_encoding` (SCLIP, NACLIP, ClearCLIP,
@@ -310,27 +323,8 @@ class DenseCLIP:
         (i + 0.5) * native / (h + 0.1) - 0.5; and, as there, the native embedding is used unchanged
         whenever the token count matches (so a non-square grid of native-many patches gets it too).
         """
-        if rule not in POS_INTERP_RULES:
-            raise ValueError(f"unknown positional-embedding rule {rule!r}; choose {', '.join(POS_INTERP_RULES)}")
-        pos = self.visual.positional_embedding
-        native = tuple(self.visual.grid_size)
-        h, w = grid
-        if (h * w == native[0] * native[1]) if rule == "scale" else (tuple(grid) == native):
-            return pos
-        key = (tuple(grid), rule, pos.dtype, pos.device)
-        if key not in self._pos_cache:
-            cls, patches = pos[:1], pos[1:]
-            patches = patches.reshape(1, *native, -1).permute(0, 3, 1, 2).float()
-            if rule == "size":
-                patches = F.interpolate(patches, size=grid, mode="bicubic", align_corners=False)
-            else:
-                factor = ((h + 0.1) / native[0], (w + 0.1) / native[1])
-                patches = F.interpolate(patches, scale_factor=factor, mode="bicubic", align_corners=False)
-                if tuple(patches.shape[-2:]) != (h, w):  # the published code asserts the same
-                    raise ValueError(f"scale-factor interpolation gave {tuple(patches.shape[-2:])}, not {grid}")
-            patches = patches.permute(0, 2, 3, 1).reshape(h * w, -1).to(pos.dtype)
-            self._pos_cache[key] = torch.cat([cls, patches])
-        return self._pos_cache[key]
+        _check_rule(rule)
+        return self.tower.positional_embedding(grid, rule)
 
     @property
     def depth(self) -> int:
@@ -341,25 +335,21 @@ class DenseCLIP:
         """ValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth, a
         tap reading a block it does not have; a `dna:PATH` adapter that is missing, changed or made for another model)."""
         spec = resolve_spec(spec)
+        reason = self.tower.refuse(spec, self.model_name)  # what its family cannot run (SigLIP: no CLS token)
+        if reason:
+            raise ValueError(f"attention spec {spec}: {reason}")
         attention_blocks.check_depth(spec, self.depth)
         self._tower(spec)
 
     def _embed(self, pixels: torch.Tensor, pos_interp: str = "size") -> tuple[torch.Tensor, tuple[int, int]]:
-        """Tokens B x (1 + h*w) x C after ln_pre, and the patch grid (h, w); `pos_interp` as in
-        `positional_embedding`."""
-        v = self.visual
+        """Tokens B x (P + h*w) x C entering the first block (P prefix tokens: the CLS, none for SigLIP), and
+        the patch grid (h, w); `pos_interp` as in `positional_embedding`. Every image forward starts here."""
         ps = self.patch_size
-        B, _, H, W = pixels.shape
+        H, W = pixels.shape[-2:]
         if H % ps or W % ps:
             raise ValueError(f"input {H}x{W} is not a multiple of the patch size {ps}")
-        grid = (H // ps, W // ps)
-        x = v.conv1(pixels.to(device=self.device, dtype=self.dtype)).flatten(2).transpose(1, 2)
-        cls = v.class_embedding.to(x.dtype).view(1, 1, -1).expand(B, -1, -1)
-        x = torch.cat([cls, x], dim=1) + self.positional_embedding(grid, pos_interp).to(x.dtype)
-        x = v.ln_pre(v.patch_dropout(x))
-        if not v.transformer.batch_first:
-            raise ValueError("only batch-first open_clip transformers are supported (open_clip >= 2.24 default)")
-        return x, grid
+        _check_rule(pos_interp)
+        return self.tower.embed(pixels.to(device=self.device, dtype=self.dtype), pos_interp)
 
     @torch.inference_mode()
     def encode_dense(
@@ -427,21 +417,17 @@ class DenseCLIP:
         return self._features(self._final_norm()(tokens))
 
     def _final_norm(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """ln_post as the model runs it; in fp32 for a reduced-precision model (`attention.precision`)."""
-        return self.visual.ln_post if self.dtype == torch.float32 else fp32_layer_norm(self.visual.ln_post)
+        """ln_post as the model runs it (`tower.Tower.final_norm`)."""
+        return self.tower.final_norm()
 
     def _features(self, normed: torch.Tensor) -> torch.Tensor:
-        """proj and L2 normalisation of tokens after ln_post, in fp32 (for reduced-precision models too)."""
-        return F.normalize((normed.float() @ self.visual.proj.float()), dim=-1)
+        """L2-normalised fp32 features of tokens after ln_post (`tower.Tower.features`)."""
+        return self.tower.features(normed)
 
     def _dense_and_image(self, normed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Features of the last n tokens (B x n x D) and the L2-normalised image embedding (B x D) of all tokens
-        after ln_post (B x N x C): the CLS token's (timm towers: their pooling head's, `towers.TimmDenseCLIP`).
-        One product of every token with proj, the CLS rows among them, as before the tower adapter: a product
-        of the B CLS rows alone takes another BLAS path and rounds differently (up to 2e-7 in CLIP Surgery's
-        probabilities, whose class weights read the CLS embedding)."""
-        x = self._features(normed)
-        return x[:, -n:], x[:, 0]
+        after ln_post (B x N x C): the CLS token's, or a timm tower's pooling head's (`tower.Tower.dense_and_image`)."""
+        return self.tower.dense_and_image(normed, n)
 
     def _last_tokens(self, pixels, spec, token_hooks, pos_interp, context: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
         """All tokens B x N x C after the edited blocks, and the grid their patch tokens (the last N' = h*w)

@@ -1,10 +1,11 @@
-"""timm-tower CLIP families (EVA-02, SigLIP / SigLIP 2, PE-Core) behind the engine's one block interface.
+"""timm image towers behind the engine's one block contract: the adapter EVA-02 / EVA-01, SigLIP / SigLIP 2
+and PE-Core run through (their files: `eva.py`, `siglip.py`, `pe_core.py`), and the timm towers refused.
 
 open_clip builds these image towers as `TimmModel(trunk=timm Eva | VisionTransformer)`, not as its own
 `VisionTransformer` of `ResidualAttentionBlock`s with an `nn.MultiheadAttention`. This module is the one
-adapter between them and the engine (`attention/`), which reads a block as open_clip's: `ln_1`, `attn`
-(`num_heads`, `out_proj`), `ls_1`, `ln_2`, `mlp`, `ls_2`, plus two methods it asks for when a block has
-them (`attention.taps.block_qkv` / `run_block`):
+adapter between them and the engine (`attention/`), which reads a block as `attention.contract.Block`:
+`ln_1`, `attn` (`num_heads`, `out_proj`), `ls_1`, `ln_2`, `mlp`, `ls_2`; each adapted block is also a
+`contract.GridBlock`, whose two methods the engine asks for (`attention.taps.block_qkv` / `run_block`):
 
 - `project_qkv(u, grid)`: q, k, v per head from the block's own weights: separate `q_proj/k_proj/v_proj`
   (EVA-02), fused `qkv` with `q_bias/v_bias` and a zero k bias (EVA-01, PE-Core), fused `qkv` (SigLIP);
@@ -32,75 +33,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..attention import precision
-from .clip import DenseCLIP
-
-# --- families: what each open_clip configuration is, and whether dense inference runs on it ---------------
-
-TIMM_FAMILIES = (  # (timm model-name prefix or fragment, family) in match order
-    ("eva02_", "EVA-02"),
-    ("eva_", "EVA-01"),
-    ("vit_pe_core_", "PE-Core"),
-    ("siglip", "SigLIP"),
-)
-_TIMM_REFUSED = (  # (fragment, family, reason)
-    ("vitamin", "ViTamin", "its image tower is a hybrid (MbConv stages before the ViT), it has no plain patch tokens to re-attend"),
-    ("convnext", "ConvNeXt", "its image tower is a ConvNeXt CNN, not a ViT"),
-    ("fastvit", "MobileCLIP (FastViT)", "its image tower is a FastViT hybrid CNN, not a ViT"),
-    ("_mci", "MobileCLIP (ViT-MCi)", "its ViT has a convolutional stem (MobileCLIP's MCi), not a patch embedding"),
-    ("swin", "Swin", "its image tower is a Swin transformer (shifted windows), not a global-attention ViT"),
-    ("relpos", "timm ViT (rel-pos)", "its blocks add relative-position biases, which the engine does not carry"),
-)
-
-
-@dataclass(frozen=True)
-class Family:
-    """What an open_clip configuration is: family name, image-tower kind, and why dense inference is
-    refused (None when it runs)."""
-
-    name: str
-    tower: str
-    reason: str | None = None
-
-
-def model_family(name: str, config: dict) -> Family:
-    """The family of open_clip configuration `name` (its JSON `config`), read from the config alone."""
-    vision, text = config.get("vision_cfg", {}), config.get("text_cfg", {})
-    if "hf_model_name" in text:
-        return Family("HF text encoder", "timm" if "timm_model_name" in vision else "open_clip",
-                      "its text tower is a Hugging Face transformers model (mT5, NLLB, RoBERTa), not open_clip's")
-    if "multimodal_cfg" in config:
-        return Family("CoCa", "open_clip", "CoCa pools its image tokens by attention into a captioning decoder; its dense path is not built")
-    if isinstance(vision.get("layers"), (list, tuple)):
-        return Family("ResNet CLIP", "ModifiedResNet", "its image tower is a ResNet (ModifiedResNet), not a ViT; only ViT towers have patch tokens to re-attend")
-    timm_name = vision.get("timm_model_name")
-    if timm_name is None:
-        if vision.get("pool_type", "tok") != "tok" or vision.get("attentional_pool") or vision.get("final_ln_after_pool"):
-            return Family("CLIPA", "open_clip", "its image tower pools by average after the final norm (CLIPA); its dense path is not built")
-        family = "MetaCLIP 2" if "worldwide" in name else "CLIP ViT"
-        return Family(family, "open_clip VisionTransformer")
-    for fragment, family, reason in _TIMM_REFUSED:
-        if fragment in timm_name:
-            return Family(family, f"timm {timm_name}", reason)
-    for fragment, family in TIMM_FAMILIES:
-        if timm_name.startswith(fragment) or (fragment == "siglip" and fragment in timm_name):
-            if family == "SigLIP" and "SigLIP2" in name:
-                family = "SigLIP 2"
-            return Family(family, f"timm {timm_name}")
-    if timm_name.startswith("vit_"):
-        return Family("timm ViT", f"timm {timm_name}")
-    return Family("timm", f"timm {timm_name}", f"its image tower is timm's {timm_name}, which the tower adapter does not know")
-
-
-def is_timm_tower(config: dict) -> bool:
-    return "timm_model_name" in config.get("vision_cfg", {})
-
+from ...attention import precision
+from ...attention.spec import AttentionSpec
+from ..tower import Family, Match, register_family, timm_model_name
 
 # --- the block interface -----------------------------------------------------------------------------------
 
@@ -227,15 +168,21 @@ class TowerBlock(nn.Module):
 
 @dataclass(eq=False)
 class TimmTower:
-    """An open_clip `TimmModel` (`.trunk` a timm Eva or VisionTransformer, `.head` its projection) with
-    the attributes the engine and DenseCLIP read of open_clip's VisionTransformer: `transformer.resblocks`
-    (TowerBlocks), `ln_post` (the trunk's final `norm`), `preprocess_cfg`, plus `dense_head` and `pooled`.
+    """The `tower.Tower` of an open_clip `TimmModel` (`module`: `.trunk` a timm Eva or VisionTransformer,
+    `.head` its projection). It is its own `visual`: it has what the engine and the rest of the package read
+    of open_clip's VisionTransformer, `transformer.resblocks` (TowerBlocks), `ln_post` (the trunk's final
+    `norm`) and `preprocess_cfg`, plus `dense_head` and `pooled`.
 
-    prefix: the prefix tokens before the patches (1 = CLS for EVA and PE-Core; 0 for SigLIP).
+    prefix_tokens: the prefix tokens before the patches (1 = CLS for EVA and PE-Core; 0 for SigLIP).
     """
 
-    visual: nn.Module
+    module: nn.Module
     _ropes: dict = field(default_factory=dict, repr=False)
+    _out_dim: int | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "TimmTower":
+        return cls(model.visual)
 
     def __post_init__(self) -> None:
         trunk = self.trunk
@@ -249,17 +196,38 @@ class TimmTower:
             raise ValueError("an attention-pooling head with its own positional embedding is not supported")
         if getattr(trunk, "rope_mixed", False):
             raise ValueError("mixed (per-block) RoPE is not supported by the tower adapter")
-        self.prefix = int(trunk.num_prefix_tokens)
+        self.prefix_tokens = int(trunk.num_prefix_tokens)
         self.transformer = SimpleNamespace(resblocks=nn.ModuleList([TowerBlock(b, self) for b in trunk.blocks]), batch_first=True)
         self.ln_post = trunk.norm
 
     @property
+    def visual(self) -> "TimmTower":
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.trunk.patch_embed.proj.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.trunk.patch_embed.proj.weight.dtype
+
+    @property
+    def embed_dim(self) -> int:
+        """The width of the heads' output, read once from a probe token."""
+        if self._out_dim is None:
+            probe = torch.zeros(1, 1, self.trunk.embed_dim, device=self.device, dtype=self.dtype)
+            with torch.inference_mode():
+                self._out_dim = int(self.dense_head(probe).shape[-1])
+        return self._out_dim
+
+    @property
     def trunk(self) -> nn.Module:
-        return self.visual.trunk
+        return self.module.trunk
 
     @property
     def preprocess_cfg(self) -> dict:
-        return self.visual.preprocess_cfg
+        return self.module.preprocess_cfg
 
     @property
     def patch_size(self) -> int:
@@ -288,18 +256,18 @@ class TimmTower:
             self._ropes[key] = table.to(like.device)
         return self._ropes[key]
 
-    def positional_embedding(self, grid: tuple[int, int], rule: str = "size") -> torch.Tensor | None:
+    def positional_embedding(self, grid: tuple[int, int], rule: str) -> torch.Tensor | None:
         """1 x (P + h*w) x C absolute positions for `grid` (P = the prefix entries the model keeps, 0 for
         SigLIP), None without them. rule "size": timm's `resample_abs_pos_embed` to exactly `grid`
         (bicubic, antialiased); rule "scale": the published OVSS repositories' `(n + 0.1) / native` scale
-        factor (bicubic), as for open_clip ViTs (`DenseCLIP.positional_embedding`)."""
+        factor (bicubic), as for open_clip ViTs (`openclip_vit.OpenClipViT.positional_embedding`)."""
         from timm.layers import resample_abs_pos_embed
 
         trunk = self.trunk
         pos = trunk.pos_embed
         if pos is None:
             return None
-        keep = 0 if trunk.no_embed_class else self.prefix
+        keep = 0 if trunk.no_embed_class else self.prefix_tokens
         native = self.grid_size
         if rule == "size":
             return resample_abs_pos_embed(pos, new_size=list(grid), old_size=list(native), num_prefix_tokens=keep)
@@ -352,107 +320,87 @@ class TimmTower:
             if ap.mlp is not None:
                 y = y + ap.mlp(ap.norm(y))
         y = trunk.head(trunk.head_drop(trunk.fc_norm(y)))
-        return self.visual.head(y)
+        return self.module.head(y)
 
     def pooled(self, normed: torch.Tensor) -> torch.Tensor:
         """The image embedding B x D (unnormalised) of tokens after the final norm: the trunk's own
         `forward_head` (MAP head, CLS token or average) and open_clip's head: `encode_image`'s."""
-        return self.visual.head(self.trunk.forward_head(normed))
+        return self.module.head(self.trunk.forward_head(normed))
 
 
-@dataclass(eq=False)
-class TimmDenseCLIP(DenseCLIP):
-    """DenseCLIP on a timm image tower (EVA-02, SigLIP / SigLIP 2, PE-Core): `visual` is the TimmTower
-    adapter, so the engine runs its blocks as it runs open_clip's. `check_spec` refuses DnA (`dna:PATH`:
-    adapters are converted from open_clip's packed attention) and, on SigLIP (no CLS token), CorrCLIP's
-    `mct:BETA` (copies of the CLS token) and `cls:C` for C != 0 (`cls:0` runs: no residual).
-    `encode_dense(..., with_cls=True)` gives the pooled embedding of the output tokens: for MAP towers in
-    parallel mode (GEM, CLIP Surgery) that pools the edited patch tokens, not CLIP's own image embedding."""
 
-    def __post_init__(self) -> None:
-        self._adapter = TimmTower(self.model.visual)
-        self._out_dim: int | None = None
+    def final_norm(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The trunk's final norm in the model's dtype: the pooling heads after it run in that dtype."""
+        return self.ln_post
 
-    @property
-    def visual(self) -> TimmTower:  # type: ignore[override]
-        return self._adapter
+    def features(self, normed: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.dense_head(normed).float(), dim=-1)
 
-    @property
-    def device(self) -> torch.device:
-        return self._adapter.trunk.patch_embed.proj.weight.device
+    def dense_and_image(self, normed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last n tokens' features and the trunk's pooled embedding of all tokens: for MAP towers in
+        parallel mode (GEM, CLIP Surgery) that pools the edited patch tokens, not CLIP's own image embedding."""
+        return self.features(normed[:, -n:]), F.normalize(self.pooled(normed).float(), dim=-1)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._adapter.trunk.patch_embed.proj.weight.dtype
-
-    @property
-    def patch_size(self) -> int:
-        return self._adapter.patch_size
-
-    @property
-    def embed_dim(self) -> int:
-        if self._out_dim is None:
-            width = self._adapter.trunk.embed_dim
-            probe = torch.zeros(1, 1, width, device=self.device, dtype=self.dtype)
-            with torch.inference_mode():
-                self._out_dim = int(self._adapter.dense_head(probe).shape[-1])
-        return self._out_dim
-
-    @property
-    def prefix_tokens(self) -> int:
-        return self._adapter.prefix
-
-    def positional_embedding(self, grid: tuple[int, int], rule: str = "size") -> torch.Tensor | None:
-        from .clip import POS_INTERP_RULES
-
-        if rule not in POS_INTERP_RULES:
-            raise ValueError(f"unknown positional-embedding rule {rule!r}; choose {', '.join(POS_INTERP_RULES)}")
-        return self._adapter.positional_embedding(grid, rule)
-
-    def check_spec(self, spec: Any) -> None:
-        from ..attention import resolve_spec
-
-        spec = resolve_spec(spec)
+    def refuse(self, spec: AttentionSpec, model_name: str) -> str | None:
+        """DnA (`dna:PATH`: adapters are converted from open_clip's packed attention) and, on a tower without
+        a CLS token (SigLIP), CorrCLIP's `mct:BETA` (copies of the CLS token) and `cls:C` for C != 0 (`cls:0`
+        runs: no residual)."""
         if spec.extra("dna") is not None:
-            raise ValueError(
-                f"attention spec {spec}: dna:PATH adapters are converted from and trained on open_clip's packed "
-                f"nn.MultiheadAttention (dna train); {self.model_name} has a timm tower (its own q/k/v, q/k norms, RoPE), "
+            return (
+                f"dna:PATH adapters are converted from and trained on open_clip's packed "
+                f"nn.MultiheadAttention (dna train); {model_name} has a timm tower (its own q/k/v, q/k norms, RoPE), "
                 f"for which no DnA converter exists yet"
             )
         if spec.extra("mct") is not None and self.prefix_tokens == 0:
-            raise ValueError(f"attention spec {spec}: mct:BETA copies the CLS token once per region, and {self.model_name} has none")
+            return f"mct:BETA copies the CLS token once per region, and {model_name} has none"
         if spec.cls_residual and self.prefix_tokens == 0:
-            raise ValueError(f"attention spec {spec}: cls:C adds C x the CLS token, and {self.model_name} has none (cls:0 runs)")
-        super().check_spec(spec)
-
-    def _embed(self, pixels: torch.Tensor, pos_interp: str = "size") -> tuple[torch.Tensor, tuple[int, int]]:
-        ps = self.patch_size
-        H, W = pixels.shape[-2:]
-        if H % ps or W % ps:
-            raise ValueError(f"input {H}x{W} is not a multiple of the patch size {ps}")
-        if pos_interp not in ("size", "scale"):
-            raise ValueError(f"unknown positional-embedding rule {pos_interp!r}; choose size, scale")
-        return self._adapter.embed(pixels.to(device=self.device, dtype=self.dtype), pos_interp)
-
-    def _final_norm(self):
-        """The trunk's final norm in the model's dtype: the pooling heads after it run in that dtype."""
-        return self.visual.ln_post
-
-    def _features(self, normed: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self._adapter.dense_head(normed).float(), dim=-1)
-
-    def _dense_and_image(self, normed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._features(normed[:, -n:]), F.normalize(self._adapter.pooled(normed).float(), dim=-1)
+            return f"cls:C adds C x the CLS token, and {model_name} has none (cls:0 runs)"
+        return None
 
 
-def tower_summary(clip: DenseCLIP) -> dict[str, Any]:
-    """Shape facts of a loaded model's image tower (for `ls models --verbose` and tests)."""
-    v = clip.visual
-    return {
-        "depth": len(v.transformer.resblocks),
-        "patch": clip.patch_size,
-        "native_grid": tuple(getattr(v, "grid_size", ())),
-        "prefix_tokens": getattr(clip, "prefix_tokens", 1),
-        "rope": getattr(getattr(v, "trunk", None), "rope", None) is not None,
-        "map_head": getattr(getattr(v, "trunk", None), "attn_pool", None) is not None,
-    }
+# --- which timm towers: the refused ones by name fragment; EVA, PE-Core and SigLIP in their own files; any
+# other timm ViT through the adapter; any other timm tower refused (both after every other family) -----------
+
+_REFUSED = (  # (fragment of the timm model name, family, reason)
+    ("vitamin", "ViTamin", "its image tower is a hybrid (MbConv stages before the ViT), it has no plain patch tokens to re-attend"),
+    ("convnext", "ConvNeXt", "its image tower is a ConvNeXt CNN, not a ViT"),
+    ("fastvit", "MobileCLIP (FastViT)", "its image tower is a FastViT hybrid CNN, not a ViT"),
+    ("_mci", "MobileCLIP (ViT-MCi)", "its ViT has a convolutional stem (MobileCLIP's MCi), not a patch embedding"),
+    ("swin", "Swin", "its image tower is a Swin transformer (shifted windows), not a global-attention ViT"),
+    ("relpos", "timm ViT (rel-pos)", "its blocks add relative-position biases, which the engine does not carry"),
+)
+
+
+def timm_family(family: str, matches: Callable[[str, str], bool]) -> Match:
+    """The `match` of a family run by this adapter: `matches(timm_name, name)` on configurations with a
+    timm image tower."""
+
+    def match(name: str, config: dict) -> Family | None:
+        timm_name = timm_model_name(config)
+        if timm_name is not None and matches(timm_name, name):
+            return Family(family, f"timm {timm_name}", wrap=TimmTower.of)
+        return None
+
+    return match
+
+
+def _refused(fragment: str, family: str, reason: str) -> Match:
+    def match(name: str, config: dict) -> Family | None:
+        timm_name = timm_model_name(config)
+        return Family(family, f"timm {timm_name}", reason) if timm_name is not None and fragment in timm_name else None
+
+    return match
+
+
+def _unknown(name: str, config: dict) -> Family | None:
+    timm_name = timm_model_name(config)
+    if timm_name is None:
+        return None
+    return Family("timm", f"timm {timm_name}", f"its image tower is timm's {timm_name}, which the tower adapter does not know")
+
+
+for _fragment, _family, _reason in _REFUSED:
+    register_family(_family, _refused(_fragment, _family, _reason), help=f"refused: {_reason}")
+register_family("timm ViT", timm_family("timm ViT", lambda timm_name, name: timm_name.startswith("vit_")), fallback=True,
+                help="any other timm VisionTransformer")
+register_family("timm", _unknown, fallback=True, help="refused: any other timm image tower")
