@@ -18,6 +18,7 @@ OLD_NAMES = {
     "evaluate": ["evaluate"],
     "explain": ["explain"],
     "bench_ttfm": ["bench_ttfm"],
+    "models.towers": ["model_family", "Family", "TimmTower", "TowerBlock", "TowerAttention"],
 }
 
 CHECK = """
