@@ -58,14 +58,8 @@ class OpenClipViT:
         return int(self.visual.proj.shape[1])
 
     def positional_embedding(self, grid: tuple[int, int], rule: str) -> torch.Tensor:
-        """Positional embeddings (1 + h*w) x C for a patch grid, bicubic from the native grid.
-
-        rule "size": interpolate to exactly `grid` (source coordinate (i + 0.5) * native / h - 0.5).
-        rule "scale": the published repositories' `interpolate_pos_encoding` (SCLIP, NACLIP, ClearCLIP,
-        from DINO): `scale_factor=(h + 0.1) / native`, so the source coordinate is
-        (i + 0.5) * native / (h + 0.1) - 0.5; and, as there, the native embedding is used unchanged
-        whenever the token count matches (so a non-square grid of native-many patches gets it too).
-        """
+        """Positional embeddings (1 + h*w) x C for a patch grid, bicubic from the native grid by `rule`
+        (`DenseCLIP.positional_embedding` says how each rule samples), computed once per grid."""
         pos = self.visual.positional_embedding
         native = self.grid_size
         h, w = grid
