@@ -1,55 +1,31 @@
-"""Stages outside the attention spec: token hooks, text hooks and post stages, registered by name.
+"""Stages outside the attention spec, registered by name, and what a tap, a spec or a stage needs to run.
 
 A stage is written as `NAME` or `NAME:ARGS` (e.g. `pamr`, `pamr:10:8,16`); its canonical text form is
-what result files record (`config["stages"]`), so a run says which stages made its numbers. Kinds, and
-the call each kind's function receives:
+what result files record (`config["stages"]`), so a run says which stages made its numbers. Each kind is one
+call, written as a `typing.Protocol` below (`CALLS`), and runs at one point of the Segmenter's fixed chain,
+in the order of `KINDS`:
 
-- token: `fn(x, grid) -> x`, x = B x (1 + h*w) x C hidden states entering the edited block(s), CLS first;
-  grid = (h, w). Runs once per batch of windows (per-window statistics are the hook's job). A stage
-  with `taps=True` is called `fn(x, grid, taps)`: `taps` maps block indices to the hidden states that
-  the spec's score terms read (e.g. SC-CLIP's mid map), to be edited at the same token positions (the
-  stage replaces the dict's values). A spec names the token stages its method needs (`hook:lof`).
-- text:  `fn(text) -> text`, text = N_names x D L2-normalised text embeddings.
-- match: `fn(cosine, cls, text) -> cosine` per batch of windows: cosine = B x N_names x h x w (patch
-  features against the text), cls = B x D the windows' L2-normalised CLS embeddings, text = N_names x D.
-  Named by a spec (`hook:surgery`, CLIP Surgery's feature surgery).
-- windows: `fn(cosine, boxes, pixels, patch) -> cosine` once per image, before the windows' maps are
-  upsampled and averaged: cosine = B x h x w x N_names raw patch cosines of all B windows (row-major over
-  the window grid, as `window_boxes` lists them), boxes = their (y1, y2, x1, x2) on the network input,
-  pixels = that 1 x 3 x H x W CLIP-normalised input, patch = CLIP's patch size (patch (i, j) of a window
-  is centred at (y1 + patch // 2 + i * patch, x1 + patch // 2 + j * patch)); e.g. LPOSS's joint patch-graph
-  propagation `lp:patch`. Not with a global stage (no per-window maps there). A spec may name one
-  (`hook:lp:patch`); one given in the settings replaces the spec's of the same name.
-- post:  `fn(cosine, guide) -> cosine`, cosine = N_names x H x W raw cosine at the original image size
-  (before the logit scale, the softmax and the max over synonyms); guide = 3 x H x W, the CLIP-normalised
-  network input resized bilinearly back to the original size. Post stages see the whole image at once
-  (they are not row-tiled), so they cost about (N_names + 20) x H x W floats of memory. A post stage with
-  `text=True` is called `fn(cosine, guide, text)`, text = the N_names x D text embeddings (PEARL's TLP);
-  one with `at_input=True` runs first, at the network input's size: cosine = N_names x h x w there, guide
-  = the network input as RGB in [0, 1] (3 x h x w), and its result is resized bilinearly to the original
-  size (LPOSS+'s pixel graph). A spec may name post stages (`hook:tlp`); they run before the settings'.
-- retrieval: `fn(cosine, regions, retrieve) -> cosine` once per image at the network input's size, after the
-  windows' maps are averaged and before the at-input post stages: cosine = N_names x h x w raw cosine there,
-  regions = the h x w region ids there (nearest; -1 unsegmented), retrieve(k) = the N_names x h x w support
-  logits of the Segmenter's image bank (`segment/bank.py`: per region, the stored CLIP embeddings of its k
-  nearest bank regions by the bank's key-backbone features, cosine with the text). The result is resized
-  bilinearly to the original size. Needs a bank (`Segmenter(bank=...)`, `--bank`) and region maps; e.g.
-  CorrCLIPv2's `retrieve`. A spec may name it (`hook:retrieve`).
-- global: `fn(tokens, image, normalizer) -> tokens` once per image, with splicing: tokens = 1 x h x w x C
-  last-block patch tokens before ln_post, every window's placed on the resized image's patch grid
-  (overlaps averaged); image = the original H x W x 3 uint8 RGB image; normalizer = the spec's. Returns
-  1 x h' x w' x C tokens on a grid covering the whole image (ln_post, proj and the cosine follow; that
-  map is resized bilinearly to the original size). A spec names the one its method needs (`hook:sam`,
-  Trident); one given in the settings (a protocol's per-dataset constants) replaces the spec's of the
-  same name. `backbones`: the external backbones it runs (loaded before any image, recorded in results).
-- labels: `fn(labels, regions) -> labels`, labels = H x W int64 class labels at the original size (after
-  the background rules), regions = the image's H x W region ids (-1 unsegmented) from the region source
-  (`Segmenter(regions=...)`); e.g. `regionvote`, CorrCLIP's map correction. The saved probabilities are
-  the ones before this stage (as CorrCLIP's seg_logit).
-- refine: `fn(labels, maps, image) -> labels`, labels = H x W int64 class labels at the original size
-  (after the background rules, before labels stages), maps = the image's `segment.labels.ClassMaps` (C x H x W
-  probabilities, read a band of rows at a time), image = the original H x W x 3 uint8 RGB image; e.g.
-  `samrefine`, Trident's SAM prompt refinement. The saved probabilities are the ones before this stage.
+- token: `TokenCall`, once per batch of windows on the hidden states entering the edited block(s).
+- text: `TextCall`, once on the N_names x D text embeddings.
+- match: `MatchCall`, per batch of windows on their cosine maps (CLIP Surgery's feature surgery).
+- windows: `WindowsCall`, once per image on all windows' patch cosines (LPOSS's joint patch graph).
+- global: `GlobalCall`, once per image on the windows' tokens spliced onto the image grid (Trident's SAM).
+- retrieval: `RetrievalCall`, once per image at the network input's size (CorrCLIPv2's image bank).
+- input: `InputCall`, once per image at the network input's size on its RGB image (LPOSS+'s pixel graph);
+  the result is resized bilinearly to the original size.
+- post: `PostCall`, once per image on the whole N_names x H x W cosine at the original size (PAMR, PEARL's
+  TLP); post stages are not row-tiled, so they cost about (N_names + 20) x H x W floats of memory.
+- labels: `LabelsCall`, on the H x W labels after the background rules (CorrCLIP's map correction).
+- refine: `RefineCall`, on the labels with the class probabilities (Trident's SAM prompt refinement).
+
+Stages that need more than tensors read the image's `ImageRun` (the original image, the network input, the
+text, the spec's normalizer, the image's region map, the backbones, the image bank). A stage declares what it
+needs (`Stage.needs`): the external backbones it runs (`backbones`, loaded before any image and recorded in
+results), a `load` hook for what it loads itself (SAM's predictor), the forward it must run in (`forward`:
+the global stage runs only in the forward that splices the windows); labels and retrieval stages read region
+maps, retrieval stages the image bank. A spec names the stages its method needs with `hook:` (token, match,
+windows, global, retrieval, input and post kinds); the settings' stages (`InferenceSettings.stages`) replace
+a spec's stage of the same name (a protocol's per-dataset constants) and add text, labels and refine stages.
 
 PAMR (Araslanov & Roth, CVPR 2020, `visinf/1-stage-wseg`) is the first post stage, with the arithmetic of
 `sinahmr/NACLIP@0cac3a6:pamr.py` (= `wangf3014/SCLIP:pamr.py`), quirks included (see `pamr`).
@@ -58,27 +34,169 @@ PAMR (Araslanov & Roth, CVPR 2020, `visinf/1-stage-wseg`) is the first post stag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .errors import UserValueError
 from .registry import ENTRY_POINT_GROUP, Registry, caller_module
 
-KINDS = ("token", "text", "match", "windows", "retrieval", "post", "global", "labels", "refine")
+KINDS = ("token", "text", "match", "windows", "global", "retrieval", "input", "post", "labels", "refine")
+
+
+# --- what a tap, a spec or a stage needs -----------------------------------------------------------------
+def _union(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(a + b))
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What running a score tap, a spec or a stage takes besides CLIP and the pixels, in one value that
+    unions (`a | b`): external backbones it runs per window (`ext:NAME`, a stage's), backbones whose
+    whole-image features it reads (`ext:NAME.image`), and, as the text of what asks for them (for error
+    messages; None: nothing does), region maps, an image bank and a forward other than the plain windows."""
+
+    backbones: tuple[str, ...] = ()
+    image_features: tuple[str, ...] = ()
+    regions: str | None = None
+    bank: str | None = None
+    forward: tuple[tuple[str, str], ...] = ()  # (forward name, what asks for it)
+
+    def __or__(self, other: "Needs") -> "Needs":
+        return Needs(
+            _union(self.backbones, other.backbones),
+            _union(self.image_features, other.image_features),
+            self.regions or other.regions,
+            self.bank or other.bank,
+            tuple(dict.fromkeys(self.forward + other.forward)),
+        )
+
+
+# --- each kind's call ----------------------------------------------------------------------------------------
+class ImageRun(Protocol):
+    """What a stage may read of the image being segmented (`segment.run.ImageRun` implements it)."""
+
+    image: np.ndarray  # the original H x W x 3 uint8 RGB image
+    pixels: torch.Tensor  # the 1 x 3 x H' x W' CLIP-normalised network input
+    text: torch.Tensor  # N_names x D L2-normalised text embeddings
+    regions: torch.Tensor | None  # H' x W' region ids at the network input's size (-1 unsegmented)
+
+    @property
+    def clip(self) -> Any: ...  # the DenseCLIP (its `mean` / `std` normalise the pixels)
+
+    @property
+    def patch(self) -> int: ...  # CLIP's patch size
+
+    @property
+    def normalizer(self) -> str: ...  # the spec's normalizer
+
+    @property
+    def backbones(self) -> Any: ...  # the run's external backbones (`models.proxies.ProxyBackbones`)
+
+    def backbone(self, name: str) -> Any: ...  # one of them, loaded on CLIP's device (`models.backbones.Backbone`)
+
+    def retrieve(self, k: int) -> torch.Tensor: ...  # N_names x H' x W' support logits of the image bank
+
+
+class TokenCall(Protocol):
+    """x = B x (1 + h*w) x C hidden states entering the edited block(s), CLS first; grid = (h, w). Per-window
+    statistics are the stage's job. A stage with `taps=True` also gets `taps`: block index -> the hidden states
+    the spec's score terms read (SC-CLIP's mid map), to edit at the same token positions (in place in the dict)."""
+
+    def __call__(self, x: torch.Tensor, grid: tuple[int, int], taps: dict[int, torch.Tensor] = ..., /) -> torch.Tensor: ...
+
+
+class TextCall(Protocol):
+    """text = N_names x D L2-normalised text embeddings."""
+
+    def __call__(self, text: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class MatchCall(Protocol):
+    """cosine = B x N_names x h x w (patch features against the text), cls = B x D the windows' L2-normalised
+    CLS embeddings, text = N_names x D. Not in a forward that splices or stitches the windows."""
+
+    def __call__(self, cosine: torch.Tensor, cls: torch.Tensor, text: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class WindowsCall(Protocol):
+    """cosine = B x h x w x N_names raw patch cosines of all B windows (row-major over the window grid, as
+    `window_boxes` lists them), boxes = their (y1, y2, x1, x2) on the network input (`run.pixels`); patch (i, j)
+    of a window is centred at (y1 + patch // 2 + i * patch, x1 + patch // 2 + j * patch), patch = `run.patch`.
+    Runs before the windows' maps are upsampled and averaged; only in the plain windows forward."""
+
+    def __call__(self, cosine: torch.Tensor, boxes: Sequence[tuple[int, int, int, int]], run: ImageRun, /) -> torch.Tensor: ...
+
+
+class GlobalCall(Protocol):
+    """tokens = 1 x h x w x C last-block patch tokens before ln_post, every window's placed on the resized
+    image's patch grid (overlaps averaged). Returns 1 x h' x w' x C tokens on a grid covering the whole image
+    (ln_post, proj and the cosine follow; that map is resized bilinearly to the original size)."""
+
+    def __call__(self, tokens: torch.Tensor, run: ImageRun, /) -> torch.Tensor: ...
+
+
+class RetrievalCall(Protocol):
+    """cosine = N_names x h x w raw cosine at the network input's size, after the forward; `run.retrieve(k)`
+    gives the bank's support logits there, `run.regions` the region ids there."""
+
+    def __call__(self, cosine: torch.Tensor, run: ImageRun, /) -> torch.Tensor: ...
+
+
+class InputCall(Protocol):
+    """cosine = N_names x h x w at the network input's size, rgb = that input as RGB in [0, 1] (3 x h x w)."""
+
+    def __call__(self, cosine: torch.Tensor, rgb: torch.Tensor, run: ImageRun, /) -> torch.Tensor: ...
+
+
+class PostCall(Protocol):
+    """cosine = N_names x H x W raw cosine at the original image size (before the logit scale, the softmax and
+    the max over synonyms); guide = 3 x H x W, the CLIP-normalised network input resized bilinearly back to the
+    original size (published PAMR's guide); `run.text` the text embeddings (PEARL's TLP)."""
+
+    def __call__(self, cosine: torch.Tensor, guide: torch.Tensor, run: ImageRun, /) -> torch.Tensor: ...
+
+
+class LabelsCall(Protocol):
+    """labels = H x W int64 class labels at the original size (after the background rules), regions = the
+    image's H x W region ids (-1 unsegmented) from the region source. The saved probabilities are the ones
+    before this stage (as CorrCLIP's seg_logit)."""
+
+    def __call__(self, labels: torch.Tensor, regions: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class RefineCall(Protocol):
+    """labels = H x W int64 labels (after the background rules, before labels stages), maps = the image's
+    `segment.labels.ClassMaps` (C x H x W probabilities, a band of rows at a time). The saved probabilities
+    are the ones before this stage."""
+
+    def __call__(self, labels: torch.Tensor, maps: Any, run: ImageRun, /) -> torch.Tensor: ...
+
+
+CALLS: Mapping[str, type] = {
+    "token": TokenCall, "text": TextCall, "match": MatchCall, "windows": WindowsCall, "global": GlobalCall,
+    "retrieval": RetrievalCall, "input": InputCall, "post": PostCall, "labels": LabelsCall, "refine": RefineCall,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One configured stage: its kind, canonical text form and function (signature per kind above)."""
+    """One configured stage: its kind, canonical text form and function (its call: `CALLS[kind]`).
+
+    taps: token stages only: also edits the hidden states the spec reads. backbones: external backbones the
+    stage runs (`ls backbones`; loaded before any image, recorded in results). forward: the registered forward
+    it runs in (None: any that runs its kind). load: `load(backbones, device)` loads, before any image, what the
+    stage loads itself (so missing weights fail first), given the run's `models.proxies.ProxyBackbones`."""
 
     kind: str
     name: str
     fn: Callable[..., torch.Tensor]
-    taps: bool = False  # token stages only: also edits the hidden states the spec reads (see above)
-    backbones: tuple[str, ...] = ()  # external backbones the stage runs (`ls backbones`)
-    text: bool = False  # post stages only: also receives the text embeddings (see above)
-    at_input: bool = False  # post stages only: runs at the network input's size on its RGB image (see above)
+    taps: bool = False
+    backbones: tuple[str, ...] = ()
+    forward: str | None = None
+    load: Callable[[Any, Any], None] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -87,8 +205,23 @@ class Stage:
     def __call__(self, *args) -> torch.Tensor:
         return self.fn(*args)
 
+    @property
+    def needs(self) -> Needs:
+        what = f"stage {self.name}"
+        return Needs(
+            backbones=self.backbones,
+            regions=what if self.kind in ("labels", "retrieval") else None,
+            bank=what if self.kind == "retrieval" else None,
+            forward=((self.forward, what),) if self.forward else (),
+        )
 
-# name -> factory: the text after "NAME:" (empty when absent) -> Stage; ValueError for bad arguments.
+    @property
+    def family(self) -> str:
+        """The name before the first ':' (a settings' stage replaces a spec's stage of the same family)."""
+        return self.name.partition(":")[0]
+
+
+# name -> factory: the text after "NAME:" (empty when absent) -> Stage; UserValueError for bad arguments.
 # The published methods' stages register in their rooms (`clipseg_sparse.methods`); PAMR is here, below the
 # engine, because ResCLIP's first pass (attention/feedback.py) runs it inside the attention.
 STAGES: Registry[Callable[[str], Stage]] = Registry(
@@ -103,17 +236,17 @@ def parse_stage(text: str) -> Stage:
 
 
 #: stage kinds a spec may name with `hook:` (the others belong to the settings: text, labels, refine)
-HOOK_KINDS = ("token", "match", "global", "windows", "retrieval", "post")
+HOOK_KINDS = ("token", "match", "windows", "global", "retrieval", "input", "post")
 
 
 def check_hook(text: str) -> str:
-    """The canonical text of a token, match, global, windows, retrieval or post stage named by a spec's `hook:`; ValueError naming them."""
+    """The canonical text of a stage a spec's `hook:` may name (HOOK_KINDS); ValueError naming them."""
     try:
         stage = parse_stage(text)
     except (KeyError, ValueError) as e:
-        raise ValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_hook_stages()}") from None
+        raise UserValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_hook_stages()}") from None
     if stage.kind not in HOOK_KINDS:
-        raise ValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_hook_stages()} (text, labels and refine stages run with InferenceSettings.stages)")
+        raise UserValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_hook_stages()} (text, labels and refine stages run with InferenceSettings.stages)")
     return stage.name
 
 
@@ -127,8 +260,15 @@ def resolve_stages(texts: Sequence[str]) -> tuple[Stage, ...]:
     names = [s.name for s in stages]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ValueError(f"stage(s) given more than once: {', '.join(repeated)}")
+        raise UserValueError(f"stage(s) given more than once: {', '.join(repeated)}")
     return stages
+
+
+def merged_stages(spec_stages: Sequence[Stage], given: Sequence[Stage]) -> tuple[Stage, ...]:
+    """The stages a run runs, in order: a spec's (`hook:`), except those a given stage of the same kind and
+    family replaces (a protocol's per-dataset constants), then the given ones."""
+    named = {(s.kind, s.family) for s in given}
+    return tuple(s for s in spec_stages if (s.kind, s.family) not in named) + tuple(given)
 
 
 # --- PAMR -------------------------------------------------------------------------------------------
@@ -207,7 +347,7 @@ def _pamr_stage(args: str) -> Stage:
     if iterations < 1 or not dilations or min(dilations) < 1:
         raise ValueError(f"bad stage 'pamr:{args}': {usage}")
     name = f"pamr:{iterations}:{','.join(map(str, dilations))}"
-    return Stage("post", name, lambda cosine, guide: pamr(cosine, guide, iterations, dilations))
+    return Stage("post", name, lambda cosine, guide, run: pamr(cosine, guide, iterations, dilations))
 
 
 STAGES.register(

@@ -50,7 +50,7 @@ Compact text form, used on the command line, in sweep grids, result files and ta
                 stitch:M      OV-Stitcher: windows zero-padded centred to a multiple of M and stitched onto
                               the image grid; the proxy's last block (`ext:NAME.out`), the in: blocks and
                               the region-scoped last-block map run over the whole image, a block of rows
-                              at a time (`segment/stitch.py`)
+                              at a time (`methods/ovstitcher.py`, the `stitched` forward)
                 NAME:ARG      an option registered with `register_option` (extension point)
 
 `str(spec)` writes the canonical form, and `AttentionSpec.parse(str(spec)) == spec`. Every option is

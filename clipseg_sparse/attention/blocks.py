@@ -27,7 +27,7 @@ from .grid import resize_regions
 from .precision import like
 from .scope import mask_class_tokens, mct_step, needs_regions, prepare_regions, semantic_tokens, semantic_weight
 from .spec import AttentionSpec
-from .taps import TAPS, BlockContext, block_qkv, clip_attention, run_block, tap_kind
+from .taps import BlockContext, block_qkv, clip_attention, run_block
 
 
 @dataclass
@@ -51,14 +51,11 @@ def _tap_needs(spec: AttentionSpec) -> tuple[set[int], set[int], set[int]]:
     """(hidden states read by score terms and input aggregation, by output aggregation and extra
     inputs, CLIP attention maps read), as 1-based block indices."""
     main, raw, maps = set(), set(), set()
-    terms = [t for g in spec.groups for t in g.terms]
-    for term in terms + [t for t in (spec.aggregation_in,) if t]:
-        kind, arg = tap_kind(term.tap)
-        main |= TAPS.get(kind).hidden(arg)
-        maps |= TAPS.get(kind).blocks(arg)
+    for term in (*spec.terms, *(t for t in (spec.aggregation_in,) if t)):
+        main |= term.ref.tap.hidden(term.ref.arg)
+        maps |= term.ref.tap.blocks(term.ref.arg)
     if spec.aggregation_out:
-        kind, arg = tap_kind(spec.aggregation_out.tap)
-        raw |= TAPS.get(kind).hidden(arg)
+        raw |= spec.aggregation_out.ref.tap.hidden(spec.aggregation_out.ref.arg)
     for inp in spec.block_inputs:
         raw |= set(range(inp.first, inp.last + 1))
     return main, raw, maps
@@ -192,6 +189,8 @@ def encode_tokens(
     state = EncoderState(x, grid, pixels=pixels)
     for name, feats in (context or {}).get("image_features", {}).items():  # whole-image backbone features, per window
         state.extra[("image", name)] = feats
+    if (context or {}).get("backbones") is not None:  # the run's external backbones (`ext:` taps)
+        state.extra["backbones"] = context["backbones"]
     if needs_regions(spec):
         prepare_regions(spec, regions, pixels, grid, state.extra)
     beta = semantic_weight(spec)
@@ -214,9 +213,7 @@ def encode_tokens(
             state.hidden[i] = x
     state.x = x
     state.main = {i: state.hidden[i] for i in need_main}
-    from ..stages import parse_stage
-
-    for hook in [st for st in map(parse_stage, spec.hooks) if st.kind == "token"] + list(token_hooks):
+    for hook in [st for st in spec.stages if st.kind == "token"] + list(token_hooks):
         state.x = hook(state.x, grid, state.main) if getattr(hook, "taps", False) else hook(state.x, grid)
     edited = blocks[n_plain:]
     if feedback.feedback_terms(spec):  # ResCLIP: a first pass, then the map the final pass reads

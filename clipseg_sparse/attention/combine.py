@@ -16,7 +16,7 @@ from .normalizers import Normalizer, normalize
 from .precision import like
 from .spec import AttentionSpec, Group, Term
 from .grid import values_to_grid
-from .taps import TAPS, BlockContext, attention_grid, tap_kind
+from .taps import BlockContext, attention_grid
 from .transforms import apply_support, gaussian_prior, pair_scores, term_scores
 
 
@@ -53,8 +53,7 @@ def group_map(group: Group, spec: AttentionSpec, ctx: BlockContext, norm: Normal
     """A_g, B x H' x N x N, rows summing to 1."""
     if group.is_map:
         (term,) = group.terms
-        kind, arg = tap_kind(term.tap)
-        return TAPS.get(kind).maps(ctx, arg)
+        return term.ref.tap.maps(ctx, term.ref.arg)
     return normalize(group_scores(group, spec, ctx, norm), norm)
 
 
@@ -82,7 +81,7 @@ def _attend(
     """sum over groups of w_g normalize(scores + prior) @ v;  q, k, v: B x H x N x d -> B x H x N x d."""
     ctx = ctx or BlockContext(q=q, k=k, v=v, grid=grid)
     scale = spec.temperature if spec.temperature is not None else q.shape[-1] ** -0.5
-    norm = Normalizer.parse(spec.normalizer)
+    norm = spec.norm
     v = attended_values(spec, ctx)
     out = torch.zeros_like(v)
     for group in spec.groups:
@@ -120,7 +119,7 @@ def attention_weights(spec: AttentionSpec, ctx: BlockContext) -> torch.Tensor:
     N = attended_values(spec, ctx).shape[-2]
     if spec.source == ("id",):
         return torch.eye(N, dtype=q.dtype, device=q.device).expand(B, H, N, N)
-    norm = Normalizer.parse(spec.normalizer)
+    norm = spec.norm
     total = torch.zeros(B, H, N, N, dtype=torch.float32, device=q.device)  # as the normalizers give them
     for group in spec.groups:
         total = total + group.weight * group_map(group, spec, ctx, norm)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .spec import AttentionSpec, Group, Term, _num
-from .taps import TAPS, BlockContext, Tap, tap_kind
+from .taps import TAPS, BlockContext, Tap
 
 #: the first pass's PAMR, hard-coded in the published `create_logit_temp`
 FEEDBACK_PAMR = (10, (8, 16))
@@ -58,7 +58,7 @@ TAPS.register(
 
 def feedback_terms(spec: AttentionSpec) -> list[Term]:
     """The spec's `feedback:THD` terms (ResCLIP has one)."""
-    return [t for g in spec.groups for t in g.terms if tap_kind(t.tap)[0] == "feedback"]
+    return [t for t in spec.terms if t.kind == "feedback"]
 
 
 def first_pass_spec(spec: AttentionSpec) -> AttentionSpec:
@@ -68,7 +68,7 @@ def first_pass_spec(spec: AttentionSpec) -> AttentionSpec:
         raise ValueError(f"spec {spec}: feedback needs exactly one feedback term and replace mode (no parallel)")
     groups = []
     for group in spec.groups:
-        kept = tuple(t for t in group.terms if tap_kind(t.tap)[0] != "feedback")
+        kept = tuple(t for t in group.terms if t.kind != "feedback")
         if len(kept) < len(group.terms):
             total = sum(t.weight for t in kept)
             kept = tuple(dataclasses.replace(t, weight=t.weight / total) for t in kept)
@@ -168,7 +168,7 @@ def feedback_scores(
         )
     if not spec.gauss_sigma:
         raise ValueError(f"spec {spec}: feedback blurs its map with the prior's sigma; add gauss:SIGMA (ResCLIP: 5)")
-    threshold = float(tap_kind(feedback_terms(spec)[0].tap)[1])
+    threshold = float(feedback_terms(spec)[0].ref.arg)
     text = context["text"].to(tokens.device).float()
     normed = visual.ln_post(tokens[:, -grid[0] * grid[1] :])  # the patch tokens
     head = getattr(visual, "dense_head", None)  # a timm tower's per-token head (models/families/timm_tower.py)

@@ -23,12 +23,13 @@ import torch.nn.functional as F
 
 from .contract import Block, grid_block, positive_attention
 from .grid import merge_regions, resize_regions
+from ..stages import Needs
 from .spec import AttentionSpec, Term, _num, fmt_num, register_option
-from .taps import TAPS, BlockContext, attention_grid, tap_kind
+from .taps import BlockContext, attention_grid
 
 
 def region_terms(spec: AttentionSpec) -> list[Term]:
-    return [t for g in spec.groups for t in g.terms if t.support == "region"]
+    return [t for t in spec.terms if t.support == "region"]
 
 
 def semantic_weight(spec: AttentionSpec) -> float | None:
@@ -57,10 +58,9 @@ def prepare_regions(spec: AttentionSpec, regions: torch.Tensor | None, pixels: t
         if term.support_arg is None:  # bare `region`: no merging (CorrCLIPv2 comments its DBSCAN out)
             terms = []
     if terms:
-        kind, arg = tap_kind(term.tap)
-        if kind != "ext":
+        if term.kind != "ext":
             raise ValueError(f"term {term}: the region support needs features from the image alone (an ext:NAME tap)")
-        feats, _ = TAPS.get(kind).features(BlockContext(grid=grid, pixels=pixels, extra=extra), arg)
+        feats, _ = term.ref.tap.features(BlockContext(grid=grid, pixels=pixels, extra=extra), term.ref.arg)
         if feats.shape[1] != 1:
             raise ValueError(f"term {term}: the region support needs one map for all heads")
         feats = F.normalize(feats[:, 0].float(), dim=-1)
@@ -125,4 +125,5 @@ register_option(
     "mct",
     _check_mct,
     help="mct:BETA (CorrCLIP's semantic branch: one CLS copy per region, masked in every block, weight BETA after ln_post)",
+    needs=lambda arg: Needs(regions=f"mct:{arg}"),
 )

@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import Any, Callable
 
 from ..registry import ENTRY_POINT_GROUP, Registry, caller_module
-from ..stages import check_hook
+from ..stages import Needs, Stage, check_hook, resolve_stages
 from .normalizers import NORMALIZER_KINDS, Normalizer, normalizer_forms
 
 SOURCES = ("qk", "qq", "kk", "vv", "id")  # the v1 sources; `id` is the value path alone (MaskCLIP)
@@ -123,12 +123,23 @@ class Term:
         if self.support == "region" and self.support_arg is not None and not self.support_arg >= 0:
             raise ValueError(f"term {self.tap!r}: region needs a merge distance EPS >= 0, or no argument for no merging (got {self.support_arg})")
 
+    @cached_property
+    def ref(self):
+        """The tap parsed once (`taps.TapRef`: registry kind and argument)."""
+        from .taps import tap_kind
+
+        return tap_kind(self.tap)
+
     @property
     def kind(self) -> str:
         """The tap's registry name: `qq`, `x` (for `x@9`), `attn`, `ext`, ..."""
-        from .taps import tap_kind
+        return self.ref.kind
 
-        return tap_kind(self.tap)[0]
+    @property
+    def needs(self) -> Needs:
+        """What the term takes besides CLIP: its tap's needs, and region maps for the `region` support."""
+        needs = self.ref.tap.needs(self.ref.arg)
+        return needs | Needs(regions=f"term {self}") if self.support == "region" else needs
 
     @property
     def is_self_pair(self) -> bool:
@@ -207,9 +218,7 @@ class Group:
     @property
     def is_map(self) -> bool:
         """The group reads an already normalised map (e.g. `attn@6-9`): no normalizer is applied."""
-        from .taps import TAPS
-
-        return any(TAPS.get(t.kind).maps is not None for t in self.terms)
+        return any(t.ref.tap.maps is not None for t in self.terms)
 
     def __str__(self) -> str:
         if len(self.terms) == 1:
@@ -256,11 +265,13 @@ class ExtraOption:
     `rest_of_spec`: the argument runs to the end of the spec text, so it may contain '/' (paths); such an
     option is written last. The parsed value is `spec.extra(name)` (the canonical text). tower(clip, arg):
     what the edited blocks run from instead of `clip.visual` (its `transformer.resblocks`; DnA's adapter
-    blocks), so the model runs an option's blocks without knowing the option."""
+    blocks), so the model runs an option's blocks without knowing the option. needs(arg): what running it
+    takes besides CLIP (`stages.Needs`: region maps for CorrCLIP's `mct:`, a forward of its own for `stitch:`)."""
 
     check: Callable[[str], str]
     rest_of_spec: bool = False
     tower: Callable[[Any, str], Any] | None = None
+    needs: Callable[[str], Needs] | None = None
 
 
 OPTIONS: Registry[ExtraOption] = Registry(
@@ -269,10 +280,15 @@ OPTIONS: Registry[ExtraOption] = Registry(
 
 
 def register_option(
-    name: str, check: Callable[[str], str], help: str, rest_of_spec: bool = False, tower: Callable[[Any, str], Any] | None = None
+    name: str,
+    check: Callable[[str], str],
+    help: str,
+    rest_of_spec: bool = False,
+    tower: Callable[[Any, str], Any] | None = None,
+    needs: Callable[[str], Needs] | None = None,
 ) -> None:
     """Add a spec option `NAME:ARG` (see ExtraOption); it round-trips through the text form."""
-    OPTIONS.register(name, ExtraOption(check, rest_of_spec, tower), help=help, module=caller_module())
+    OPTIONS.register(name, ExtraOption(check, rest_of_spec, tower, needs), help=help, module=caller_module())
 
 
 BUILTIN_OPTIONS = (
@@ -362,17 +378,52 @@ class AttentionSpec:
         """Parsed score groups (empty for source `id`)."""
         return () if self.source == ("id",) else tuple(Group.parse(s) for s in self.source)
 
-    @property
+    @cached_property
+    def terms(self) -> tuple[Term, ...]:
+        """Every score term of every group, in order."""
+        return tuple(t for g in self.groups for t in g.terms)
+
+    @cached_property
     def aggregation_in(self) -> Term | None:
         return Term.parse(self.aggregate_in) if self.aggregate_in else None
 
-    @property
+    @cached_property
     def aggregation_out(self) -> Term | None:
         return Term.parse(self.aggregate_out) if self.aggregate_out else None
 
-    @property
+    @cached_property
     def block_inputs(self) -> tuple[BlockInput, ...]:
         return tuple(BlockInput.parse(i) for i in self.inputs)
+
+    @cached_property
+    def norm(self) -> Normalizer:
+        """The normalizer, parsed once."""
+        return Normalizer.parse(self.normalizer)
+
+    @cached_property
+    def stages(self) -> tuple[Stage, ...]:
+        """The stages the spec names (`hook:`), configured once."""
+        return resolve_stages(self.hooks)
+
+    @cached_property
+    def attention_needs(self) -> Needs:
+        """What the edited attention takes besides CLIP: one fold over its terms (their taps, the region
+        support) and its registered options (`stages.Needs`)."""
+        needs = Needs()
+        for term in (*self.terms, *(t for t in (self.aggregation_in, self.aggregation_out) if t)):
+            needs |= term.needs
+        for name, arg in self.extras:
+            option = OPTIONS.get(name).needs
+            needs |= option(arg) if option else Needs()
+        return dataclasses.replace(needs, regions=f"attention {self}") if needs.regions else needs
+
+    @cached_property
+    def needs(self) -> Needs:
+        """What running the spec takes besides CLIP: its attention's needs, then its stages'."""
+        needs = self.attention_needs
+        for stage in self.stages:
+            needs |= stage.needs
+        return needs
 
     def extra(self, name: str) -> str | None:
         """The canonical argument of a registered option, or None when the spec does not set it."""
@@ -445,6 +496,14 @@ class AttentionSpec:
 
     def replace(self, **changes) -> "AttentionSpec":
         return dataclasses.replace(self, **changes)
+
+    def __getstate__(self) -> dict:
+        """The fields only: what the spec parsed once (configured stages hold functions) is parsed again."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     @property
     def is_identity(self) -> bool:

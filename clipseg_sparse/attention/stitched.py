@@ -1,7 +1,7 @@
 """Image-wide attention over stitched windows, computed a block of rows at a time (OV-Stitcher's axis).
 
 With the `stitch:M` option the windows of an image are no longer independent: their tokens (or q, k, v)
-are placed on one image-wide grid, overlaps averaged (`segment/stitch.py`), and some attentions run over
+are placed on one image-wide grid, overlaps averaged (`methods/ovstitcher.py`), and some attentions run over
 that whole grid. The image-wide N x N map is large (448 x 600 on DINO's 8-pixel grid: 4,200 tokens; a
 Cityscapes 560 x 1120 image: 9,800), so `blocked_attention` normalises and applies it a block of rows at a
 time: every normalizer here is row-wise (softmax, entmax, sparsemax), so each output row equals the same
@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..stages import Needs
 from .normalizers import Normalizer, normalize
 from .spec import AttentionSpec, register_option
 
@@ -71,4 +72,5 @@ register_option(
     _check_stitch,
     help="stitch:M (OV-Stitcher: windows zero-padded centred to a multiple of M, stitched onto the image grid; the "
     "proxy's last block, the in: blocks and the region-scoped last-block map run image-wide, a block of rows at a time)",
+    needs=lambda arg: Needs(forward=(("stitched", f"stitch:{arg}"),)),
 )

@@ -15,12 +15,13 @@ softmax(q k^T / sqrt(d)) maps, per head).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..registry import ENTRY_POINT_GROUP, Registry
+from ..stages import Needs
 from .contract import Block, grid_block, positive_attention
 from .precision import reduced_block
 
@@ -65,7 +66,8 @@ class Tap:
     (no metric; ResCLIP's `feedback`). check(arg) raises ValueError for a bad argument. hidden(arg) / blocks(arg): the
     hidden states / CLIP attention maps (1-based block indices) the tap reads, kept while CLIP runs. grid(arg,
     pixels, clip_grid): the token grid the tap's features live on for a crop of `pixels` (H, W) whose CLIP
-    patch grid is `clip_grid` (None: CLIP's)."""
+    patch grid is `clip_grid` (None: CLIP's). needs(arg): what running it takes besides CLIP (`stages.Needs`:
+    the external backbones it runs, whole-image features it reads), which a plan reads once per run."""
 
     features: Features | None = None
     maps: Maps | None = None
@@ -74,6 +76,18 @@ class Tap:
     hidden: Callable[[str], set[int]] = lambda arg: set()
     blocks: Callable[[str], set[int]] = lambda arg: set()
     grid: Callable[[str, tuple[int, int], tuple[int, int]], tuple[int, int]] | None = None
+    needs: Callable[[str], Needs] = lambda arg: Needs()
+
+
+class TapRef(NamedTuple):
+    """A term's tap, parsed once: its registry kind and argument (`x@9` -> ("x", "9"))."""
+
+    kind: str
+    arg: str
+
+    @property
+    def tap(self) -> Tap:
+        return TAPS.get(self.kind)
 
 
 # Built here: the q/k/v pairs, x@L, attn@A-B; elsewhere: ResCLIP's feedback (an engine axis) and `ext:` (models).
@@ -82,13 +96,13 @@ TAPS: Registry[Tap] = Registry(
 )
 
 
-def tap_kind(tap: str) -> tuple[str, str]:
+def tap_kind(tap: str) -> TapRef:
     """`x@9` -> ("x", "9"); `ext:dino` -> ("ext", "dino"); `kk` -> ("kk", "")."""
     for sep in "@:":
         if sep in tap:
             kind, _, arg = tap.partition(sep)
-            return kind, arg
-    return tap, ""
+            return TapRef(kind, arg)
+    return TapRef(tap, "")
 
 
 def check_tap(tap: str) -> None:
@@ -102,11 +116,9 @@ def attention_grid(spec, pixels: tuple[int, int], grid: tuple[int, int]) -> tupl
     """The token grid the edited attention lives on for an input of `pixels` (H, W): CLIP's patch grid
     `grid`, or the grid its taps bring (external backbones, `Tap.grid`); they must all agree."""
     grids = set()
-    for group in spec.groups:
-        for term in group.terms:
-            kind, arg = tap_kind(term.tap)
-            tap = TAPS.get(kind)
-            grids.add(tuple(tap.grid(arg, tuple(pixels), tuple(grid))) if tap.grid else tuple(grid))
+    for term in spec.terms:
+        tap, arg = term.ref.tap, term.ref.arg
+        grids.add(tuple(tap.grid(arg, tuple(pixels), tuple(grid))) if tap.grid else tuple(grid))
     if len(grids) > 1:
         raise ValueError(f"spec {spec} mixes terms on different token grids {sorted(grids)}; use taps of one grid")
     return grids.pop() if grids else tuple(grid)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .normalizers import Normalizer, normalize
 from .grid import region_support
 from .spec import Term
-from .taps import TAPS, BlockContext, tap_kind
+from .taps import BlockContext
 
 
 def gaussian_prior(grid: tuple[int, int], sigma: float, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -44,8 +44,7 @@ def term_scores(term: Term, ctx: BlockContext, normalizer: Normalizer, default_s
 
     default_scale: the spec's temperature (None = d^-1/2) for the dot metric.
     """
-    kind, arg = tap_kind(term.tap)
-    tap = TAPS.get(kind)
+    tap, arg = term.ref.tap, term.ref.arg
     if tap.scores is not None:  # scores given as they are (ResCLIP's feedback map)
         return apply_support(transform(tap.scores(ctx, arg), term), term)
     a, b = (f.float() for f in tap.features(ctx, arg))  # scores in fp32, also for reduced-precision models
