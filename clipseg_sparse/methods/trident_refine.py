@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from ..errors import UserValueError
 from ..evaluation.protocols import PROTOCOLS
-from ..models.proxies import PROXIES
 from ..runtime.weights import WeightsUnavailableError, require_extra
 from ..stages import STAGES, Stage
 from . import trident
@@ -206,20 +205,16 @@ def load_sam_predictor(weights: str, device: torch.device):
     return sa.SamPredictor(sam.to(device).eval())
 
 
-_PREDICTORS: dict = {}
+def sam_predictor(backbones, device: torch.device | str):
+    """The SamPredictor of the run's sam_vitb weights (`models.proxies.ProxyBackbones`, `--proxy-weights`) on
+    `device`, loaded once per weights and device and held by those backbones."""
+    weights = backbones.resolved_weights(trident.SAM_BACKBONE)
+    return backbones.held(("sam_predictor", weights, str(torch.device(device))), lambda: load_sam_predictor(weights, torch.device(device)))
 
 
-def sam_predictor(device: torch.device | str):
-    """The SamPredictor of `--proxy-weights`'s sam_vitb weights on `device`, loaded once per weights and device."""
-    key = (PROXIES.resolved_weights("sam_vitb"), str(torch.device(device)))
-    if key not in _PREDICTORS:
-        _PREDICTORS[key] = load_sam_predictor(key[0], torch.device(device))
-    return _PREDICTORS[key]
-
-
-def sam_refine(labels: torch.Tensor, maps, image: np.ndarray, coarse_thresh: float = 0.2, iou_thresh: float = 0.8, predictor=None) -> torch.Tensor:
-    """The refine stage on one image: H x W labels, its ClassMaps, the H x W x 3 uint8 image -> labels.
-    predictor: a SamPredictor (default: `sam_predictor` on the probabilities' device)."""
+def sam_refine(labels: torch.Tensor, maps, image: np.ndarray, predictor, coarse_thresh: float = 0.2, iou_thresh: float = 0.8) -> torch.Tensor:
+    """The refine stage on one image: H x W labels, its ClassMaps, the H x W x 3 uint8 image, a SamPredictor
+    (`sam_predictor`) -> labels."""
     H, W = labels.shape
     half = (H // 2, W // 2)
     probs_half = half_probabilities(maps)
@@ -227,7 +222,6 @@ def sam_refine(labels: torch.Tensor, maps, image: np.ndarray, coarse_thresh: flo
     prompts = component_prompts(labels_half, probs_half, coarse_thresh)
     if not prompts:
         return labels
-    predictor = predictor or sam_predictor(maps.rows(0, 1).device)
     with torch.inference_mode():
         return refine_labels(labels, maps, probs_half, prompts, sam_predict(predictor, image, half), coarse_thresh, iou_thresh)
 
@@ -243,10 +237,11 @@ def _samrefine_stage(args: str) -> Stage:
     if len(parts) > 2 or not (0 <= coarse <= 1 and 0 <= iou <= 1):
         raise UserValueError(f"bad stage 'samrefine:{args}': {usage}")
 
-    def run(labels: torch.Tensor, maps, image: np.ndarray) -> torch.Tensor:
-        return sam_refine(labels, maps, image, coarse, iou)
+    def run(labels: torch.Tensor, maps, image) -> torch.Tensor:
+        return sam_refine(labels, maps, image.image, sam_predictor(image.backbones, maps.rows(0, 1).device), coarse, iou)
 
-    return Stage("refine", f"samrefine:{coarse:g}:{iou:g}", run, backbones=(trident.SAM_BACKBONE,))  # its weights: --proxy-weights
+    # its weights: --proxy-weights sam_vitb=...; SAM's predictor, not the `sam_vitb` encoder, is what it loads
+    return Stage("refine", f"samrefine:{coarse:g}:{iou:g}", run, backbones=(trident.SAM_BACKBONE,), load=sam_predictor)
 
 
 STAGES.register(

@@ -39,7 +39,7 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 FEATURES = ("tokens", "qkv", "attn")  # last normed patch tokens, last-block q/k/v, last-block attention maps
 # ViTs also give the penultimate block's output after the final norm (DINO's get_intermediate_layers(n=2)[0]):
-# OV-Stitcher re-runs the last block image-wide on it (segment/stitch.py)
+# OV-Stitcher re-runs the last block image-wide on it (the `stitched` forward, methods/ovstitcher.py)
 VIT_FEATURES = FEATURES + ("penult",)
 POS_RULES = ("dino", "antialias", "fixed", "timm")
 MASK_KINDS = ("sam2-masks", "sam3-masks")  # mask generators: region sources and the sam3 baseline, no features

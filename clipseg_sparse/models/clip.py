@@ -36,7 +36,7 @@ from ..runtime.weights import (
     _unreachable_hub,
     _weights_help,
 )
-from .proxies import PROXIES, ext_backbones
+from .proxies import ProxyBackbones
 from .text_tower import encode_tokens
 from .tower import Tower, model_family, wrap_tower
 
@@ -236,15 +236,28 @@ class DenseCLIP:
     precision: str = "fp32"
     quick_gelu: bool = False
     # weights of the external backbones its `ext:` taps read (`proxies.ProxyBackbones`: "auto", "hub", "none", a
-    # file or NAME=W,...); None: the process-wide choice (`use_proxy_weights`, --proxy-weights; default "auto",
+    # file or NAME=W,...) when the model runs them itself (`proxies`; a run passes its own); None: "auto",
     # which follows this CLIP's own weights: random backbones for a random CLIP)
     proxy_weights: str | None = None
     pretrained_sha256: str | None = None
     tower: Tower | None = field(default=None, repr=False, compare=False)
+    _proxies: ProxyBackbones | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.tower is None:
             self.tower = wrap_tower(self.model, self.model_name)
+
+    @property
+    def proxies(self) -> ProxyBackbones:
+        """The external backbones this model's `ext:` taps run when it is called without a run's own
+        (`context["backbones"]`, `segment.Resources`): following this CLIP, with `proxy_weights`."""
+        if self._proxies is None or self._proxies.weights != (self.proxy_weights or "auto"):
+            self._proxies = ProxyBackbones.following(self, self.proxy_weights)
+        return self._proxies
+
+    def _context(self, context: Mapping[str, Any] | None) -> dict:
+        """The block context of one call: the caller's, with this model's backbones unless it brings its own."""
+        return {"backbones": self.proxies, **(context or {})}
 
     def config(self) -> dict:
         """What identifies this model's numbers in a result file: name, weights, precision, activation,
@@ -392,7 +405,7 @@ class DenseCLIP:
         """`encode_dense` with autograd left as the caller set it (training DnA's branch on dense targets)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
-        x = attention_blocks.encode_normed(self._tower(spec), x, spec, grid, self._final_norm(), pixels, token_hooks, regions, context)
+        x = attention_blocks.encode_normed(self._tower(spec), x, spec, grid, self._final_norm(), pixels, token_hooks, regions, self._context(context))
         out_grid = attention_grid(spec, tuple(pixels.shape[-2:]), grid)  # an external backbone's (ProxyCLIP)
         n = out_grid[0] * out_grid[1]
         if (context or {}).get("raw_features"):  # unnormalised projections (CorrCLIPv2's bank values)
@@ -405,11 +418,17 @@ class DenseCLIP:
 
     @torch.inference_mode()
     def dense_tokens(
-        self, pixels: torch.Tensor, spec: AttentionSpec | str | None = None, token_hooks: Sequence[Callable] = (), pos_interp: str = "size"
+        self,
+        pixels: torch.Tensor,
+        spec: AttentionSpec | str | None = None,
+        token_hooks: Sequence[Callable] = (),
+        pos_interp: str = "size",
+        context: Mapping[str, Any] | None = None,
     ) -> torch.Tensor:
         """B x h x w x C patch tokens after the last block, before ln_post (the width of the transformer):
-        what Trident splices across windows before its global stage; `project` finishes them."""
-        x, out_grid = self._last_tokens(pixels, spec, token_hooks, pos_interp)
+        what Trident splices across windows before its global stage; `project` finishes them. context: as in
+        `encode_dense` (a run's backbones)."""
+        x, out_grid = self._last_tokens(pixels, spec, token_hooks, pos_interp, context)
         return x[:, -out_grid[0] * out_grid[1] :].reshape(x.shape[0], *out_grid, -1)
 
     def project(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -434,7 +453,7 @@ class DenseCLIP:
         lie on: CLIP's, or an external backbone's (ProxyCLIP)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
-        x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks, context=context)
+        x = attention_blocks.encode_tokens(self._tower(spec), x, spec, grid, pixels, token_hooks, context=self._context(context))
         return x, attention_grid(spec, tuple(pixels.shape[-2:]), grid)
 
     @torch.inference_mode()
@@ -451,15 +470,11 @@ class DenseCLIP:
         crops that CorrCLIPv2's `ext:NAME.image` taps score with)."""
         spec = resolve_spec(spec)
         x, grid = self._embed(pixels, pos_interp)
-        return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels, regions, context).float()
+        return attention_blocks.attention_maps_from_tokens(self._tower(spec), x, spec, grid, pixels, regions, self._context(context)).float()
 
     def _tower(self, spec: AttentionSpec):
         """What the blocks run from: the image tower, or the view of it a spec option's `tower` hook gives
-        (`dna:PATH`: its adapter blocks run DnA on these same weights; nothing is patched in place).
-        A spec with `ext:` taps makes the proxy backbones follow this CLIP first (its normalisation,
-        precision and weights), so no call depends on which model configured them before."""
-        if ext_backbones(spec):
-            PROXIES.configure(self, self.proxy_weights)
+        (`dna:PATH`: its adapter blocks run DnA on these same weights; nothing is patched in place)."""
         for name, arg in spec.extras:
             tower = OPTIONS.get(name).tower
             if tower is not None:

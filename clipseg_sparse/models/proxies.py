@@ -4,29 +4,33 @@
 normalisation undone, the backbone's applied: ProxyCLIP's `norm(unnorm(img))`) and gives its last
 normed patch tokens as features on its own patch grid, shared by all heads; `ext:dino_vitb8.qk` gives
 q + k of its last block (CorrCLIP); `ext:dino_vitb8.out` the output of its last block re-run over the
-whole image's stitched grid (OV-Stitcher, only with the `stitch:M` option: `segment/stitch.py`); `ext:NAME.image`
+whole image's stitched grid (OV-Stitcher, only with the `stitch:M` option: the `stitched` forward, `methods/ovstitcher.py`); `ext:NAME.image`
 reads a dense backbone's features computed once on the whole image (`Backbone.image_features`, CorrCLIPv2: at
 the network input's size, L2-normalised), cropped like the window, resized bilinearly to twice CLIP's patch grid
 and L2-normalised again (a grid of the published `feat_shape`, not the backbone's patch grid). The term's metric, shift/scale and support then apply as for any
 tap. When that grid differs from CLIP's (DINO B/8: 42 x 42 for a 336 crop vs 21 x 21), CLIP's values
 are bilinearly resized to it and the block's output lives on it (`grid` of the tap), as in ProxyCLIP.
 
-Backbones are loaded once per process and device, with the weights chosen by `use_proxy_weights`
-(default: the Hub tag, or random weights when the CLIP model itself has none); `use_backbone`
-installs one you loaded yourself. ProxyCLIP's presets, which use this tap, are in `methods/proxyclip.py`.
+Backbones are loaded once per run and device and held by that run's `ProxyBackbones` (`segment.Resources`;
+a DenseCLIP called alone holds its own, `DenseCLIP.proxies`), with the weights it was given (default: the
+Hub tag, or random weights when the CLIP model itself has none); `ProxyBackbones.use` installs one you
+loaded yourself. The taps reach them through the block context (`BlockContext.extra["backbones"]`).
+ProxyCLIP's presets, which use this tap, are in `methods/proxyclip.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..attention.taps import TAPS, Tap, tap_kind
+from ..attention.taps import TAPS, Tap
+from ..errors import UserValueError
 from ..runtime.fingerprint import file_digest
+from ..stages import Needs
 from ..runtime.weights import hub_unavailable
 from .backbones import BACKBONES, MASK_KINDS, Backbone, hub_repo, hub_weights_cached, load_backbone
 
@@ -39,9 +43,11 @@ IMAGE_GRID_SCALE = 2
 
 @dataclass
 class ProxyBackbones:
-    """Loaded backbones for `ext:` taps and stages. weights: "auto" (random when the CLIP weights are
-    none, else "hub"), "hub", "none" or a checkpoint file (used for every backbone the spec names), or
-    per backbone `NAME=W,NAME=W` (Trident: a DINO and a SAM checkpoint; backbones not named: "auto")."""
+    """The external backbones one run uses (`ext:` taps, stages), loaded once per name and device and held
+    here, not process-wide: two runs with other weights in one process each use their own. weights: "auto"
+    (random when the CLIP weights are none, else "hub"), "hub", "none" or a checkpoint file (used for every
+    backbone), or per backbone `NAME=W,NAME=W` (Trident: a DINO and a SAM checkpoint; backbones not named:
+    "auto"). The backbones see CLIP's crops, so they follow its normalisation and precision."""
 
     weights: str = "auto"
     clip_weights: str = "openai"
@@ -49,18 +55,12 @@ class ProxyBackbones:
     clip_mean: tuple[float, float, float] = OPENAI_MEAN
     clip_std: tuple[float, float, float] = OPENAI_STD
     _loaded: dict = field(default_factory=dict, repr=False)
+    _held: dict = field(default_factory=dict, repr=False)
 
-    def configure(self, clip=None, weights: str | None = None) -> None:
-        """Follow a DenseCLIP's normalisation, precision and weights (for "auto"); set the weights.
-        Backbones loaded with other weights or precision are dropped."""
-        before = (self.weights, self.clip_weights, self.precision)
-        if clip is not None:
-            self.clip_mean, self.clip_std = tuple(clip.mean), tuple(clip.std)
-            self.clip_weights, self.precision = clip.pretrained, clip.precision
-        if weights is not None:
-            self.weights = weights
-        if (self.weights, self.clip_weights, self.precision) != before:
-            self._loaded.clear()
+    @classmethod
+    def following(cls, clip, weights: str | None = None) -> "ProxyBackbones":
+        """Backbones for a DenseCLIP: its normalisation, precision and weights (for "auto")."""
+        return cls(weights or "auto", clip.pretrained, clip.precision, tuple(clip.mean), tuple(clip.std))
 
     def resolved_weights(self, name: str | None = None) -> str:
         """The weights `name` loads with ("hub", "none" or a file)."""
@@ -69,19 +69,31 @@ class ProxyBackbones:
             per = dict(item.split("=", 1) for item in weights.split(",") if item)
             unknown = sorted(set(per) - set(BACKBONES.names()))
             if unknown:
-                raise ValueError(f"--proxy-weights: unknown backbone {unknown[0]!r} (see `ls backbones`)")
+                raise UserValueError(f"--proxy-weights: unknown backbone {unknown[0]!r} (see `ls backbones`)")
             weights = per.get(name, "auto")
         if weights == "auto":
             return "none" if self.clip_weights == "none" else "hub"
         return weights
 
-    def get(self, name: str, device: torch.device) -> Backbone:
-        key = (name, str(device))
+    def get(self, name: str, device: torch.device | str) -> Backbone:
+        """Backbone `name` on `device`, loaded on first use."""
+        key = (name, str(torch.device(device)))
         if key not in self._loaded:
             self._loaded[key] = load_backbone(name, self.resolved_weights(name), device=device, precision=self.precision)
         return self._loaded[key]
 
-    def config(self, names: list[str]) -> dict:
+    def use(self, backbone: Backbone, device: str | torch.device = "cpu") -> None:
+        """Use this loaded backbone for `ext:{backbone.info.name}` on `device` (one built with other weights,
+        or a small model in tests)."""
+        self._loaded[(backbone.info.name, str(torch.device(device)))] = backbone
+
+    def held(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """What a stage loads itself (SAM's predictor), made once per key and held with these backbones."""
+        if key not in self._held:
+            self._held[key] = make()
+        return self._held[key]
+
+    def config(self, names: Sequence[str]) -> dict:
         """Backbone name -> timm tag, weights and precision, for result files (nothing is loaded)."""
         out = {}
         for name in names:
@@ -93,34 +105,18 @@ class ProxyBackbones:
                 out[name]["sha256"] = file_digest(weights)
         return out
 
-
-PROXIES = ProxyBackbones()
-
-
-def use_proxy_weights(weights: str | None = None, clip=None) -> None:
-    """Choose the weights of every `ext:` backbone ("auto", "hub", "none" or a checkpoint file) and
-    follow `clip`'s normalisation and precision."""
-    PROXIES.configure(clip, weights)
-
-
-def prepare_proxies(spec, clip, weights: str | None = None) -> list[str]:
-    """Follow `clip`, choose the weights, and load now every backbone the spec's `ext:` terms read (so
-    missing weights fail before any image is processed). Returns their names."""
-    names = spec_backbones(spec)
-    if names:
-        PROXIES.configure(clip, weights)
-        for name in names:
-            PROXIES.get(name, clip.device)
-    return names
+    def record(self, names: Sequence[str]) -> dict:
+        """`{"proxy_backbones": {...}}` for these backbone names (result files), else {}."""
+        return {"proxy_backbones": self.config(names)} if names else {}
 
 
 def missing_weights(names: Sequence[str], clip) -> dict[str, str]:
-    """Backbone -> why its weights cannot be had now, for those of `names` (`spec_backbones`) that cannot,
-    with the weights `clip` would give them (`clip.proxy_weights`, else the process-wide choice): a checkpoint
-    file that does not exist, or Hub weights not in the Hugging Face cache while the Hub cannot be reached.
-    Looks at files only (one reachability probe when some weights are not cached): nothing is loaded or
-    downloaded. Random weights (with a random CLIP, as in tests) are always there."""
-    chosen = ProxyBackbones(weights=clip.proxy_weights if clip.proxy_weights is not None else PROXIES.weights, clip_weights=clip.pretrained)
+    """Backbone -> why its weights cannot be had now, for those of `names` that cannot, with the weights
+    `clip` would give them (`clip.proxy_weights`, default "auto"): a checkpoint file that does not exist, or
+    Hub weights not in the Hugging Face cache while the Hub cannot be reached. Looks at files only (one
+    reachability probe when some weights are not cached): nothing is loaded or downloaded. Random weights
+    (with a random CLIP, as in tests) are always there."""
+    chosen = ProxyBackbones(weights=clip.proxy_weights or "auto", clip_weights=clip.pretrained)
     missing, uncached = {}, []
     for name in names:
         weights = chosen.resolved_weights(name)
@@ -133,49 +129,6 @@ def missing_weights(names: Sequence[str], clip) -> dict[str, str]:
         for name in uncached:
             missing[name] = f"{name}'s weights ({hub_repo(BACKBONES.get(name))}) are not in the Hugging Face cache and {offline}"
     return missing
-
-
-def use_backbone(backbone: Backbone, device: str | torch.device = "cpu") -> None:
-    """Use this loaded backbone for `ext:{backbone.info.name}` on `device` (e.g. one built with other
-    weights, or a small model in tests)."""
-    PROXIES._loaded[(backbone.info.name, str(torch.device(device)))] = backbone
-
-
-def ext_backbones(spec) -> list[str]:
-    """Names of the external backbones a spec's terms read, in order."""
-    names = []
-    for group in spec.groups:
-        for term in group.terms:
-            kind, arg = tap_kind(term.tap)
-            if kind == "ext" and split_ext(arg)[0] not in names:
-                names.append(split_ext(arg)[0])
-    return names
-
-
-def image_backbones(spec) -> list[str]:
-    """Names of the backbones whose whole-image features a spec's `ext:NAME.image` terms read."""
-    names = []
-    for group in spec.groups:
-        for term in group.terms:
-            kind, arg = tap_kind(term.tap)
-            if kind == "ext" and split_ext(arg)[1] == "image" and split_ext(arg)[0] not in names:
-                names.append(split_ext(arg)[0])
-    return names
-
-
-def spec_backbones(spec) -> list[str]:
-    """Names of the external backbones a spec runs: its `ext:` terms', then its stages' (`hook:sam`)."""
-    from ..stages import resolve_stages
-
-    names = ext_backbones(spec)
-    for stage in resolve_stages(spec.hooks):
-        names += [n for n in stage.backbones if n not in names]
-    return names
-
-
-def proxy_config(names: list[str]) -> dict:
-    """`{"proxy_backbones": {...}}` for these backbone names (result files), else {}."""
-    return {"proxy_backbones": PROXIES.config(names)} if names else {}
 
 
 def split_ext(arg: str) -> tuple[str, str]:
@@ -206,14 +159,14 @@ def proxy_grid(arg: str, pixels: tuple[int, int], clip_grid: tuple[int, int] | N
     return pixels[0] // info.patch_size, pixels[1] // info.patch_size
 
 
-def ext_features(pixels: torch.Tensor, arg: str) -> torch.Tensor:
+def ext_features(pixels: torch.Tensor, arg: str, backbones: ProxyBackbones) -> torch.Tensor:
     """B x 1 x M x C features of `ext:arg` for CLIP-normalised pixels (B x 3 x H x W)."""
     name, feature = split_ext(arg)
     if feature == "out":
         raise ValueError(f"ext:{arg}: the proxy's last block re-run over the stitched image exists only in the stitched forward "
                          f"(a spec with stitch:M, run by Segmenter); this call encodes windows alone")
-    backbone = PROXIES.get(name, pixels.device)
-    x = backbone.from_clip_pixels(pixels.float(), PROXIES.clip_mean, PROXIES.clip_std)
+    backbone = backbones.get(name, pixels.device)
+    x = backbone.from_clip_pixels(pixels.float(), backbones.clip_mean, backbones.clip_std)
     out = backbone.features(x, want=(EXT_FEATURES[feature],))
     if feature == "qk":
         B, H, M, d = out.q.shape
@@ -242,12 +195,19 @@ def _ext_tap(ctx, arg: str) -> tuple[torch.Tensor, torch.Tensor]:
             grid = proxy_grid(arg, tuple(ctx.pixels.shape[-2:]), ctx.grid)
             ctx.extra[key] = window_image_features(ctx.extra[("image", name)], grid).to(ctx.pixels.dtype)
         else:
-            ctx.extra[key] = ext_features(ctx.pixels, arg)
+            if "backbones" not in ctx.extra:
+                raise ValueError(f"ext:{arg} runs a backbone: give the block context the run's backbones (context={{'backbones': ...}}; DenseCLIP passes its own)")
+            ctx.extra[key] = ext_features(ctx.pixels, arg, ctx.extra["backbones"])
     return (ctx.extra[key],) * 2
+
+
+def _ext_needs(arg: str) -> Needs:
+    name, feature = split_ext(arg)
+    return Needs(backbones=(name,), image_features=(name,) if feature == "image" else ())
 
 
 TAPS.register(
     "ext",
-    Tap(features=_ext_tap, check=lambda arg: split_ext(arg) and None, grid=proxy_grid),
+    Tap(features=_ext_tap, check=lambda arg: split_ext(arg) and None, grid=proxy_grid, needs=_ext_needs),
     help="ext:NAME[.qk|.image] (an external backbone's last tokens, last-block q+k, or whole-image features on 2x CLIP's grid; `ls backbones`)",
 )
