@@ -68,7 +68,7 @@ def _retrieve_stage(args: str) -> Stage:
         raise UserValueError(f"bad stage 'retrieve:{args}': {usage}") from None
     if len(parts) > 2 or k < 1 or not 0.0 <= alpha <= 1.0:
         raise UserValueError(f"bad stage 'retrieve:{args}': {usage}")
-    return Stage("retrieval", f"retrieve:{k}:{alpha:g}", lambda cosine, regions, retrieve: retrieval_fusion(cosine, retrieve, k, alpha))
+    return Stage("retrieval", f"retrieve:{k}:{alpha:g}", lambda cosine, run: retrieval_fusion(cosine, run.retrieve, k, alpha))
 
 
 STAGES.register(

@@ -132,12 +132,11 @@ def propagate(laplacian: torch.Tensor, y: torch.Tensor, tol: float = CG_TOL, max
 
 
 # -- lp:patch --------------------------------------------------------------------------------------------
-def proxy_values(crops: torch.Tensor, backbone) -> torch.Tensor:
+def proxy_values(crops: torch.Tensor, backbone, clip_mean: Sequence[float], clip_std: Sequence[float]) -> torch.Tensor:
     """B x h x w x C L2-normalised last-block values of the backbone (heads concatenated, CLS dropped) on
-    CLIP-normalised crops (B x 3 x H x W): `extract_feats(type_feats="v")`, normalised over channels."""
-    from ..models.proxies import PROXIES
-
-    x = backbone.from_clip_pixels(crops.float(), PROXIES.clip_mean, PROXIES.clip_std)
+    crops (B x 3 x H x W) normalised with CLIP's mean and std: `extract_feats(type_feats="v")`, normalised
+    over channels."""
+    x = backbone.from_clip_pixels(crops.float(), clip_mean, clip_std)
     out = backbone.features(x, want=("qkv",))
     B, heads, _, d = out.v.shape
     gh, gw = out.grid
@@ -153,21 +152,15 @@ def window_crops(pixels: torch.Tensor, boxes: Sequence[tuple[int, int, int, int]
 
 
 def lp_patch(
-    cosine: torch.Tensor, boxes: Sequence[tuple[int, int, int, int]], pixels: torch.Tensor, patch: int,
+    cosine: torch.Tensor, boxes: Sequence[tuple[int, int, int, int]], patch: int, feats: torch.Tensor,
     k: int = PATCH_K, gamma: float = PATCH_GAMMA, alpha: float = LP_ALPHA, sigma: float = PATCH_SIGMA,
-    feats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LPOSS's joint propagation of B x h x w x N patch cosines over the kNN graph of all B windows'
-    patches (feats: B x h x w x C L2-normalised proxy features; default DINO ViT-B/16 values of the
-    windows, resized bilinearly to CLIP's grid when their grid differs). Returns B x h x w x N."""
+    patches (feats: B x h' x w' x C L2-normalised proxy features of the windows, DINO ViT-B/16 values in the
+    preset, resized bilinearly to CLIP's grid when their grid differs). Returns B x h x w x N."""
     B, h, w, n = cosine.shape
-    if feats is None:
-        from ..models.proxies import PROXIES
-
-        backbone = PROXIES.get(LP_PROXY, cosine.device)
-        feats = proxy_values(window_crops(pixels, boxes, backbone.info.patch_size), backbone)
-        if feats.shape[1:3] != (h, w):
-            feats = F.normalize(F.interpolate(feats.permute(0, 3, 1, 2), size=(h, w), mode="bilinear", align_corners=False).permute(0, 2, 3, 1), dim=-1)
+    if feats.shape[1:3] != (h, w):
+        feats = F.normalize(F.interpolate(feats.permute(0, 3, 1, 2), size=(h, w), mode="bilinear", align_corners=False).permute(0, 2, 3, 1), dim=-1)
     feats = feats.to(cosine.device).reshape(B * h * w, -1)
     graph = patch_graph(feats, patch_centres(boxes, (h, w), patch).to(cosine.device), k, gamma, sigma)
     z = propagate(normalized_laplacian(graph, alpha), cosine.reshape(B * h * w, n))
@@ -191,8 +184,10 @@ def _patch_stage(args: str) -> Stage:
         raise UserValueError(f"bad stage 'lp:patch:{args}': {usage}")
     name = f"lp:patch:{int(k)}:{gamma:g}:{alpha:g}:{sigma:g}"
 
-    def run(cosine, boxes, pixels, patch):
-        return lp_patch(cosine, boxes, pixels, patch, int(k), gamma, alpha, sigma)
+    def run(cosine, boxes, image):
+        backbone = image.backbone(LP_PROXY)
+        feats = proxy_values(window_crops(image.pixels, boxes, backbone.info.patch_size), backbone, image.clip.mean, image.clip.std)
+        return lp_patch(cosine, boxes, image.patch, feats, int(k), gamma, alpha, sigma)
 
     return Stage("windows", name, run, backbones=(LP_PROXY,))
 
@@ -250,7 +245,7 @@ def _pixel_stage(args: str) -> Stage:
     if tau <= 0 or radius != int(radius) or radius < 1 or not 0 < alpha < 1:
         raise UserValueError(f"bad stage 'lp:pixel:{args}': {usage}")
     name = f"lp:pixel:{tau:g}:{int(radius)}:{alpha:g}"
-    return Stage("post", name, lambda cosine, rgb: lp_pixel(cosine, rgb, tau, int(radius), alpha), at_input=True)
+    return Stage("input", name, lambda cosine, rgb, run: lp_pixel(cosine, rgb, tau, int(radius), alpha))
 
 
 def _lp_stage(args: str) -> Stage:

@@ -158,7 +158,7 @@ def _tlp_stage(args: str) -> Stage:
         raise UserValueError(f"bad stage 'tlp:{args}': {usage}") from None
     if grid < 1:
         raise UserValueError(f"bad stage 'tlp:{args}': {usage}")
-    return Stage("post", f"tlp:{grid}", lambda cosine, guide, text: tlp(cosine, guide, text, grid), text=True)
+    return Stage("post", f"tlp:{grid}", lambda cosine, guide, run: tlp(cosine, guide, run.text.to(cosine.device), grid))
 
 
 STAGES.register(

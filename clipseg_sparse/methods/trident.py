@@ -11,7 +11,7 @@ transcription of them against this module. Steps and where they live:
    below 0), CLS dropped before the last block, reduced output W_o(A V) kept before ln_post: the
    engine's spec (preset `trident` below);
 3. splice: the windows' outputs placed on the image's patch grid, overlaps averaged
-   (`spliced_tokens`, segment/);
+   (`spliced_tokens`, the forward `splice` below);
 4. SAM ViT-B (LayerNorm eps 1e-6, as segment_anything builds it) on the original image rounded up to
    multiples of 16 (`sam_image`; SAM's preprocessing: longest side 1024, padded), its last block's
    attention and values on the valid grid, filtered by value cosine (`sam_filtered_attention` below);
@@ -34,12 +34,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import UserValueError
 from ..attention.normalizers import Normalizer, normalize
 from ..attention.presets import register_preset
+from ..errors import UserValueError
 from ..evaluation.protocols import PROTOCOLS, Protocol, register_weights_variant
 from ..models.backbones import Backbone, sam_scores
-from ..models.proxies import PROXIES
+from ..segment.maps import CosineMap, grid_cosine
+from ..segment.plan import FORWARDS, ImageRun, Plan
+from ..segment.preprocess import prepare
+from ..segment.windows import GridSum, WindowsForward, iter_window_features
 from ..stages import STAGES, Stage
 
 SAM_BACKBONE = "sam_vitb"
@@ -171,11 +174,10 @@ def _sam_stage(args: str) -> Stage:
     refine_neg_cos, halves = "neg0.6" not in flags, "halves" in flags
     name = f"sam:{cos_fac:g}" + ("" if refine_neg_cos else ":neg0.6") + (":halves" if halves else "")
 
-    def run(tokens: torch.Tensor, image: np.ndarray, normalizer: str) -> torch.Tensor:
-        backbone = PROXIES.get(SAM_BACKBONE, tokens.device)
-        return sam_smooth(tokens, image, backbone, normalizer, cos_fac, refine_neg_cos, halves)
+    def run(tokens: torch.Tensor, image) -> torch.Tensor:
+        return sam_smooth(tokens, image.image, image.backbone(SAM_BACKBONE), image.normalizer, cos_fac, refine_neg_cos, halves)
 
-    return Stage("global", name, run, backbones=(SAM_BACKBONE,))
+    return Stage("global", name, run, backbones=(SAM_BACKBONE,), forward="splice")
 
 
 STAGES.register(
@@ -184,6 +186,84 @@ STAGES.register(
     help="global: Trident's SAM stage: SAM ViT-B attention on the whole image, filtered by value cosine (> min(0.9, "
     "COS_FAC x mean), default 1.2; neg0.6: negative thresholds -> 0.6; halves: left/right halves), smooths the spliced tokens",
 )
+
+
+# -- the forward `splice` (steps 3-5): the windows' tokens spliced, then the global stage over the image ------------
+def spliced_tokens(run: ImageRun) -> torch.Tensor:
+    """Trident's splice: every window's last-block tokens before ln_post (`DenseCLIP.dense_tokens`,
+    h x w cells per window) placed at the window's corner on the image's grid of cells, overlaps
+    averaged: 1 x Gh x Gw x C. Windows must tile that grid: the window side a whole number of cells and
+    every corner on a cell boundary (for CLIP's grid: image sides, window and stride multiples of the
+    patch size; `InferenceSettings.size_multiple`)."""
+    clip, stages = run.clip, run.plan.added_token_stages()
+    _, _, H, W = run.pixels.shape
+
+    def encode(crops, spec, pos_interp, regions, context):
+        return clip.dense_tokens(crops, spec, stages, pos_interp, context=context)
+
+    boxes, feats = [], []
+    for chunk, f in iter_window_features(run, encode=encode):
+        boxes += chunk
+        feats.append(f)
+    feats = torch.cat(feats)
+    (y1, y2, x1, x2), (h, w) = boxes[0], feats.shape[1:3]
+    cell_h, cell_w = (y2 - y1) // h, (x2 - x1) // w
+    if (y2 - y1) % h or (x2 - x1) % w or H % cell_h or W % cell_w or any(b[0] % cell_h or b[2] % cell_w for b in boxes):
+        raise UserValueError(
+            f"splicing windows needs the image ({H}x{W}), window and stride on the {cell_h}x{cell_w}-pixel cell grid "
+            f"(set size_multiple={clip.patch_size}, a window and stride multiple of {clip.patch_size})"
+        )
+    corners = [(b[0] // cell_h, b[2] // cell_w) for b in boxes]
+    return splice_windows(feats, corners, (H // cell_h, W // cell_w))[None]
+
+
+def splice_windows(feats: torch.Tensor, corners: list[tuple[int, int]], grid: tuple[int, int]) -> torch.Tensor:
+    """Trident's splice: window features W x h x w x C placed at their top-left patch corners on an
+    image grid (H x W patches), overlaps averaged: H x W x C. Every cell must be covered."""
+    total = GridSum(grid)
+    total.add(feats, corners)
+    return total.mean()
+
+
+class SpliceForward(WindowsForward):
+    """The windows' last-block tokens spliced on the image's patch grid, then the one global stage over the
+    whole image (Trident's `sam`), ln_post, proj and the cosine on its grid. Its attention, what analyze and
+    explain read, is the windows' (the global stage acts on the spliced tokens after it)."""
+
+    name = "splice"
+    kinds = frozenset({"token", "global"})
+
+    def check(self, plan: Plan) -> None:
+        found = plan.of_kind("global")
+        if len(found) > 1:
+            raise UserValueError(f"one global stage at a time (got {', '.join(s.name for s in found)})")
+
+    def refusal(self, stage: Stage, plan: Plan) -> str:
+        g = plan.of_kind("global")[0].name
+        if stage.kind == "match":
+            return f"match stage {stage.name} works on each window's cosine map; it cannot run with the global stage {g}"
+        if stage.kind == "windows":
+            return (f"stage {stage.name} works on each window's patch map; it cannot run with the global stage {g}, "
+                    f"which splices the windows into one image-wide map before any map is made")  # fmt: skip
+        if stage.kind == "retrieval":
+            return f"stage {stage.name} works on the windows' averaged map; it cannot run with the global stage {g}"
+        return super().refusal(stage, plan)
+
+    def check_model(self, plan: Plan, clip) -> None:
+        s, patch = plan.settings, clip.patch_size
+        if s.window and (s.window % patch or s.stride % patch):
+            g = plan.of_kind("global")[0].name
+            raise UserValueError(f"stage {g} splices the windows: window and stride must be multiples of the patch size {patch} (got {s.window} / {s.stride})")
+
+    def pixels(self, image: np.ndarray, clip, settings) -> torch.Tensor:
+        return prepare(image, clip, settings, splices=True)  # whole patches
+
+    def cosine(self, run: ImageRun) -> CosineMap:
+        tokens = run.plan.of_kind("global")[0](spliced_tokens(run), run)
+        return grid_cosine(run.clip.project(tokens[0]), run.text, run.out_size)
+
+
+FORWARDS.register("splice", SpliceForward(), help="Trident: the windows' tokens spliced on the image grid for one global stage (`sam`)")
 
 TRIDENT_NOTES = (
     "copied: mmseg's resize by cv2, then preprocess_image's size rule (both sides scaled by the longer side rounded "

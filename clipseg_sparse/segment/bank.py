@@ -42,6 +42,9 @@ import torch.nn.functional as F
 
 from ..errors import UserValueError
 from ..runtime.atomic import atomic_path, write_json_atomic
+from .plan import ImageRun, Plan
+from .preprocess import input_regions
+from .windows import dense_cosine
 
 BANK_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -179,6 +182,10 @@ class ImageBank:
             if built.get(what) != proxy.get(what):
                 raise BankError(f"{self.path}: bank keys were built with {built['backbone']} {what} {built.get(what)!r}, not {proxy.get(what)!r}")
 
+    def retrieval_logits(self, regions: torch.Tensor, features: torch.Tensor, texts: dict[str, torch.Tensor], k: int = NUM_SUPPORT) -> torch.Tensor:
+        """`retrieval_logits` of this bank."""
+        return retrieval_logits(regions, features, self, texts, k)
+
     def support(self, store: str, rows: np.ndarray) -> torch.Tensor:
         """R x D: L2(mean of the stored values of each row set) (rows: R x k store rows, -1 ignored); a
         region without any neighbour gets a zero vector (the published code would give NaN)."""
@@ -234,6 +241,7 @@ class ValueModel:
     clip: object
     spec: object  # AttentionSpec
     settings: object  # InferenceSettings (resolution, windows, ...)
+    backbones: object = None  # models.proxies.ProxyBackbones its spec's `ext:` taps run (None: the CLIP's own)
 
     def record(self) -> dict:
         """Its manifest entry: the store's CLIP id, model, weights, width, spec and settings."""
@@ -245,23 +253,18 @@ class ValueModel:
     def feature_map(self, rgb: np.ndarray, regions: np.ndarray, image_features: dict | None = None):
         """D x H x W unnormalised dense features at the image's size, rows on demand (a CosineMap against
         the identity: the published builder's window-averaged projections resized bilinearly)."""
-        from .preprocess import input_regions, prepare
-        from .windows import dense_cosine
-
-        s = self.settings
-        pixels = prepare(rgb, self.clip, s)
-        scaled = input_regions(regions, tuple(pixels.shape[-2:]))
+        plan = Plan.of(self.spec, self.settings)
+        pixels = plan.forward.pixels(rgb, self.clip, plan.settings)
         eye = torch.eye(int(self.clip.visual.proj.shape[1]))
-        return dense_cosine(
-            self.clip, pixels, eye, self.spec, s.window, s.stride, s.batch_size, tuple(rgb.shape[:2]), (), s.pos_interp, s.remainder,
-            s.logit_scale, scaled, (), image_features, raw=True,
-        )  # fmt: skip
+        backbones = self.backbones or self.clip.proxies
+        run = ImageRun(plan, self.clip, eye, rgb, pixels, input_regions(regions, tuple(pixels.shape[-2:])), backbones, image_features or {}, raw=True)
+        return dense_cosine(run, tuple(rgb.shape[:2]))
 
 
 def key_rows(feature_map: torch.Tensor, size: tuple[int, int]) -> Callable[[int, int], torch.Tensor]:
     """Rows y0..y1 of the 1 x C x h x w map resized bilinearly (align_corners False) to `size` and
     L2-normalised per pixel (the published keys' per-pixel features), without the C x H x W map."""
-    from .windows import _resize_matrix
+    from .maps import resize_matrix as _resize_matrix
 
     f = feature_map[0].float().cpu()
     ly, lx = _resize_matrix(f.shape[1], size[0]), _resize_matrix(f.shape[2], size[1])

@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .windows import BAND_ELEMENTS, CosineMap, DenseMap, row_bands
+from .maps import BAND_ELEMENTS, CosineMap, DenseMap, row_bands
 
 
 def class_probabilities(logits: torch.Tensor, name_to_class: Sequence[int], num_classes: int) -> torch.Tensor:

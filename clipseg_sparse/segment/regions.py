@@ -255,16 +255,3 @@ def open_regions(value: str, device: str = "cpu", names: Sequence[str] = ()) -> 
     source = RegionFolder(value)
     source.check(names)
     return source
-
-
-def region_reader(spec, stages: Sequence[str] = ()) -> str | None:
-    """What reads region maps: the attention spec (a `region:EPS` support or `mct:` branch), a labels
-    stage (regionvote) or a retrieval stage, as text for error messages; None when nothing does."""
-    from ..attention import resolve_spec
-    from ..attention.scope import needs_regions
-    from ..stages import resolve_stages
-
-    spec = resolve_spec(spec)
-    if needs_regions(spec):
-        return f"attention {spec}"
-    return next((f"stage {st.name}" for st in (*resolve_stages(spec.hooks), *resolve_stages(stages)) if st.kind in ("labels", "retrieval")), None)
