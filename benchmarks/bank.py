@@ -91,12 +91,10 @@ def build_rate(images: int, short: int, keys: str, clip_name: str) -> float:
     from clipseg_sparse import load_clip
     from clipseg_sparse.attention import resolve_spec
     from clipseg_sparse.methods.corrclipv2 import VALUES
-    from clipseg_sparse.models.proxies import PROXIES
     from clipseg_sparse.segment.settings import InferenceSettings
 
-    clip = load_clip(clip_name, pretrained=None, device="cpu")
-    PROXIES.configure(clip, "none")
-    key_backbone = PROXIES.get(keys, clip.device)
+    clip = load_clip(clip_name, pretrained=None, device="cpu")  # random: its backbones load random weights
+    key_backbone = clip.proxies.get(keys, clip.device)
     values = [banks.ValueModel(clip, resolve_spec(VALUES.format(first=6, last=10)), InferenceSettings(resolution=short, window=336, stride=112))]
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,14 +28,12 @@ def run_case(preset: str, size: tuple[int, int], classes: int, rows: int | None,
     import torch
 
     from clipseg_sparse import load_clip
-    from clipseg_sparse.models.proxies import use_proxy_weights
-    from clipseg_sparse.segment import stitch
+    from clipseg_sparse.methods import ovstitcher
     from clipseg_sparse.segment.segmenter import Segmenter
     from clipseg_sparse.segment.settings import InferenceSettings
 
     torch.set_num_threads(threads)
-    clip = load_clip("ViT-B-16", pretrained=None, device="cpu")
-    use_proxy_weights("none", clip=clip)
+    clip = load_clip("ViT-B-16", pretrained=None, device="cpu")  # random: DINO loads random weights
     rng = np.random.default_rng(0)
     H, W = size
     image = rng.integers(0, 255, (H, W, 3), dtype=np.uint8)
@@ -44,11 +42,8 @@ def run_case(preset: str, size: tuple[int, int], classes: int, rows: int | None,
     settings = InferenceSettings(resolution=0, window=window, stride=stride, pos_interp="scale")
     seg = Segmenter(clip, [f"class {i}" for i in range(classes)], preset, settings, templates="single", regions=lambda i, n: regions)
     if rows is not None:  # every image-wide attention as one block of rows
-        real = stitch.stitched_features
-        stitch_rows = lambda *a, **k: real(*a, **{**k, "rows": rows})  # noqa: E731
-        import clipseg_sparse.segment.segmenter as segmenter
-
-        segmenter.stitched_features = stitch_rows
+        real = ovstitcher.stitched_features
+        ovstitcher.stitched_features = lambda run, rows_=None: real(run, rows)
     with torch.inference_mode():
         seg.cosine(image[:window, :window], regions[:window, :window])  # warm-up on one window: loads DINO
         t0 = time.perf_counter()

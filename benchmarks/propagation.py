@@ -46,7 +46,7 @@ def status_mib(key: str) -> float:
 def run_stage(name: str, n: int, size: str, short: int, repeat: int, device: str) -> dict:
     """Build `name`'s inputs, then (seconds, peak MiB above the resident set before the run)."""
     from clipseg_sparse.methods import lposs, pearl
-    from clipseg_sparse.models.proxies import PROXIES
+    from clipseg_sparse.models.proxies import ProxyBackbones
     from clipseg_sparse.segment.preprocess import resized_shape, window_boxes
     from clipseg_sparse.stages import pamr
 
@@ -65,10 +65,15 @@ def run_stage(name: str, n: int, size: str, short: int, repeat: int, device: str
         fn = lambda: pearl.tlp(cos, guide, text)  # noqa: E731
     elif name.startswith("lp:patch"):
         win = (torch.randn(len(boxes), 14, 14, n, generator=g) * 0.05 + 0.2).to(dev)
-        PROXIES.configure(weights="none")
-        backbone = PROXIES.get(lposs.LP_PROXY, dev)  # DINO ViT-B/16, random weights (loaded before the run)
-        feats = lposs.proxy_values(lposs.window_crops(pixels, boxes, 16), backbone) if "graph" in name else None
-        fn = lambda: lposs.lp_patch(win, boxes, pixels, 16, feats=feats)  # noqa: E731
+        backbones = ProxyBackbones(weights="none")
+        backbone = backbones.get(lposs.LP_PROXY, dev)  # DINO ViT-B/16, random weights (loaded before the run)
+        crops = lambda: lposs.window_crops(pixels, boxes, 16)  # noqa: E731
+        values = lambda: lposs.proxy_values(crops(), backbone, backbones.clip_mean, backbones.clip_std)  # noqa: E731
+        if "graph" in name:  # the graph and the solve alone: the DINO values made before the run
+            feats = values()
+            fn = lambda: lposs.lp_patch(win, boxes, 16, feats)  # noqa: E731
+        else:  # as the stage runs per image: the DINO values within the timed call
+            fn = lambda: lposs.lp_patch(win, boxes, 16, values())  # noqa: E731
     elif name == "lp:pixel":
         cos_in, rgb = torch.randn(n, h, w, generator=g).to(dev) * 0.05 + 0.2, torch.rand(3, h, w, generator=g).to(dev)
         fn = lambda: lposs.lp_pixel(cos_in, rgb)  # noqa: E731

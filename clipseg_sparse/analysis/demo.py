@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import UserError, UserValueError
 from ..segment.images import load_image
-from ..segment.segmenter import Segmenter, hook_stages
+from ..segment.segmenter import Segmenter
 from ..segment.settings import InferenceSettings
 from ..models.clip import DenseCLIP
 from ..segment.vocabulary import Vocabulary
@@ -115,8 +115,7 @@ def offered_presets(clip: DenseCLIP, regions=None) -> tuple[list[str], dict[str,
     source, one with a retrieval stage (the demo takes no image bank), and one whose external backbone's
     weights cannot be had now (`missing_weights`: looks at files, loads and downloads nothing)."""
     from ..attention import list_presets, resolve_spec
-    from ..models.proxies import missing_weights, spec_backbones
-    from ..segment.regions import region_reader
+    from ..models.proxies import missing_weights
 
     why: dict[str, str | None] = {}
     backbones: dict[str, list[str]] = {}
@@ -127,13 +126,12 @@ def offered_presets(clip: DenseCLIP, regions=None) -> tuple[list[str], dict[str,
         except (UserError, ValueError):
             why[name] = f"needs more blocks than {clip.model_name} has ({clip.depth}), e.g. a ViT-L"
             continue
-        retrieval = hook_stages(spec, (), "retrieval")
-        if region_reader(spec) and regions is None:
+        if spec.needs.regions and regions is None:
             why[name] = "needs region masks: start the demo with --regions sam2"
-        elif retrieval:
-            why[name] = f"stage {retrieval[0].name} needs an image bank, which the demo does not take: run it with `clipseg-sparse segment --bank BANK`"
+        elif spec.needs.bank:
+            why[name] = f"{spec.needs.bank} needs an image bank, which the demo does not take: run it with `clipseg-sparse segment --bank BANK`"
         else:
-            why[name], backbones[name] = None, spec_backbones(spec)
+            why[name], backbones[name] = None, list(spec.needs.backbones)
     missing = missing_weights(list(dict.fromkeys(b for names in backbones.values() for b in names)), clip)
     for name, names in backbones.items():
         lacking = [b for b in names if b in missing]

@@ -26,15 +26,12 @@ from PIL import Image, ImageDraw
 
 from .statistics import check_tokens, normalize_rows, row_entropy
 from ..attention import AttentionSpec
-from ..attention.taps import attention_grid
 from ..segment.bank import ImageBank
 from ..segment.images import load_image
-from ..segment.preprocess import input_regions, window_geometry
+from ..segment.resources import Resources
 from ..segment.segmenter import Segmenter
 from ..segment.settings import InferenceSettings
-from ..segment.windows import iter_window_features
 from ..models.clip import DenseCLIP
-from ..models.proxies import image_backbones
 from ..files.outputs import overlay_image
 
 
@@ -102,11 +99,14 @@ def explain(
     regions: Callable[[np.ndarray, str], np.ndarray] | None = None,
     name: str | None = None,
     bank: ImageBank | None = None,
+    resources: Resources | None = None,
 ) -> list[ExplainView]:
     """One ExplainView per spec for the pixel `point` = (x, y) of `image` (a path, PIL image or array).
 
-    The segmentation uses `settings` (windows included); the attention one whole-image forward of the
-    pixels the windows are cut from (`Segmenter.pixels`), with the settings' `pos_interp` and `remainder`.
+    The segmentation uses `settings` (windows included); the attention is the spec's forward's
+    (`Forward.attention`) on one window holding the whole image cut from the pixels the windows are cut from
+    (`Segmenter.pixels`), with the settings' `pos_interp` and `remainder`; a forward whose attention spans the
+    image already (OV-Stitcher's stitched windows) keeps its windows.
     head: one attention head (0-based) instead of the mean over heads. The spec's windows, at-input and post
     stages act after the attention: the segmentation runs them (`Segmenter.predict`), the attention map is
     the same with or without them. regions: the region source of specs that read region maps (as
@@ -115,6 +115,7 @@ def explain(
     external backbone (CorrCLIPv2's `ext:NAME.image` taps) are computed as the Segmenter computes them and
     reach the attention forward too. bank: the image bank of specs with a retrieval stage (as `Segmenter`'s;
     required by them), which acts after the attention: it changes the segmentation, not the map.
+    resources: the inputs of the specs (`segment.Resources`) in place of `regions` and `bank`.
     """
 
     rgb = load_image(image)
@@ -122,22 +123,17 @@ def explain(
         name = Path(image).name
     settings = settings or InferenceSettings()
     height, width = rgb.shape[:2]
-    ps = clip.patch_size
     views = []
     for spec in specs:
-        seg = Segmenter(clip, vocabulary, spec, settings, templates, regions=regions, bank=bank)
-        spec, pixels = seg.spec, seg.pixels(rgb)
-        size = tuple(pixels.shape[-2:])
-        grid = tuple(window_geometry(side, ps, settings.remainder, whole_image=True)[0] for side in size)
-        att_grid = attention_grid(spec, (grid[0] * ps, grid[1] * ps), grid)  # the encoded crop: whole patches from 0
-        cell = (grid[0] * ps / att_grid[0], grid[1] * ps / att_grid[1])  # resized pixels per attention cell
+        seg = Segmenter(clip, vocabulary, spec, settings, templates, regions=regions, bank=bank, resources=resources)
+        spec, forward = seg.spec, seg.plan.forward
+        run = seg.image_run(rgb, seg.region_map(rgb, name))
+        size = run.size
+        # one window over the whole image (the forward's own windows where its attention is image-wide already)
+        window = next(forward.attention(run, whole_image=not forward.image_wide))
+        att_grid, maps = window.grid, window.maps  # heads x N x N
+        cell = (window.crop[0] / att_grid[0], window.crop[1] / att_grid[1])  # resized pixels per attention cell
         row, col = query_patch(point, (height, width), size, cell, att_grid)
-        scaled = input_regions(seg.region_map(rgb, name), size)
-        whole = iter_window_features(
-            clip, pixels, spec, window=0, pos_interp=settings.pos_interp, remainder=settings.remainder, encode=clip.attention_maps, regions=scaled,
-            image_features=seg.image_features(rgb, size, image_backbones(spec)),
-        )
-        maps = next(whole)[1][0]  # heads x N x N (attention.attention_maps)
         check_tokens(maps.shape[-1], att_grid[0] * att_grid[1], spec)
         cls = int(maps.shape[-1] == att_grid[0] * att_grid[1] + 1)  # CLS first, unless the spec drops it (cls:C)
         if head is not None and not 0 <= head < maps.shape[0]:

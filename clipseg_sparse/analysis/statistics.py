@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionSpec, resolve_spec
-from ..attention.scope import needs_regions
-from ..attention.taps import attention_grid
 from ..datasets import DATASETS, Benchmark, Sample
 from ..datasets.classnames import DATA_DIR
 from ..datasets.labels import IGNORE_INDEX, patch_labels
+from ..errors import UserValueError
 from ..models.clip import DenseCLIP
-from ..models.proxies import proxy_config, spec_backbones
+from ..segment.plan import AttentionWindow, ImageRun, Plan
+from ..segment.resources import Resources
 
 STATS = ("entropy", "support", "nonzero", "own_mass", "stuff_mass", "cls_mass", "diffusivity")
 ANALYSIS_SETTINGS = ("resolution", "max_long_side", "window", "stride", "batch_size")
@@ -198,62 +198,48 @@ def check_tokens(tokens: int, patches: int, spec: AttentionSpec) -> None:
         raise ValueError(f"spec {spec} attends over {tokens} tokens, not CLIP's {patches} patches (+ CLS); analyze and explain need CLIP's grid")
 
 
-def cell_size(spec: AttentionSpec, crop: tuple[int, int], patch: int) -> int:
-    """Pixels per side of the cells the spec attends over on an encoded crop (H, W): CLIP's patch, or the
-    finer cell of an external backbone's grid (`attention_grid`: CorrCLIP's DINO B/8, CorrCLIPv2's 2 x CLIP's
+def cell_size(window: AttentionWindow, spec: AttentionSpec) -> int:
+    """Pixels per side of the cells a window's attention lives on (CLIP's patch, or the finer cell of an
+    external backbone's grid: CorrCLIP's DINO B/8, CorrCLIPv2's 2 x CLIP's grid, OV-Stitcher's image-wide DINO
     grid), so the labels are reduced to the grid the rows live on; refused when cells are not whole square pixels."""
-    grid = attention_grid(spec, crop, (crop[0] // patch, crop[1] // patch))
-    if crop[0] % grid[0] or crop[1] % grid[1] or crop[0] // grid[0] != crop[1] // grid[1]:
-        raise ValueError(f"spec {spec} attends over a {grid[0]} x {grid[1]} grid on a {crop[0]} x {crop[1]} px window: analyze needs square cells of whole pixels")
-    return crop[0] // grid[0]
+    (h, w), (gh, gw) = window.crop, window.grid
+    if h % gh or w % gw or h // gh != w // gw:
+        raise UserValueError(f"spec {spec} attends over a {gh} x {gw} grid on a {h} x {w} px window: analyze needs square cells of whole pixels")
+    return h // gh
 
 
-def image_statistics(
-    clip: DenseCLIP,
-    rgb: np.ndarray,
-    labels: np.ndarray,
-    spec: AttentionSpec,
-    settings,
-    stuff: torch.Tensor | None,
-    per_head: bool = False,
-    regions: np.ndarray | None = None,
-) -> dict:
-    """The summed statistics of one labelled image over all its sliding windows (each window's rows
-    are those the model computes for that window, `attention.attention_maps`; overlapping windows
-    count a patch once per window). Pixels, windows and positional embeddings are those `eval` scores
-    under the same settings (`segment.preprocess.prepare`, the protocol's `resize`, `pos_interp` and
-    `remainder`); the labels are resized and cut with them (pixels a window drops count for no patch).
-    regions: the image's H x W region ids (-1 unsegmented) for specs that read them, resized and cut as in
-    `Segmenter.cosine`; the whole-image features of `ext:NAME.image` taps are computed as the Segmenter
-    computes them (`whole_image_features`), so the rows are those of the forward `eval` runs."""
-    from ..models.proxies import image_backbones
-    from ..segment.preprocess import input_regions, prepare, window_padding
-    from ..segment.segmenter import global_stage, whole_image_features
-    from ..segment.windows import iter_window_features
-    from ..stages import resolve_stages
-
-    s, patch = settings, clip.patch_size
-    pixels = prepare(rgb, clip, s, splices=global_stage(spec, resolve_stages(s.stage_texts())) is not None)
-    size = tuple(pixels.shape[-2:])
-    resized = nearest_labels(labels, size)
-    scaled = input_regions(regions, size)
+def image_statistics(run: ImageRun, labels: np.ndarray, stuff: torch.Tensor | None, per_head: bool = False) -> dict:
+    """The summed statistics of one labelled image over all the attention its forward computes (each
+    window's rows are those the model computes for that window; overlapping windows count a patch once per
+    window; OV-Stitcher's one image-wide map). The run is the one `eval` scores under the same settings
+    (`Segmenter.image_run`: the forward's pixels, windows, positional embeddings, region map and whole-image
+    features); the labels are resized and cut with them (pixels a window drops count for no patch)."""
+    resized = nearest_labels(labels, run.size)
     total = None
-    windows = iter_window_features(
-        clip, pixels, spec, s.window, s.stride, s.batch_size, pos_interp=s.pos_interp, remainder=s.remainder, encode=clip.attention_maps,
-        regions=scaled, image_features=whole_image_features(rgb, size, image_backbones(spec), clip.device),
-    )  # fmt: skip
-    for boxes, maps in windows:
-        for (y1, y2, x1, x2), window_maps in zip(boxes, maps):
-            pads = window_padding((y1, y2, x1, x2), patch, s.remainder, not s.window)
-            crop = F.pad(resized[y1:y2, x1:x2], pads, value=IGNORE_INDEX)
-            grid = patch_labels(crop, cell_size(spec, tuple(crop.shape), patch))
-            check_tokens(window_maps.shape[-1], grid.numel(), spec)
-            stats, classes = attention_statistics(window_maps, grid, stuff, has_cls=window_maps.shape[-1] == grid.numel() + 1)
-            total = add_sums(total, image_sums(stats, classes, per_head))
+    for window in run.plan.forward.attention(run):
+        y1, y2, x1, x2 = window.box
+        crop = F.pad(resized[y1:y2, x1:x2], window.pad, value=IGNORE_INDEX)
+        grid = patch_labels(crop, cell_size(window, run.spec))
+        check_tokens(window.maps.shape[-1], grid.numel(), run.spec)
+        stats, classes = attention_statistics(window.maps, grid, stuff, has_cls=window.maps.shape[-1] == grid.numel() + 1)
+        total = add_sums(total, image_sums(stats, classes, per_head))
     return total
 
 
 # -- a dataset ---------------------------------------------------------------------------------------
+def analysis_plan(spec: AttentionSpec | str | None, protocol: str, dataset: str, overrides: Mapping[str, Any] | None = None, clip=None) -> Plan:
+    """The plan whose attention `analyze` measures: the protocol's settings for the dataset with `overrides`
+    (ANALYSIS_SETTINGS only) and no settings stage (none changes the attention; the spec's own stages pick
+    its forward)."""
+    from ..evaluation.protocols import PROTOCOLS
+
+    unknown = sorted(set(overrides or {}) - set(ANALYSIS_SETTINGS))
+    if unknown:
+        raise UserValueError(f"analyze takes only the settings {', '.join(ANALYSIS_SETTINGS)} (got {', '.join(unknown)})")
+    settings = PROTOCOLS.get(protocol).settings(dataset, overrides)
+    return Plan.of(spec, settings.replace(stages=(), pamr=False), clip)
+
+
 def analyze(
     clip: DenseCLIP,
     dataset_name: str,
@@ -270,6 +256,7 @@ def analyze(
     overwrite: bool = False,
     resume: bool = True,
     regions: Callable[[np.ndarray, str], np.ndarray] | None = None,
+    resources: Resources | None = None,
 ) -> dict:
     """Attention statistics of `spec` on a labelled benchmark; returns the result record (kind "analysis").
 
@@ -283,13 +270,13 @@ def analyze(
     (tests/test_attention_loops.py), so no image bank is needed. regions: the region source (as `Segmenter`'s,
     called with the sample id) of specs whose attention reads region maps (CorrCLIP, CorrCLIPv2; required by
     them, ignored otherwise); the rows of specs on an external backbone's finer grid are measured on that grid.
+    resources: the run's inputs (`segment.Resources`: region source, backbones' weights) in place of `regions`.
     out: result JSON, resumable through `<out>.progress.jsonl` exactly as `evaluate` (see results.py);
     a finished result of the same configuration is returned, not recomputed, unless `overwrite`.
     Raises DatasetError, ConfigMismatchError or ValueError as `evaluate` does.
     """
     from ..segment.images import load_image
     from ..runtime.progress import progress_bar
-    from ..evaluation.protocols import PROTOCOLS
     from ..files.results import logged_or_computed, open_run, result_record
     from ..runtime.atomic import write_json_atomic
 
@@ -297,13 +284,11 @@ def analyze(
     spec = resolve_spec(spec)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (got {limit})")
-    unknown = sorted(set(overrides or {}) - set(ANALYSIS_SETTINGS))
-    if unknown:
-        raise ValueError(f"analyze takes only the settings {', '.join(ANALYSIS_SETTINGS)} (got {', '.join(unknown)})")
-    settings = PROTOCOLS.get(protocol).settings(bench.name, overrides)
-    if needs_regions(spec) and regions is None:
-        raise ValueError(f"attention {spec} needs region masks for each image: give a region source (--regions FOLDER or --regions sam2)")
-    regions = regions if needs_regions(spec) else None
+    plan = analysis_plan(spec, protocol, bench.name, overrides, clip)
+    settings = plan.settings
+    if resources is not None and regions is not None:
+        raise UserValueError("give regions either as a keyword or in resources=, not both")
+    resources = (resources or Resources.open(plan, regions=regions, attention=True)).bind(plan, clip, attention=True)
     stuff = tuple(sorted(set(stuff))) if stuff is not None else stuff_classes(bench.name)
     if stuff is not None and any(not 0 <= c < bench.num_classes for c in stuff):
         raise ValueError(f"stuff class indices must be in 0..{bench.num_classes - 1} for {bench.name}")
@@ -312,8 +297,7 @@ def analyze(
     config = {
         **clip.config(),
         "attention": str(spec),
-        **proxy_config(spec_backbones(spec)),  # the external backbones the attention reads, their weights
-        **({"regions": regions.source()} if regions is not None else {}),
+        **resources.record(plan),  # the external backbones the attention reads, their weights; the region source
         "dataset": bench.name,
         "root": str(Path(root).resolve()),
         "data": bench.fingerprint(every_sample),  # edited or added files make a stored result stale, as in eval
@@ -335,7 +319,7 @@ def analyze(
     with progress_bar("images") if progress else nullcontext() as bar:
         task = bar.add_task(f"analyze {bench.name}", total=len(samples)) if bar else None
         for sample in samples:
-            compute = lambda s=sample: _sample_statistics(clip, bench, s, spec, settings, mask, per_head, load_image, regions)  # noqa: E731
+            compute = lambda s=sample: _sample_statistics(clip, bench, s, plan, resources, mask, per_head, load_image)  # noqa: E731
             rec, was_logged = logged_or_computed(log, sample.id, compute)
             images[sample.id] = {k: v for k, v in rec.items() if k not in ("id", "seconds")}
             seconds += float(rec["seconds"])
@@ -356,12 +340,12 @@ def analyze(
     return record
 
 
-def _sample_statistics(clip, bench: Benchmark, sample: Sample, spec, settings, mask, per_head: bool, load_image: Callable, regions) -> dict:
+def _sample_statistics(clip, bench: Benchmark, sample: Sample, plan: Plan, resources: Resources, mask, per_head: bool, load_image: Callable) -> dict:
     from ..datasets import DatasetError
 
     labels = bench.load_label(sample.label)
     rgb = load_image(sample.image)
     if rgb.shape[:2] != labels.shape:
         raise DatasetError(f"{bench.name}: image {sample.image} is {rgb.shape[:2]} but label {sample.label} is {labels.shape}")
-    region_map = None if regions is None else regions(rgb, sample.id)
-    return image_statistics(clip, rgb, labels, spec, settings, mask, per_head, region_map)
+    region_map = None if resources.regions is None else resources.regions(rgb, sample.id)
+    return image_statistics(ImageRun.of(plan, clip, None, rgb, region_map, resources), labels, mask, per_head)

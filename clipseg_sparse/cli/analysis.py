@@ -22,12 +22,11 @@ from .common import (
     BankOpt,
     ProxyWeightsOpt,
     RegionsOpt,
+    bind_resources,
     check_out,
     fail,
     load_model,
-    load_proxies,
-    load_regions,
-    open_bank,
+    open_resources,
     out_console,
     user_errors,
 )
@@ -88,8 +87,7 @@ def analyze(
     Presets whose attention reads region masks (corrclip, corrclipv2) take --regions; no --bank: retrieval
     acts after the attention.
     """
-    from ..analysis.statistics import analyze as run_analysis
-    from ..attention.scope import needs_regions
+    from ..analysis.statistics import analysis_plan, analyze as run_analysis
     from ..datasets import DATASETS
     from ..evaluation.protocols import PROTOCOLS
     from ..files.results import config_hash
@@ -105,21 +103,22 @@ def analyze(
             fail(f"--stuff: {', '.join(missing)} not among the {bench.name} classes (e.g. {', '.join(bench.classes[:5])}, ...)")
         stuff_ids = [bench.classes.index(n) for n in names]
     specs = resolve_specs(preset, attn, default="sclip")
-    # only the attention's readers need regions: analyze runs no stage (regionvote, retrieve act after it)
-    reader = next((f"attention {spec}" for spec in specs if needs_regions(spec)), None)
-    region_src = load_regions(regions, [s.id for s in samples[:limit]], device, reader)
-    clip = load_model(*proto.clip_weights(model, pretrained), device, precision)
-    for spec in specs:  # as eval: the backbones load (or fail in one line) before any image is read
-        load_proxies(spec, clip, proxy_weights)
     overrides = dict(resolution=resolution, window=window, stride=stride, batch_size=batch_size)
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    plans = [analysis_plan(spec, protocol, bench.name, overrides) for spec in specs]
+    # only the attention's readers need regions: analyze runs no stage (regionvote, retrieve act after it)
+    inputs = open_resources(plans, device, [s.id for s in samples[:limit]], attention=True, regions=regions, proxy_weights=proxy_weights)
+    clip = load_model(*proto.clip_weights(model, pretrained), device, precision)
+    inputs = inputs.for_model(clip)
+    bound = []
+    for plan in plans:  # as eval: the backbones load (or fail in one line) before any image is read
+        bound.append(bind_resources(inputs, plan, clip, attention=True))
     records = []
-    for spec in specs:
-        used = region_src if needs_regions(spec) else None
+    for spec, used in zip(specs, bound):
         key = config_hash({"model": clip.config(), "root": str(root.resolve()), "protocol": protocol, **overrides, "limit": limit,
-                           "per_head": per_head, "stuff": stuff_ids, **({"regions": used.source()} if used else {})})[:8]  # fmt: skip
+                           "per_head": per_head, "stuff": stuff_ids, **({"regions": used.regions.source()} if used.regions else {})})[:8]  # fmt: skip
         path = analysis_file(out, bench.name, spec, key) if out is not None else None
-        records.append(run_analysis(clip, bench.name, root, spec, protocol, overrides, limit, path, per_head, stuff_ids, overwrite=overwrite, regions=used))
+        records.append(run_analysis(clip, bench.name, root, spec, protocol, overrides, limit, path, per_head, stuff_ids, overwrite=overwrite, resources=inputs))
         if path is not None:
             err_console.print(f"result: {path}", highlight=False)
     out_console().print(analysis_table(records))
@@ -164,7 +163,7 @@ def explain(
     """One PNG: per spec, the attention of the patch under --point over the image (entmax's exact zeros
     in grey) beside the segmentation overlay, titled with the row's entropy and support size."""
     from ..analysis.explain import explain as run_explain, write_explain
-    from ..segment.regions import region_reader
+    from ..segment.plan import Plan
     from ..segment.settings import InferenceSettings
     from ..segment.vocabulary import Vocabulary
 
@@ -184,13 +183,13 @@ def explain(
     vocabulary = Vocabulary.parse(classes)
     vocabulary.check_unique()  # as segment: a repeated name could never win
     settings = InferenceSettings().replace(resolution=resolution)
-    reader = next(filter(None, (region_reader(spec, settings.stage_texts()) for spec in specs)), None)
-    region_src = load_regions(regions, [image.name], device, reader)
-    image_bank = open_bank(bank, specs, settings.stage_texts())
+    plans = [Plan.of(spec, settings) for spec in specs]
+    inputs = open_resources(plans, device, [image.name], regions=regions, bank=bank, proxy_weights=proxy_weights)
     clip = load_model(model, pretrained, device, precision)
-    for spec in specs:  # as segment: the backbones load (or fail in one line) before any image is read
-        load_proxies(spec, clip, proxy_weights)
-    views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head, region_src, bank=image_bank)
+    inputs = inputs.for_model(clip)
+    for plan in plans:  # as segment: the backbones load (or fail in one line) before any image is read
+        bind_resources(inputs, plan, clip, vocabulary.flat_names)
+    views = run_explain(clip, image, vocabulary, specs, (x, y), settings, templates, head, resources=inputs)
     note = " - RANDOM WEIGHTS: the maps show the mechanics only" if clip.pretrained == "none" else ""
     write_explain(views, out, caption=f"{image.name}, point ({x}, {y}), {clip.model_name} ({clip.pretrained}){note}")
     for view in views:
@@ -259,7 +258,7 @@ def demo(
     check_port(host, port)  # before the model loads
     if regions not in (None, "sam2"):
         fail(f"--regions {regions}: the demo takes sam2 (uploads have no region-mask files)")
-    region_src = load_regions(regions, [], device, None)
+    region_src = open_resources([], device, regions=regions).regions  # sam2's extra checked before the model loads
     clip = load_model(model, pretrained, device, precision)
     clip.proxy_weights = proxy_weights  # the backbones of proxy presets (random ones with --pretrained none)
     err_console.print(f"serving on http://{host}:{port} (Ctrl-C stops it)", highlight=False)

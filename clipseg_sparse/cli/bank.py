@@ -18,7 +18,7 @@ from .common import (
     check_out,
     fail,
     load_model,
-    load_regions,
+    open_resources,
     out_console,
     user_errors,
 )
@@ -53,10 +53,11 @@ def build(
     from ..attention import resolve_spec
     from ..files.inputs import discover_images
     from ..models.backbones import BACKBONES
-    from ..models.proxies import PROXIES
+    from ..models.proxies import ProxyBackbones
     from ..runtime.distributed import init_from_env
     from ..segment import InferenceSettings
     from ..segment.bank import INDEX_KINDS, ValueModel, build_bank
+    from ..segment.resources import missing_regions
 
     check_out(out, folder=True)
     if index not in INDEX_KINDS:
@@ -69,32 +70,28 @@ def build(
         fail("no images found in the inputs")
     jobs = [(job.source, str(job.rel)) for job in found.jobs]
     settings = InferenceSettings(resolution=resolution, window=window, stride=stride)
-    source = load_regions(regions, [name for _, name in jobs], device, "bank build")
+    if regions is None:
+        fail(missing_regions("bank build"))
+    source = open_resources([], device, [name for _, name in jobs], regions=regions).regions
     init_from_env()
     clips = [load_model(model, pretrained, device, precision)]
     if aux_model:
         clips.append(load_model(aux_model, aux_pretrained, device, precision))
-    values = [ValueModel(c, resolve_spec(values_attn or _values_preset(c)), settings) for c in clips]
+    # each CLIP's values read the backbones through its own normalisation; all loaded before any image
+    values = [ValueModel(c, resolve_spec(values_attn or _values_preset(c)), settings, ProxyBackbones.following(c, proxy_weights)) for c in clips]
     for v in values:
-        c = v.clip
-        c.check_spec(v.spec)
-    PROXIES.configure(clips[0], proxy_weights)
-    for name in dict.fromkeys(n for v in values for n in _spec_proxies(v.spec)):
-        PROXIES.get(name, clips[0].device)
-    key_backbone = PROXIES.get(keys, clips[0].device)
-    manifest = build_bank(jobs, out, values, key_backbone, PROXIES.config([keys])[keys], source, _source_text(source, regions), index, progress=True)
+        v.clip.check_spec(v.spec)
+        for name in v.spec.needs.backbones:
+            v.backbones.get(name, v.clip.device)
+    key_backbones = values[0].backbones
+    key_backbone = key_backbones.get(keys, clips[0].device)
+    manifest = build_bank(jobs, out, values, key_backbone, key_backbones.config([keys])[keys], source, _source_text(source, regions), index, progress=True)
     _print_manifest(out, manifest)
 
 
 def _values_preset(clip) -> str:
     """The published builder's values spec for the model's depth (12 blocks: 6..10, 24: 11..22)."""
     return "corrclipv2-l14-values" if len(clip.visual.transformer.resblocks) == 24 else "corrclipv2-values"
-
-
-def _spec_proxies(spec) -> list[str]:
-    from ..models.proxies import spec_backbones
-
-    return spec_backbones(spec)
 
 
 def _source_text(source, given: str) -> str:

@@ -220,23 +220,6 @@ def note_softmax_aliases(normalizers) -> None:
             err_console.print(f"note: {text} is softmax (entmax's alpha -> 1 limit); it runs and is recorded as softmax", highlight=False)
 
 
-def open_bank(value: Path | None, specs: Sequence, stages: Sequence[str] = ()):
-    """The --bank (`segment.bank.ImageBank`, memory-mapped), opened before any model loads; None when no
-    retrieval stage runs under any of `specs` (a note says it is unused). A retrieval stage without --bank
-    is an error."""
-    from ..segment.bank import ImageBank
-    from ..stages import resolve_stages
-
-    run = [st for spec in specs for st in resolve_stages(spec.hooks)] + list(resolve_stages(stages))
-    needs = [st.name for st in run if st.kind == "retrieval"]
-    if needs and value is None:
-        fail(f"stage {needs[0]} needs an image bank: give --bank BANK (build one with `clipseg-sparse bank build`)")
-    if value is not None and not needs:
-        err_console.print(f"note: --bank {value} is unused: no retrieval stage runs (preset corrclipv2 has one)", highlight=False, soft_wrap=True)
-        return None
-    return ImageBank.open(value) if value is not None else None
-
-
 def load_model(model: str, pretrained: str, device: Device, precision: Precision):
     """load_clip behind a status line (its errors: `WeightsUnavailableError`, `ValueError`, `FileNotFoundError`)."""
     from ..models.clip import load_clip
@@ -257,49 +240,21 @@ def load_pipeline(pipeline, weights: str, pretrained: str, device: Device):
         return pipeline.load(chosen, str(resolve_device(device.value)))
 
 
-def load_proxies(spec, clip, weights: str, stages: Sequence[str] = ()) -> None:
-    """Load the external backbones a spec's ext: terms read, and SAM's predictor when a refine stage
-    (samrefine) is among `stages`, before any work; first check that `clip` can run the spec at all (a
-    ViT-L spec on a ViT-B fails here, not after the backbones loaded)."""
-    from ..models.proxies import PROXIES, prepare_proxies, spec_backbones
-    from ..stages import resolve_stages
-
-    clip.check_spec(spec)
-    used = [*spec_backbones(spec), *(b for st in resolve_stages(stages) for b in st.backbones)]
-    unused = unused_proxy_weights(weights, used)
-    if unused:
-        runs = f"it runs {', '.join(dict.fromkeys(used))}" if used else "it runs no external backbone"
-        err_console.print(f"note: --proxy-weights {unused} is not used by {spec} ({runs}); ignored", highlight=False, soft_wrap=True)
-    with err_console.status("loading proxy backbones"):
-        prepare_proxies(spec, clip, weights)
-        if any(st.kind == "refine" for st in resolve_stages(stages)):
-            from ..methods.trident_refine import sam_predictor
-
-            PROXIES.configure(clip, weights)
-            sam_predictor(clip.device)
+def note(message: str) -> None:
+    """A `note:` line on stderr (an input given but unused, a setting read as another)."""
+    err_console.print(f"note: {message}", highlight=False, soft_wrap=True)
 
 
-def unused_proxy_weights(weights: str, used: Sequence[str]) -> str:
-    """The part of a --proxy-weights value no backbone in `used` reads ("" when all of it is used): the
-    NAME=W items naming other backbones, or the whole value when nothing runs a backbone ("auto": never)."""
-    if weights == "auto":
-        return ""
-    if "=" in weights:
-        from ..models.backbones import BACKBONES
-
-        known = set(BACKBONES.names())  # an unknown name is an error of its own (`ProxyBackbones.resolved_weights`)
-        return ",".join(item for item in weights.split(",") if item and item.split("=", 1)[0] in known - set(used))
-    return "" if used else weights
-
-
-def load_regions(value: str | None, names: list[str], device: Device, reader: str | None):
-    """The --regions source (`regions.open_regions`), opened before any model loads; `reader` (what needs
-    regions, `regions.region_reader`) without --regions is an error."""
+def open_resources(plans, device: Device, names: Sequence[str] = (), *, attention: bool = False, **inputs):
+    """`segment.Resources.open` for a command, before any model loads (regions, bank, prompts, proxy_weights:
+    the command's options; names: the images' names a region folder must cover); its notes on stderr."""
     from ..runtime.device import resolve_device
-    from ..segment.regions import open_regions
+    from ..segment.resources import Resources
 
-    if value is None:
-        if reader:
-            fail(f"{reader} needs region masks for each image: give --regions FOLDER (png/npy/npz per image), --regions sam2 or --regions sam3")
-        return None
-    return open_regions(value, str(resolve_device(device.value)), names)
+    return Resources.open(plans, names=names, device=str(resolve_device(device.value)), note=note, attention=attention, **inputs)
+
+
+def bind_resources(resources, plan, clip, names: Sequence[str] = (), attention: bool = False):
+    """`Resources.bind` behind a status line: the backbones and what the stages load, before any image."""
+    with err_console.status("loading proxy backbones"):
+        return resources.bind(plan, clip, names, attention)

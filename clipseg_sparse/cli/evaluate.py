@@ -26,14 +26,13 @@ from .common import (
     RegionsOpt,
     PromptsOpt,
     TemplatesOpt,
+    bind_resources,
     check_out,
     fail,
     load_model,
     load_pipeline,
-    load_proxies,
-    load_regions,
-    open_bank,
     note_shown,
+    open_resources,
     out_console,
     resolve_attention,
     user_errors,
@@ -100,27 +99,27 @@ def eval_cmd(
         fail(f"--prompts: {pipeline.name} is not a CLIP spec and embeds no prompt file")
     overrides = dict(resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
                      bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr)
-    stages = proto.settings(bench.name, overrides).stage_texts()
+    inputs = None
     if pipeline is None:
-        spec = resolve_attention(preset, attn, default=proto.attention)
-        from ..segment.regions import region_reader
+        from ..segment.plan import Plan
 
-        region_src = load_regions(regions, [s.id for s in samples], device, region_reader(spec, stages))
-        image_bank = open_bank(bank, [spec], stages)
+        spec = resolve_attention(preset, attn, default=proto.attention)
+        spec_plan = Plan.of(proto.spec_for(bench.name, spec), proto.settings(bench.name, overrides))  # as `evaluate` runs it
+        inputs = open_resources(spec_plan, device, [s.id for s in samples], regions=regions, bank=bank, prompts=prompt_file, proxy_weights=proxy_weights)
     elif regions is not None or bank is not None:
         fail(f"--{'regions' if regions is not None else 'bank'}: {pipeline.name} reads no {'region masks' if regions is not None else 'image bank'}")
     else:
-        spec, region_src, image_bank = preset, None, None
+        spec = preset
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     model, pretrained = proto.clip_weights(model, pretrained)  # command line > protocol > library default
     if pipeline is None:
         clip = load_model(model, pretrained, device, precision)
-        load_proxies(spec, clip, proxy_weights, stages)
+        inputs = bind_resources(inputs, spec_plan, clip, vocabulary.flat_names)
     else:
         clip = load_pipeline(pipeline, proxy_weights, pretrained, device)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
-                      limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, regions=region_src, prompts=prompt_file, bank=image_bank)
+                      limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, resources=inputs)
     if rank > 0:
         return
     note_shown(out, shown)

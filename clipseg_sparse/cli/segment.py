@@ -22,12 +22,11 @@ from .common import (
     RegionsOpt,
     PromptsOpt,
     TemplatesOpt,
+    bind_resources,
     check_out,
     fail,
     load_model,
-    load_proxies,
-    load_regions,
-    open_bank,
+    open_resources,
     out_console,
     resolve_attention,
     user_errors,
@@ -109,14 +108,14 @@ def segment(
         resolution=resolution, window=window, stride=stride, logit_scale=logit_scale,
         bg_threshold=bg_threshold, area_threshold=area_threshold, batch_size=batch_size, pamr=pamr or None,
     )
-    from ..segment.regions import region_reader
+    from ..segment.plan import Plan
 
-    region_src = load_regions(regions, [str(job.rel) for job in found.jobs], device, region_reader(spec, settings.stage_texts()))
-    image_bank = open_bank(bank, [spec], settings.stage_texts())
+    spec_plan = Plan.of(spec, settings)
+    inputs = open_resources(spec_plan, device, [str(job.rel) for job in found.jobs], regions=regions, bank=bank, prompts=prompt_file, proxy_weights=proxy_weights)
     rank, world = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     clip = load_model(model, pretrained, device, precision)
-    load_proxies(spec, clip, proxy_weights)
-    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0, regions=region_src, prompts=prompt_file, bank=image_bank)
+    inputs = bind_resources(inputs, spec_plan, clip, vocabulary.flat_names)
+    segmenter = Segmenter(clip, vocabulary, spec=spec, settings=settings, templates=prompt_templates, progress=rank == 0, resources=inputs)
     plan = plan_run(found.jobs, out, options, segmenter.config())
     conflict = "{n} image(s) already have outputs this run would replace ({reason}); use --overwrite or another --out"
     if plan.conflicts:

@@ -26,6 +26,7 @@ from ..datasets.labels import write_label_png
 from ..runtime.distributed import all_reduce, rank_and_world, shard
 from ..segment.images import load_image
 from ..segment.pipelines import find_pipeline
+from ..segment.resources import Resources
 from ..segment.segmenter import Segmenter
 from ..segment.windows import window_progress
 from ..segment.vocabulary import Prompts
@@ -61,6 +62,7 @@ def evaluate(
     regions: Callable | None = None,
     prompts: Prompts | str | Path | None = None,
     bank=None,
+    resources: Resources | None = None,
 ) -> dict:
     """Evaluate `clip` with `spec` on a benchmark and return the result record (see README, schema 1).
 
@@ -77,6 +79,8 @@ def evaluate(
     stages that read region maps (CorrCLIP; see `Segmenter`), called with each sample's id. prompts: a
     prompt file of sentences per class name (`Segmenter`), recorded in the config. bank: the image
     bank of retrieval stages (CorrCLIPv2; `segment.bank.ImageBank`), recorded by its content hash.
+    resources: these inputs and the external backbones' weights in one object (`segment.Resources`), in place
+    of regions, prompts and bank.
 
     Under torchrun (an initialised process group) each rank scores every world-th image, the counts are
     summed over ranks and rank 0 writes `out`; every rank returns the same record.
@@ -97,13 +101,16 @@ def evaluate(
     pipeline = find_pipeline(proto.pipeline_text(bench.name, spec)) if named else None  # the dataset's constants
     if pipeline is not None and isinstance(clip, DenseCLIP):
         raise UserValueError(f"{pipeline.name} is a pipeline with its own model, not a CLIP spec: pass the model its Pipeline.load gives")
-    if pipeline is not None and prompts is not None:
+    if pipeline is not None and (prompts is not None or (resources is not None and resources.prompts is not None)):
         raise UserValueError(f"prompts: {pipeline.name} is not a CLIP spec and embeds no prompt file")
     if pipeline is not None:  # not a CLIP spec (SAM 3): `clip` is the pipeline's loaded model
         segmenter = pipeline.build(clip, vocabulary, settings)
     else:
         spec = proto.spec_for(bench.name, spec)  # a preset's per-dataset constants (ResCLIP's)
-        segmenter = Segmenter(clip, vocabulary, spec, settings, templates, cache_dir, progress=progress and rank == 0, regions=regions, prompts=prompts, bank=bank)
+        segmenter = Segmenter(
+            clip, vocabulary, spec, settings, templates, cache_dir, progress=progress and rank == 0, regions=regions, prompts=prompts, bank=bank,
+            resources=resources,
+        )  # fmt: skip
     config = run_config(segmenter, bench, root, protocol, which, names_version, limit, bench.fingerprint(every_sample))
 
     finished, log = open_run(out, config, overwrite=overwrite, resume=resume, rank=rank, world=world)

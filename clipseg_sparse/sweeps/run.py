@@ -56,11 +56,16 @@ class SweepPaths:
         if self.bank is None or cell.kind != "eval":
             return None
         from ..attention import resolve_spec
-        from ..stages import resolve_stages
 
-        if not any(st.kind == "retrieval" for st in resolve_stages(resolve_spec(cell.attention).hooks)):
-            return None
-        return _open_bank(str(self.bank))
+        return _open_bank(str(self.bank)) if resolve_spec(cell.attention).needs.bank else None
+
+    def resources(self, cell: Cell, device: str = "cpu"):
+        """The inputs of an eval cell (`segment.Resources`): its dataset's region source, the bank when its spec
+        runs a retrieval stage, the grid's prompt file."""
+        from ..segment.resources import Resources
+        from ..segment.vocabulary import resolve_prompts
+
+        return Resources(self.region_source(cell.data, device), self.image_bank(cell), resolve_prompts(cell.grid.prompts))
 
     def region_source(self, dataset: str, device: str = "cpu"):
         """The region source of `dataset`'s cells (`regions.open_regions`), None when none was given."""
@@ -159,7 +164,7 @@ def run_cell(clip, cell: Cell, paths: SweepPaths, progress: bool = False, overwr
 
         evaluate(clip, cell.data, paths.root(cell.data), cell.attention, protocol=g.protocol, overrides=cell.settings_changes or None,
                  class_names=g.class_names, limit=g.limit, out=out, resume=True, progress=progress, overwrite=overwrite,
-                 regions=paths.region_source(cell.data, str(clip.device)), prompts=g.prompts, bank=paths.image_bank(cell), **templates)  # fmt: skip
+                 resources=paths.resources(cell, str(clip.device)), **templates)  # fmt: skip
     else:
         from ..evaluation.fgovd import evaluate_fgovd
         from ..segment.settings import InferenceSettings

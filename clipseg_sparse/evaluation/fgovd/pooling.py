@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ...errors import UserValueError
 from ...attention import AttentionSpec
+from ...segment.plan import ImageRun, Plan
 from ...segment.settings import InferenceSettings
 from ...segment.windows import iter_window_features
 from ...models.clip import DenseCLIP
@@ -87,8 +88,11 @@ class WindowFeatures:
 
     @classmethod
     def compute(cls, clip: DenseCLIP, pixels: torch.Tensor, spec: AttentionSpec, settings: InferenceSettings) -> "WindowFeatures":
+        # the windows at the exact positional-embedding grid and zero-padded remainders, whatever the settings say
+        plan = Plan.of(spec, settings.replace(pos_interp="size", remainder="pad"))
+        run = ImageRun(plan, clip, None, None, pixels, None, clip.proxies)
         boxes, feats = [], []
-        for chunk, f in iter_window_features(clip, pixels, spec, settings.window, settings.stride, settings.batch_size):
+        for chunk, f in iter_window_features(run):
             boxes += chunk
             feats.append(f)
         return cls(boxes, torch.cat(feats), tuple(pixels.shape[-2:]), clip.patch_size)
