@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,47 @@ def forward_inputs(monkeypatch):
 
     monkeypatch.setattr(DenseCLIP, "_embed", spy)
     return seen
+
+
+@contextmanager
+def installed_backbones(*backbones, clips=()):
+    """Within the block, every external backbone a run loads with random weights ("none": what "auto" gives a
+    random CLIP) is the matching one of `backbones` (by name; by name and dtype when several share a name),
+    in place of the full-size model; `clips`' own backbone sets are emptied before and after, so no backbone
+    loaded outside the block serves inside it or the other way round."""
+    import clipseg_sparse.models.proxies as proxies
+
+    real = proxies.load_backbone
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+    def load(name, pretrained="hub", device="auto", precision="fp32", **kwargs):
+        mine = [b for b in backbones if b.info.name == name]
+        if pretrained != "none" or not mine:
+            return real(name, pretrained, device=device, precision=precision, **kwargs)
+        same = [b for b in mine if next(b.model.parameters()).dtype == dtypes[precision]]
+        return (same or mine)[0]
+
+    def forget():
+        for clip in clips:
+            clip._proxies = None
+
+    forget()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(proxies, "load_backbone", load)
+        try:
+            yield
+        finally:
+            forget()
+
+
+def window_run(clip, pixels, spec, text=None, regions=None, image_features=None, **settings):
+    """The run (`segment.plan.ImageRun`) of CLIP-normalised `pixels` (1 x 3 x H x W) under `spec` and settings
+    given as InferenceSettings fields: what `dense_cosine` and `iter_window_features` read."""
+    from clipseg_sparse.segment.plan import ImageRun, Plan
+    from clipseg_sparse.segment.settings import InferenceSettings
+
+    plan = Plan.of(spec, InferenceSettings(**settings))
+    return ImageRun(plan, clip, text, None, pixels, regions, clip.proxies, image_features or {})
 
 
 def tiny_sam(img_size: int, window_size: int):

@@ -70,7 +70,7 @@ def test_analyze_corrclipv2_measures_the_attention_the_forward_gets(models, tmp_
     clip, _, radio = models
     samples = _voc_with_masks(tmp_path)
     source = RegionFolder(tmp_path / "masks")
-    with pytest.raises(ValueError, match=r"needs region masks for each image: give a region source"):
+    with pytest.raises(ValueError, match=r"needs region masks for each image: give --regions FOLDER"):
         analyze(clip, "voc21", tmp_path / "voc", spec, "corrclipv2", OVERRIDES, progress=False)
     record = analyze(clip, "voc21", tmp_path / "voc", spec, "corrclipv2", OVERRIDES, progress=False, regions=source)
     c = record["config"]

@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from conftest import installed_backbones
 from test_corrclipv2 import Given, published_forward_slide, published_postprocess, query_idx_of
 from test_dense_backbones import tiny_radio
 from test_proxyclip import proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO installed as dino_vitb8)
 
 from clipseg_sparse import load_clip
 from clipseg_sparse.attention import resolve_spec
-from clipseg_sparse.models.proxies import PROXIES, use_backbone
 from clipseg_sparse.segment import bank as banks
 from clipseg_sparse.segment.bank import BankError, ImageBank, ValueModel, build_bank, build_index, retrieval_logits, search
 from clipseg_sparse.segment.segmenter import Segmenter
@@ -48,9 +48,8 @@ def models(proxy, tmp_path_factory):  # noqa: F811
     torch.manual_seed(5)
     aux = load_clip(str(config), pretrained=None, device="cpu")
     radio = tiny_radio()
-    use_backbone(radio, "cpu")
-    yield clip, aux, radio
-    PROXIES._loaded.pop(("c_radio_v3_l", "cpu"), None)
+    with installed_backbones(radio, clips=[clip, aux]):
+        yield clip, aux, radio
 
 
 def write_images(folder: Path, n: int, seed: int = 0) -> tuple[list[tuple[Path, str]], dict[str, np.ndarray]]:
@@ -85,7 +84,7 @@ class ByName:
 
 def build(out, jobs, regions, clips, radio, index="flat", fail_at=None):
     values = [ValueModel(c, resolve_spec(VALUES), VALUE_SETTINGS) for c in clips]
-    record = PROXIES.config(["c_radio_v3_l"])["c_radio_v3_l"]
+    record = clips[0].proxies.config(["c_radio_v3_l"])["c_radio_v3_l"]
     return build_bank(jobs, out, values, radio, record, ByName(regions, fail_at), "test", index)
 
 
@@ -339,7 +338,6 @@ from test_dense_backbones import tiny_radio
 from clipseg_sparse import load_clip
 from clipseg_sparse.attention import resolve_spec
 from clipseg_sparse.models.backbones import BACKBONES, Backbone
-from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
 from clipseg_sparse.runtime.distributed import init_from_env
 from clipseg_sparse.segment.bank import ValueModel, build_bank
 import timm.models.vision_transformer as vt
@@ -350,13 +348,12 @@ torch.set_num_threads(1)
 clip = load_clip(TINY_CONFIG, pretrained=None, device="cpu")
 torch.manual_seed(0)
 dino = vt.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True)
-use_proxy_weights("auto", clip=clip)
-use_backbone(Backbone(BACKBONES.get("dino_vitb8"), dino, weights="none"), "cpu")
+clip.proxies.use(Backbone(BACKBONES.get("dino_vitb8"), dino, weights="none"), "cpu")
 radio = tiny_radio()
-use_backbone(radio, "cpu")
+clip.proxies.use(radio, "cpu")
 jobs, regions = write_images(Path({images!r}), 5)
 values = [ValueModel(clip, resolve_spec(VALUES), VALUE_SETTINGS)]
-build_bank(jobs, {out!r}, values, radio, PROXIES.config(["c_radio_v3_l"])["c_radio_v3_l"], ByName(regions), "test", "flat")
+build_bank(jobs, {out!r}, values, radio, clip.proxies.config(["c_radio_v3_l"])["c_radio_v3_l"], ByName(regions), "test", "flat")
 """
 
 

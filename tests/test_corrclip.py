@@ -324,7 +324,7 @@ def test_specs_without_regions_keep_their_features(proxy, spec):  # noqa: F811
     torch.manual_seed(8)
     pixels = torch.randn(2, 3, 64, 48)
     x, grid = clip._embed(pixels)
-    tokens = encode_tokens(clip.visual, x, resolve_spec(spec), grid, pixels)
+    tokens = encode_tokens(clip.visual, x, resolve_spec(spec), grid, pixels, context={"backbones": clip.proxies})
     former = F.normalize((clip.visual.ln_post(tokens[:, 1:]) @ clip.visual.proj).float(), dim=-1)
     got = clip.encode_dense(pixels, spec)
     assert torch.equal(got.flatten(1, 2), former)

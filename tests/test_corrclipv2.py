@@ -17,14 +17,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_CONFIG
+from conftest import TINY_CONFIG, installed_backbones
 from test_corrclip import published_corrclip
 from test_dense_backbones import published_extract_dense, tiny_radio
 from test_proxyclip import installed_tiny_dino
 
 from clipseg_sparse import load_clip
 from clipseg_sparse.attention import resolve_spec
-from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
 from clipseg_sparse.segment.bank import ImageBank
 from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.segment.settings import InferenceSettings
@@ -37,11 +36,8 @@ SETTINGS = dict(resolution=112, window=112, stride=56, logit_scale=40.0)
 @pytest.fixture()
 def radio(tiny_clip):
     bb = tiny_radio()
-    use_proxy_weights("auto", clip=tiny_clip)
-    use_backbone(bb, "cpu")
-    yield bb
-    PROXIES.configure(weights="auto")
-    PROXIES._loaded.clear()
+    with installed_backbones(bb, clips=[tiny_clip]):
+        yield bb
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import window_run
 from clipseg_sparse.models.backbones import BACKBONES, Backbone, load_backbone
 from clipseg_sparse.models.proxies import split_ext, window_image_features
 from clipseg_sparse.segment.windows import iter_window_features
@@ -117,7 +118,7 @@ def test_window_crops_of_whole_image_features(tiny_clip, monkeypatch):
         return encode_dense(self, crops, spec, *args, context=context, regions=regions, **kw)
 
     monkeypatch.setattr(type(tiny_clip), "encode_dense", spy)
-    windows = iter_window_features(tiny_clip, pixels, resolve_spec("sclip"), 36, 18, 2, context={}, image_features={"x": feats})
+    windows = iter_window_features(window_run(tiny_clip, pixels, resolve_spec("sclip"), image_features={"x": feats}, window=36, stride=18, batch_size=2))
     boxes = [b for chunk, _ in windows for b in chunk]
     crops = torch.cat(captured)
     assert len(boxes) == len(crops) == 6

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import window_run
 from clipseg_sparse.attention import (
     OPTIONS, PRESETS, TAPS, AttentionSpec, BlockContext, Tap, attention_maps, edited_block_forward, register_option,
 )
@@ -471,8 +472,8 @@ def test_clipsurgery_matches_published_forward_and_feature_surgery(vit_b16):
         assert torch.allclose(cls, ref[:, 0], atol=2e-5)  # the original path's CLS: CLIP's image embedding
         surgery = _feature_surgery_reference(ref, text)[0, 1:].T.reshape(5, 10, 10)
         # one window covering the image, kept at the patch grid: the matcher applies the surgery there
-        ours = dense_cosine(vit_b16, pixels, text, AttentionSpec.parse("clipsurgery"), window=0, out_size=(160, 160)).rows(0, 160)
-        plain = dense_cosine(vit_b16, pixels, text, AttentionSpec.parse("clipsurgery").replace(hooks=()), window=0, out_size=(160, 160)).rows(0, 160)
+        ours = dense_cosine(window_run(vit_b16, pixels, "clipsurgery", text, window=0), (160, 160)).rows(0, 160)
+        plain = dense_cosine(window_run(vit_b16, pixels, AttentionSpec.parse("clipsurgery").replace(hooks=()), text, window=0), (160, 160)).rows(0, 160)
         up = F.interpolate(surgery[None], size=(160, 160), mode="bilinear", align_corners=False)[0]
     assert torch.allclose(ours, up, atol=5e-5)
     assert (plain - ours).abs().max() > 1e-2  # the surgery changes the map

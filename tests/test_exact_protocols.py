@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import window_run
 from clipseg_sparse import AttentionSpec, InferenceSettings, Segmenter
 from clipseg_sparse.segment.preprocess import resized_shape, to_pixels, window_boxes, window_geometry
 from clipseg_sparse.segment.windows import dense_cosine
@@ -140,9 +141,10 @@ def test_dense_cosine_follows_the_published_window_remainders(tiny_clip, rule, w
     text = F.normalize(torch.randn(5, tiny_clip.embed_dim), dim=-1)
     spec = AttentionSpec.parse("qq/softmax/nores/noffn")
     ref = _reference_cosine(tiny_clip, pixels, text, spec, window, stride, rule, "scale", (83, 120))
-    out = dense_cosine(tiny_clip, pixels, text, spec, window, stride, 3, (83, 120), pos_interp="scale", remainder=rule).rows(0, 83)
+    run = window_run(tiny_clip, pixels, spec, text, window=window, stride=stride or 1, batch_size=3, pos_interp="scale", remainder=rule)
+    out = dense_cosine(run, (83, 120)).rows(0, 83)
     assert torch.allclose(out, ref, atol=1e-5)
-    padded = dense_cosine(tiny_clip, pixels, text, spec, window, stride, 3, (83, 120), pos_interp="scale").rows(0, 83)
+    padded = dense_cosine(window_run(tiny_clip, pixels, spec, text, window=window, stride=stride or 1, batch_size=3, pos_interp="scale"), (83, 120)).rows(0, 83)
     assert not torch.allclose(out, padded, atol=1e-3)
 
 

@@ -148,7 +148,7 @@ def test_explain_reads_the_region_map_for_the_attention_and_the_segmentation(pro
     np.save(tmp_path / "photo.npy", regions.astype(np.int32))
     source, spec = RegionFolder(tmp_path), CORRCLIP.format(eps=0.2, norm="entmax:1.5")
     x, y = _segmented_point(regions)
-    with pytest.raises(ValueError, match=r"needs region masks for each image: give a region source \(--regions FOLDER or --regions sam2\)"):
+    with pytest.raises(ValueError, match=r"needs region masks for each image: give --regions FOLDER"):
         explain(clip, rgb, "cat,dog,sky", [spec], (x, y), REGION_SETTINGS, templates="single")
     view = explain(clip, rgb, "cat,dog,sky", [spec], (x, y), REGION_SETTINGS, templates="single", regions=source, name="photo.jpg")[0]
     segmenter = Segmenter(clip, "cat,dog,sky", spec, REGION_SETTINGS, templates="single", regions=source)
@@ -198,18 +198,7 @@ def test_explain_cli_regions(proxy, tmp_path, monkeypatch):  # noqa: F811
     assert f"{spec}: entropy" in res.stdout and Image.open(tmp_path / "e.png").size[0] == 1000
 
 
-@pytest.fixture()
-def kept_proxies(monkeypatch):
-    """The process-wide proxy backbones put back after the test: a command run with --proxy-weights
-    reconfigures them, which drops the tiny backbones the module's fixtures installed."""
-    from clipseg_sparse.models.proxies import PROXIES
-
-    for attr in ("weights", "clip_weights", "precision", "clip_mean", "clip_std"):
-        monkeypatch.setattr(PROXIES, attr, getattr(PROXIES, attr))
-    monkeypatch.setattr(PROXIES, "_loaded", dict(PROXIES._loaded))
-
-
-def test_explain_cli_takes_proxy_weights_as_segment(tmp_path, monkeypatch, kept_proxies):
+def test_explain_cli_takes_proxy_weights_as_segment(tmp_path, monkeypatch):
     """--proxy-weights reaches the external backbones of the explained specs: a checkpoint that does not exist
     stops the command in one line naming it, before any image is read."""
     monkeypatch.setenv("CLIPSEG_SPARSE_CACHE", str(tmp_path / "cache"))

@@ -3,10 +3,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import window_run
 from clipseg_sparse import AttentionSpec, InferenceSettings, Segmenter, Vocabulary
 from clipseg_sparse.segment.labels import ClassMaps, class_probabilities, probabilities_to_labels
 from clipseg_sparse.segment.preprocess import resized_shape, to_pixels, window_boxes
-from clipseg_sparse.segment.windows import DenseMap, _factored
+from clipseg_sparse.segment.maps import DenseMap, factored as _factored
 from clipseg_sparse.segment.vocabulary import embed_names, openai_imagenet_templates, resolve_templates
 
 
@@ -223,7 +224,7 @@ def test_dense_cosine_equals_per_window_upsample_and_average(tiny_clip, window, 
     ref = total / count
     if out_size:
         ref = F.interpolate(ref[None], size=out_size, mode="bilinear", align_corners=False)[0]
-    cosine = dense_cosine(tiny_clip, pixels, text, spec, window, stride, batch_size=3, out_size=out_size)
+    cosine = dense_cosine(window_run(tiny_clip, pixels, spec, text, window=window, stride=stride, batch_size=3), out_size)
     assert cosine.shape == tuple(ref.shape)
     out = cosine.rows(0, ref.shape[1])
     assert torch.allclose(out, ref, atol=1e-5)

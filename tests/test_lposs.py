@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import installed_backbones, window_run
 from clipseg_sparse.methods import lposs
 from clipseg_sparse.models.backbones import BACKBONES, Backbone
-from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
+
 from clipseg_sparse.segment.preprocess import window_boxes
 from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.segment.settings import InferenceSettings
@@ -35,11 +36,8 @@ def dino(tiny_clip):
     torch.manual_seed(0)
     model = vt.VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True).eval()
     backbone = Backbone(BACKBONES.get("dino_vitb16"), model)
-    use_proxy_weights("auto", clip=tiny_clip)
-    use_backbone(backbone, "cpu")
-    yield backbone
-    PROXIES.configure(weights="auto")
-    PROXIES._loaded.clear()
+    with installed_backbones(backbone, clips=[tiny_clip]):
+        yield backbone
 
 
 def image(seed=0, size=(50, 70)) -> np.ndarray:
@@ -154,7 +152,7 @@ def window_inputs(clip, seg: Segmenter, img: np.ndarray, dino: Backbone):
     mean, std = torch.tensor(clip.mean).view(1, 3, 1, 1), torch.tensor(clip.std).view(1, 3, 1, 1)
     pixels = (torch.from_numpy(img).permute(2, 0, 1)[None].float() / 255 - mean) / std
     boxes, cos = [], []
-    for chunk, feats in iter_window_features(clip, pixels, seg.spec, SETTINGS.window, SETTINGS.stride):
+    for chunk, feats in iter_window_features(window_run(clip, pixels, seg.spec, window=SETTINGS.window, stride=SETTINGS.stride)):
         boxes += chunk
         cos.append(torch.einsum("bhwd,nd->bhwn", feats, seg.text))
     cos = torch.cat(cos)
@@ -265,12 +263,11 @@ def test_lposs_plus_matches_the_published_pipeline(tiny_clip, dino):
     ours = Segmenter(tiny_clip, names, spec="lposs+", settings=settings.replace(stages=("lp:pixel:0.05:2:0.9",))).cosine(img).rows(0, 40)
     # reference: the lposs map at the network input's size, the published pixel propagation there, then resized
     at_input = Segmenter(tiny_clip, names, spec="lposs", settings=settings)
-    from clipseg_sparse.segment.preprocess import resized_shape, to_pixels
     from clipseg_sparse.segment.windows import dense_cosine
 
-    size = resized_shape(40, 56, 48)
-    pixels = to_pixels(img, tiny_clip, size)
-    preds = dense_cosine(tiny_clip, pixels, at_input.text, at_input.spec, 48, 16, window_stages=at_input.window_stages).rows(0, size[0])
+    run = at_input.image_run(img)
+    pixels, size = run.pixels, run.size
+    preds = dense_cosine(run).rows(0, size[0])
     rgb = (pixels[0] * torch.tensor(tiny_clip.std).view(3, 1, 1) + torch.tensor(tiny_clip.mean).view(3, 1, 1))
     L = ref_pixel_laplacian(rgb, 0.05, 2, 0.9)
     lp = ref_perform_lp(L, preds.reshape(preds.shape[0], -1).T).T.reshape(preds.shape)
@@ -283,14 +280,14 @@ def test_stage_texts_and_errors(tiny_clip):
     assert parse_stage("lp:patch").name == "lp:patch:400:3:0.95:0.01"
     assert parse_stage("lp:pixel").name == "lp:pixel:0.01:6:0.95"
     assert parse_stage("lp:patch:100").name == "lp:patch:100:3:0.95:0.01"
-    assert parse_stage("lp:patch").kind == "windows" and parse_stage("lp:pixel").at_input
+    assert parse_stage("lp:patch").kind == "windows" and parse_stage("lp:pixel").kind == "input"
     for bad in ("lp", "lp:edges", "lp:patch:0", "lp:patch:4.5", "lp:patch:10:1:1", "lp:pixel:0", "lp:pixel:0.1:0", "lp:patch:a"):
         with pytest.raises(ValueError, match="lp"):
             parse_stage(bad)
     from clipseg_sparse.attention import PRESETS
 
     assert str(PRESETS.get("lposs+").spec) == "id/softmax/hook:lp:patch:400:3:0.95:0.01/hook:lp:pixel:0.01:6:0.95"
-    assert "dino_vitb16" in Segmenter(tiny_clip, "a,b", spec="lposs", settings=SETTINGS).backbones()
+    assert "dino_vitb16" in Segmenter(tiny_clip, "a,b", spec="lposs", settings=SETTINGS).plan.backbones
     with pytest.raises(ValueError, match="global stage"):
         Segmenter(tiny_clip, "a,b", spec="ext:dino_vitb16[cos]/softmax/cls:0/noffn/hook:sam", settings=SETTINGS.replace(stages=("lp:patch",)))
 

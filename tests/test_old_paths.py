@@ -12,7 +12,7 @@ import clipseg_sparse
 OLD_NAMES = {
     "inference": ["Segmenter", "InferenceSettings", "to_pixels", "resized_shape", "SegmentationResult"],
     "model": ["load_clip", "DenseCLIP"],
-    "regions": ["RegionFolder", "region_reader"],
+    "regions": ["RegionFolder", "open_regions"],
     "accel": ["attention_backend"],
     "normalizers": ["entmax", "normalize", "Normalizer"],
     "evaluate": ["evaluate"],

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from conftest import window_run
 from test_corrclip import IMAGENET, dbscan_one, region_map
 from test_proxyclip import installed_tiny_dino, proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO)
 from clipseg_sparse.attention import blocked_attention, global_attention, resolve_spec
@@ -21,7 +22,7 @@ from clipseg_sparse.attention.normalizers import normalize
 from clipseg_sparse.evaluation.protocols import PROTOCOLS
 from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.segment.settings import InferenceSettings
-from clipseg_sparse.segment.stitch import StitchLayout, stitched_features
+from clipseg_sparse.methods.ovstitcher import StitchLayout, stitched_features
 from clipseg_sparse.segment.vocabulary import Vocabulary
 
 
@@ -80,10 +81,11 @@ def block_with_mask(blk, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x + blk.ls_2(blk.mlp(blk.ln_2(x)))
 
 
-def published_ovstitcher(clip, backbone, img, masks, crop, stride, first=6, last=10, alpha=1.0, beta=0.5, tau=4.0, eps=0.2):
+def published_ovstitcher(clip, backbone, img, masks, crop, stride, first=6, last=10, alpha=1.0, beta=0.5, tau=4.0, eps=0.2, attention=False):
     """forward_feature + VisionTransformer.forward, batch 1, plain torch: image features 1 x N x D on the
     DINO grid (before the L2 norm) and that grid's shape. img: 1 x 3 x H x W CLIP-normalised; masks: H x W
-    ids at the input's size with -1 (the map's minimum, the code's unsegmented) present. Features N x D."""
+    ids at the input's size with -1 (the map's minimum, the code's unsegmented) present. Features N x D.
+    attention: also the last block's image-wide map the features are made with (`attn_weights`, 1 x N x N)."""
     v = clip.visual
     p, dp = 16, 8
     img_shape = img.shape
@@ -170,7 +172,8 @@ def published_ovstitcher(clip, backbone, img, masks, crop, stride, first=6, last
     expand = F.interpolate(cropped_region_masks.float(), size=window_dino, mode="nearest").flatten(2, -1)
     x_semantic = stitch(expand.transpose(1, 2) @ mct, dp)
     out = v.ln_post(torch.cat([x_main_spatial, x_semantic]))
-    return (out[0] + alpha * out[1] + beta * out[2]) @ v.proj, feat_shape
+    feats = (out[0] + alpha * out[1] + beta * out[2]) @ v.proj
+    return (feats, feat_shape, attn_weights) if attention else (feats, feat_shape)
 
 
 def postprocess(logits: torch.Tensor, num_queries_bg: int, prob_thd: float, instance_masks: torch.Tensor) -> torch.Tensor:
@@ -231,7 +234,12 @@ def test_row_blocked_attention_equals_the_full_map(normalizer):
 def softmax_features(dino_b16, image):
     clip, _ = dino_b16
     pixels, regions = image
-    return stitched_features(clip, pixels, "ovstitcher", regions, 112, 56, pos_interp="scale", rows=97)
+    return stitched_features(stitch_run(clip, pixels, "ovstitcher", regions), rows=97)
+
+
+def stitch_run(clip, pixels, spec, regions):
+    """The run of the stitched forward on `pixels` with 112 / 56 windows and (n + 0.1) position scaling."""
+    return window_run(clip, pixels, spec, regions=regions, window=112, stride=56, pos_interp="scale")
 
 
 def test_ovstitcher_features_equal_the_published_forward(dino_b16, image, softmax_features):
@@ -263,14 +271,77 @@ def test_ovstitcher_labels_equal_the_published_postprocess(dino_b16):
     assert (torch.from_numpy(labels) == expected).float().mean() > 0.999
 
 
+def test_ovstitcher_attention_is_the_published_last_block_map(dino_b16, image):
+    """What analyze and explain read of OV-Stitcher (its forward's attention, one image-wide map for all
+    heads) is the published last block's region-scoped map, for softmax and entmax alike."""
+    clip, backbone = dino_b16
+    pixels, regions = image
+    for spec in ("ovstitcher", "ovstitcher-entmax"):
+        run = stitch_run(clip, pixels, spec, regions)
+        (window,) = run.plan.forward.attention(run)
+        with torch.no_grad():
+            _, shape, published = published_ovstitcher(clip, backbone, pixels, regions, 112, 56, attention=True)
+        assert window.grid == shape == (15, 25) and window.box == (0, 120, 0, 200) and window.maps.shape == (1, 375, 375)
+        if spec == "ovstitcher":
+            torch.testing.assert_close(window.maps[0], published[0], rtol=0, atol=1e-5)
+        else:  # entmax: exact zeros where softmax spreads mass, rows still sum to 1
+            assert (window.maps == 0).float().mean() > 0.5 and torch.allclose(window.maps.sum(-1), torch.ones(1, 375), atol=1e-5)
+
+
+def test_explain_and_analyze_read_the_stitched_attention(dino_b16, tmp_path):
+    """explain draws, for the patch under the point, the row of the published image-wide map (on DINO's
+    8-px grid, no CLS); analyze's statistics over a labelled image are those of that map's rows."""
+    from fake_benchmarks import make_benchmark_with_masks
+
+    from clipseg_sparse.analysis.explain import explain
+    from clipseg_sparse.analysis.statistics import analyze, attention_statistics, image_sums, normalize_rows, row_entropy
+    from clipseg_sparse.datasets import DATASETS
+    from clipseg_sparse.datasets.labels import patch_labels
+    from clipseg_sparse.segment.images import load_image
+    from clipseg_sparse.segment.regions import RegionFolder
+    from test_corrclipv2 import Given
+
+    clip, backbone = dino_b16
+    rng = np.random.default_rng(7)
+    rgb = (np.linspace(0, 255, 200)[None, :, None] * np.ones((120, 1, 3)) * 0.6 + rng.integers(0, 100, (120, 200, 3))).astype(np.uint8)
+    regions = region_map(rng, 120, 200, n=7)
+    settings = InferenceSettings(resolution=0, window=112, stride=56, pos_interp="scale")
+    (view,) = explain(clip, rgb, "cat,sky", ["ovstitcher"], (101, 60), settings, templates="single", regions=Given(regions.numpy()))
+    seg = Segmenter(clip, "cat,sky", "ovstitcher", settings, templates="single", regions=Given(regions.numpy()))
+    run = seg.image_run(rgb, regions.numpy())
+    with torch.no_grad():
+        _, shape, published = published_ovstitcher(clip, backbone, run.pixels, run.regions, 112, 56, attention=True)
+    assert view.query == (60 // 8, 101 // 8) and view.attention.shape == shape and view.heads == "mean of 1 heads"
+    row = normalize_rows(published[0, view.query[0] * shape[1] + view.query[1]][None])
+    np.testing.assert_allclose(view.attention, row[0].reshape(shape).numpy(), atol=1e-6)
+    assert view.entropy == pytest.approx(float(row_entropy(row)), abs=1e-5)
+
+    root, masks = make_benchmark_with_masks("voc21", tmp_path / "data", n=1, size=(120, 200))
+    (sample,) = DATASETS.get("voc21").samples(root)
+    overrides = {"resolution": 0, "window": 112, "stride": 56}
+    record = analyze(clip, "voc21", root, "ovstitcher", "ovstitcher", overrides, regions=RegionFolder(masks), progress=False)
+    image, labels = load_image(sample.image), DATASETS.get("voc21").load_label(sample.label)
+    region = torch.from_numpy(np.asarray(RegionFolder(masks)(image, sample.id), dtype=np.int64))
+    pixels = Segmenter(clip, "cat", "ovstitcher", PROTOCOLS.get("ovstitcher").settings("voc21", overrides), templates="single",
+                       regions=RegionFolder(masks)).pixels(image)  # fmt: skip
+    with torch.no_grad():
+        _, shape, published = published_ovstitcher(clip, backbone, pixels, region, 112, 56, attention=True)
+    grid = patch_labels(torch.from_numpy(labels.astype(np.int64))[: shape[0] * 8, : shape[1] * 8], 8)
+    stats, classes = attention_statistics(published.double(), grid, None, has_cls=False)
+    expected = image_sums(stats, classes)
+    assert record["patches"] == expected["patches"] > 0
+    assert record["metrics"]["entropy"] == pytest.approx(expected["sums"]["entropy"] / expected["patches"], abs=1e-6)
+    assert record["metrics"]["diffusivity"] == pytest.approx(expected["sums"]["diffusivity"] / expected["patches"], abs=1e-6)
+
+
 def test_ovstitcher_entmax_near_one_is_the_softmax_preset(dino_b16, image, softmax_features):
     clip, _ = dino_b16
     pixels, regions = image
     spec = resolve_spec("ovstitcher-entmax")
-    near = stitched_features(clip, pixels, spec.replace(normalizer="entmax:1.0001"), regions, 112, 56, pos_interp="scale")
+    near = stitched_features(stitch_run(clip, pixels, spec.replace(normalizer="entmax:1.0001"), regions))
     torch.testing.assert_close(near, softmax_features, rtol=0, atol=2e-3)
     assert spec.normalizer == "entmax:1.5" and spec.replace(normalizer="softmax") == resolve_spec("ovstitcher")
-    far = stitched_features(clip, pixels, spec, regions, 112, 56, pos_interp="scale")
+    far = stitched_features(stitch_run(clip, pixels, spec, regions))
     assert (far - softmax_features).abs().max() > 1e-2
 
 
@@ -280,7 +351,7 @@ def test_stitch_needs_its_tap_and_form(dino_b16, image):
     with pytest.raises(ValueError, match="stitch:M"):
         clip.encode_dense(pixels[..., :112, :112], "ext:dino_vitb8.out[cos,scale:4,region:0.2]/softmax/cls:0/noffn", regions=regions[None, :112, :112])
     with pytest.raises(ValueError, match="stitch:M needs"):
-        stitched_features(clip, pixels, "ext:dino_vitb8.qk[cos,scale:4,region:0.2]/softmax/cls:0/noffn/stitch:56", regions, 112, 56)
+        stitch_run(clip, pixels, "ext:dino_vitb8.qk[cos,scale:4,region:0.2]/softmax/cls:0/noffn/stitch:56", regions)
     with pytest.raises(ValueError, match="stitch:3.5"):
         resolve_spec("ovstitcher").parse("qk/softmax/stitch:3.5")
 

@@ -193,7 +193,7 @@ def test_pearl_preset_runs_tlp_after_the_attention(tiny_clip):
 
 
 def test_stage_and_protocol():
-    assert parse_stage("tlp").name == "tlp:80" and parse_stage("tlp:224").text
+    assert parse_stage("tlp").name == "tlp:80" and parse_stage("tlp:224").kind == "post"
     for bad in ("tlp:0", "tlp:x"):
         with pytest.raises(ValueError, match="tlp"):
             parse_stage(bad)

@@ -15,12 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_sam
+from conftest import installed_backbones, tiny_sam
 from test_dense_backbones import tiny_radio
 from clipseg_sparse import Segmenter, load_clip
 from clipseg_sparse.attention import PRESETS, precision
 from clipseg_sparse.models.backbones import BACKBONES, Backbone
-from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
 from clipseg_sparse.segment.settings import InferenceSettings
 
 # documented in README ("Speed") and in --precision's help: bf16 features vs fp32 on random weights
@@ -47,9 +46,11 @@ def pair(tmp_path_factory):
     }
     path = tmp_path_factory.mktemp("precision") / "tiny-vit-24.json"
     path.write_text(json.dumps(config))
-    yield tuple(load_clip(str(path), pretrained=None, device="cpu", precision=p) for p in ("fp32", "bf16"))
-    PROXIES.configure(weights="auto")
-    PROXIES._loaded.clear()
+    clips = tuple(load_clip(str(path), pretrained=None, device="cpu", precision=p) for p in ("fp32", "bf16"))
+    for dtype in (torch.float32, torch.bfloat16):  # each backbone in each precision: a run loads its CLIP's
+        _BACKBONES[dtype] = _tiny_backbones(dtype)
+    with installed_backbones(*(bb for backbones in _BACKBONES.values() for bb in backbones), clips=clips):
+        yield clips
 
 
 def _tiny_backbones(dtype: torch.dtype) -> list[Backbone]:
@@ -84,15 +85,6 @@ class _SmallSam:
         return dataclasses.replace(info, input_size=SAM_SIDE) if name == "sam_vitb" else info
 
 
-def _use(clip) -> None:
-    """Point every `ext:` backbone at tiny ones in `clip`'s dtype."""
-    use_proxy_weights("none", clip=clip)
-    if clip.dtype not in _BACKBONES:
-        _BACKBONES[clip.dtype] = _tiny_backbones(clip.dtype)
-    for bb in _BACKBONES[clip.dtype]:
-        use_backbone(bb, "cpu")
-
-
 def _inputs():
     g = torch.Generator().manual_seed(3)
     pixels = torch.randn(1, 3, 112, 112, generator=g)  # 7 x 7 patches: SC-CLIP's LOF needs 31 neighbours
@@ -116,7 +108,6 @@ def test_every_preset_runs_in_bf16_close_to_fp32(pair, name, monkeypatch):
     context = {"text": F.normalize(torch.randn(3, 64, generator=torch.Generator().manual_seed(4)), dim=-1), "logit_scale": 40.0}
     feats = []
     for clip in pair:
-        _use(clip)
         feats.append(clip.encode_dense(pixels, name, regions=regions, context=context))
     full, low = feats
     assert low.dtype == full.dtype == torch.float32 and low.shape == full.shape
@@ -133,7 +124,6 @@ def bank(pair, tmp_path_factory):
 
     from clipseg_sparse.segment.bank import ImageBank
 
-    _use(pair[0])
     folder = tmp_path_factory.mktemp("bank")
     jobs, regions = write_images(folder / "images", 3)
     radio = next(bb for bb in _BACKBONES[torch.float32] if bb.info.name == "c_radio_v3_l")
@@ -151,7 +141,6 @@ def test_presets_with_stages_segment_in_bf16(pair, bank, name):
     regions = (np.arange(50)[:, None] // 25 * 2 + np.arange(70)[None] // 35).astype(np.int64)
     labels = []
     for clip in pair:
-        _use(clip)
         spec = str(PRESETS.get(name).spec)
         retrieval = "retrieve" in spec
         settings = STITCH_SETTINGS if "stitch:" in spec else SETTINGS

@@ -11,7 +11,7 @@ import torch
 from clipseg_sparse.attention.grid import merge_regions, region_support, values_to_grid
 from clipseg_sparse.methods.corrclip import corrclip_attention, region_vote
 from clipseg_sparse.methods.trident import sam_filtered_attention
-from clipseg_sparse.segment.windows import splice_windows
+from clipseg_sparse.methods.trident import splice_windows
 
 
 def _cos(a, b):

@@ -1,7 +1,7 @@
 """ProxyCLIP through the engine (`ext:` tap): equals a transcription of the published forward.
 
 A tiny random CLIP (tests/data/tiny-vit.json, patch 16) and a tiny random DINO-layout ViT (patch 8)
-stand in for ViT-B/16 and DINO ViT-B/8; the backbone is installed with `use_backbone`.
+stand in for ViT-B/16 and DINO ViT-B/8; the backbone is installed with `conftest.installed_backbones`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
-from conftest import TINY_CONFIG
+from conftest import TINY_CONFIG, installed_backbones, window_run
 from clipseg_sparse.attention import AttentionSpec
 from clipseg_sparse.models.backbones import BACKBONES, Backbone
 from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.segment.windows import dense_cosine
-from clipseg_sparse.models.proxies import PROXIES, proxy_grid, use_backbone, use_proxy_weights
+from clipseg_sparse.models.proxies import proxy_grid
 
 TINY_TEXT = "ext:dino_vitb8[cos,shift:1.2,scale:3,pos]/{}/cls:0/noffn"
 
@@ -35,11 +35,8 @@ def installed_tiny_dino(clip):
     torch.manual_seed(0)
     model = vt.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True)
     backbone = Backbone(BACKBONES.get("dino_vitb8"), model, weights="none")
-    use_proxy_weights("auto", clip=clip)
-    use_backbone(backbone, "cpu")
-    yield clip, backbone
-    PROXIES.configure(weights="auto")
-    PROXIES._loaded.clear()
+    with installed_backbones(backbone, clips=[clip]):
+        yield clip, backbone
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +146,7 @@ def test_sliding_windows_on_the_proxy_grid(proxy):
     torch.manual_seed(5)
     pixels = torch.randn(1, 3, 64, 96)
     text = F.normalize(torch.randn(3, clip.embed_dim), dim=-1)
-    got = dense_cosine(clip, pixels, text, AttentionSpec.parse("proxyclip"), window=64, stride=32).rows(0, 64)
+    got = dense_cosine(window_run(clip, pixels, "proxyclip", text, window=64, stride=32)).rows(0, 64)
     total, count = torch.zeros(3, 64, 96), torch.zeros(1, 64, 96)
     for x1 in (0, 32):
         feats = clip.encode_dense(pixels[..., x1 : x1 + 64], "proxyclip")[0]  # 8 x 8 x D
@@ -236,3 +233,31 @@ def test_missing_proxy_weights_stop_the_cli_with_one_line(proxy, tmp_path):
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "dino.pth: backbone checkpoint file not found" in lines[0]
     assert not (tmp_path / "out" / "a.json").exists()
+
+
+def test_two_segmenters_with_other_backbone_weights_each_use_their_own(proxy):  # noqa: F811
+    """The backbones belong to a run (`Resources`), not to the process: a segmenter built later with other
+    DINO weights changes nothing for one built before (the last one built used to decide for all), and each
+    records its own weights."""
+    import timm.models.vision_transformer as vt
+
+    from clipseg_sparse.models.proxies import ProxyBackbones
+    from clipseg_sparse.segment.resources import Resources
+
+    clip, tiny = proxy
+    torch.manual_seed(9)
+    model = vt.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True)
+    weights = {"a.pth": Backbone(BACKBONES.get("dino_vitb8"), tiny.model, weights="a.pth"), "b.pth": Backbone(BACKBONES.get("dino_vitb8"), model, weights="b.pth")}
+    runs = {}
+    for name, backbone in weights.items():
+        backbones = ProxyBackbones.following(clip, name)
+        backbones.use(backbone, "cpu")
+        runs[name] = Resources(backbones=backbones)
+    img = np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    settings = InferenceSettings(resolution=48, window=32, stride=16)
+    first = Segmenter(clip, "cat,dog,sky", "proxyclip", settings, templates="single", resources=runs["a.pth"])
+    before = first.predict(img).probs
+    second = Segmenter(clip, "cat,dog,sky", "proxyclip", settings, templates="single", resources=runs["b.pth"])
+    assert not np.allclose(second.predict(img).probs, before, atol=1e-4)
+    assert np.array_equal(first.predict(img).probs, before)
+    assert [s.config()["proxy_backbones"]["dino_vitb8"]["weights"] for s in (first, second)] == ["a.pth", "b.pth"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import window_run
 from clipseg_sparse.attention import PRESETS, AttentionSpec
 from clipseg_sparse.attention.feedback import first_pass_labels, sfr_map
 
@@ -178,7 +179,7 @@ def test_resclip_on_a_whole_image_that_is_not_whole_patches(vit_b16):
     with torch.no_grad():
         ref, text, labels, _ = _resclip_reference(vit_b16, pixels, [0, 11, 20, 27], 0.5, (2.0, 0.3), (2.2, 0.7))
         spec = _resclip_protocol().spec_for("voc21", "resclip")
-        ours = dense_cosine(vit_b16, pixels, text, spec, window=0, remainder="drop", logit_scale=40.0).rows(0, 80)
+        ours = dense_cosine(window_run(vit_b16, pixels, spec, text, window=0, remainder="drop", logit_scale=40.0)).rows(0, 80)
         cut = vit_b16.encode_dense(pixels[..., :96], spec, context={"text": text, "logit_scale": 40.0}).reshape(-1, 512)
     expected = F.interpolate((ref @ text.T).T.reshape(1, -1, 5, 6), size=(80, 104), mode="bilinear", align_corners=False)[0]
     assert len(set(sum(labels, []))) >= 3

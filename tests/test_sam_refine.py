@@ -145,7 +145,7 @@ def test_stage_end_to_end_through_segmenter(tiny_clip, monkeypatch):
     predictor = tiny_predictor()
     calls = []
     monkeypatch.setattr(sr, "load_sam_predictor", lambda weights, device: calls.append(weights) or predictor)
-    monkeypatch.setattr(sr, "_PREDICTORS", {})
+    monkeypatch.setattr(tiny_clip, "_proxies", None)  # SAM's predictor is held by the run's backbones: none yet
     rng = np.random.default_rng(2)
     image = np.zeros((96, 96, 3), dtype=np.uint8)
     image[:, :48] = (200, 30, 30)
@@ -157,7 +157,7 @@ def test_stage_end_to_end_through_segmenter(tiny_clip, monkeypatch):
     assert refined.config()["stages"] == ["samrefine:0:0"]
     maps = plain.class_maps(image)
     labels = torch.from_numpy(maps.labels())
-    want = sr.sam_refine(labels, maps, image, 0.0, 0.0, predictor)
+    want = sr.sam_refine(labels, maps, image, predictor, 0.0, 0.0)
     got = refined.predict_labels(image)
     assert calls == ["none"] and np.array_equal(got, want.numpy())
     assert (got != labels.numpy()).sum() > 100  # the random SAM changes labels: the stage did run
@@ -187,18 +187,18 @@ def test_missing_package_and_weights_are_one_line_errors(monkeypatch):
 
 
 def test_cli_loads_sam_before_any_image(tiny_clip, monkeypatch):
-    """eval's load_proxies loads SAM's predictor when a refine stage is on: bad weights fail before any work,
-    with a UserError of one line (which the CLI's boundary prints as the one-line error, exit 2)."""
-    from clipseg_sparse.cli import common as cli_common
-    from clipseg_sparse.attention import resolve_spec
+    """Binding a run's resources loads SAM's predictor when a refine stage is on (the stage's `load`): bad
+    weights fail before any work, with a UserError of one line (which the CLI's boundary prints as the
+    one-line error, exit 2)."""
     from clipseg_sparse.errors import UserError
+    from clipseg_sparse.segment.plan import Plan
+    from clipseg_sparse.segment.resources import Resources
 
-    monkeypatch.setattr(sr, "_PREDICTORS", {})
     with pytest.raises(UserError) as error:
-        cli_common.load_proxies(resolve_spec("clip"), tiny_clip, "sam_vitb=hub", ["samrefine:0.2"])
+        Resources(proxy_weights="sam_vitb=hub").bind(Plan.of("clip", InferenceSettings(stages=("samrefine:0.2",))), tiny_clip)
     assert "sam_vitb=PATH" in str(error.value) and "\n" not in str(error.value)
-    cli_common.load_proxies(resolve_spec("clip"), tiny_clip, "none", ())  # no refine stage: SAM is not loaded
-    assert sr._PREDICTORS == {}
+    bound = Resources(proxy_weights="none").bind(Plan.of("clip"), tiny_clip)  # no refine stage: SAM is not loaded
+    assert bound.backbones._held == {} and bound.backbones._loaded == {}
 
 
 def test_trident_samrefine_protocol_adds_the_stage_per_dataset():

@@ -97,7 +97,7 @@ def test_proxy_weights_a_spec_does_not_use_are_said(tmp_path):
 
 
 def test_unused_proxy_weights_keeps_the_items_of_backbones_that_run():
-    from clipseg_sparse.cli.common import unused_proxy_weights
+    from clipseg_sparse.segment.resources import unused_proxy_weights
 
     assert unused_proxy_weights("dino_vitb16=a.pth,sam_vitb=b.pth", ["dino_vitb16"]) == "sam_vitb=b.pth"
     assert unused_proxy_weights("dino_vitb16=a.pth", ["dino_vitb16", "sam_vitb"]) == ""

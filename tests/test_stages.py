@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import window_run
 from clipseg_sparse import InferenceSettings, Segmenter
 from clipseg_sparse.segment.labels import class_probabilities
 from clipseg_sparse.segment.preprocess import resized_shape, to_pixels
@@ -91,7 +92,7 @@ def test_segmenter_with_pamr_refines_the_full_size_cosine(tiny_clip):
     plain = Segmenter(tiny_clip, "a,b|c", spec="naclip", settings=InferenceSettings(**base), templates="single")
     size = resized_shape(50, 70, 32)
     pixels = to_pixels(image, tiny_clip, size)
-    cos = dense_cosine(tiny_clip, pixels, seg.text, seg.spec, 0, 0, out_size=(50, 70)).rows(0, 50)
+    cos = dense_cosine(window_run(tiny_clip, pixels, seg.spec, seg.text, window=0), (50, 70)).rows(0, 50)
     guide = F.interpolate(pixels, size=(50, 70), mode="bilinear", align_corners=False)[0]
     expected = class_probabilities(reference_pamr(cos.contiguous(), guide, 10, (8, 16)) * 40.0, [0, 1, 1], 2)
     result = seg.predict(image)

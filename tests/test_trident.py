@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
-from conftest import TINY_CONFIG, tiny_sam
+from conftest import TINY_CONFIG, installed_backbones, tiny_sam, window_run
 from clipseg_sparse.models.backbones import BACKBONES, Backbone
 from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.segment.settings import InferenceSettings
-from clipseg_sparse.segment.windows import spliced_tokens
-from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
+from clipseg_sparse.methods.trident import spliced_tokens
+
 from clipseg_sparse.methods.trident import sam_attention
 
 SAM_SIDE = 128
@@ -42,12 +42,8 @@ def trident(tiny_clip):
     sam = tiny_sam(SAM_SIDE, window_size=4)
     dino_bb = Backbone(BACKBONES.get("dino_vitb16"), dino)
     sam_bb = Backbone(dataclasses.replace(BACKBONES.get("sam_vitb"), input_size=SAM_SIDE), sam)
-    use_proxy_weights("auto", clip=tiny_clip)
-    use_backbone(dino_bb, "cpu")
-    use_backbone(sam_bb, "cpu")
-    yield tiny_clip, dino_bb, sam_bb
-    PROXIES.configure(weights="auto")
-    PROXIES._loaded.clear()
+    with installed_backbones(dino_bb, sam_bb, clips=[tiny_clip]):
+        yield tiny_clip, dino_bb, sam_bb
 
 
 def image(seed=0, size=(50, 70)) -> np.ndarray:
@@ -167,11 +163,11 @@ def test_splice_equals_a_loop_with_overlap_counts(trident):
     torch.manual_seed(1)
     pixels = torch.randn(1, 3, 64, 80)
     for batch_size in (1, 4):  # batching windows changes nothing (the DINO mean is per window)
-        got = spliced_tokens(clip, pixels, clip_spec("softmax"), 48, 16, batch_size)[0]
+        got = spliced_tokens(window_run(clip, pixels, clip_spec("softmax"), window=48, stride=16, batch_size=batch_size))[0]
         with torch.inference_mode():
             torch.testing.assert_close(got, ref_splice(clip, dino, pixels, 48, 16), atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="splicing windows needs"):
-        spliced_tokens(clip, torch.randn(1, 3, 64, 72), clip_spec("softmax"), 48, 16)
+        spliced_tokens(window_run(clip, torch.randn(1, 3, 64, 72), clip_spec("softmax"), window=48, stride=16))
 
 
 def clip_spec(normalizer: str) -> str:
@@ -186,7 +182,8 @@ def test_entmax_to_one_equals_trident_in_the_dino_stage_and_softmax_in_the_sam_s
     torch.manual_seed(2)
     pixels = torch.randn(1, 3, 64, 80)
     torch.testing.assert_close(
-        spliced_tokens(clip, pixels, clip_spec("entmax:1.0005"), 48, 16), spliced_tokens(clip, pixels, clip_spec("softmax"), 48, 16), atol=2e-3, rtol=0
+        spliced_tokens(window_run(clip, pixels, clip_spec("entmax:1.0005"), window=48, stride=16)),
+        spliced_tokens(window_run(clip, pixels, clip_spec("softmax"), window=48, stride=16)), atol=2e-3, rtol=0,
     )
     img = image(3, (64, 80))
     a, valid = sam_attention(img, sam, 1.2, True, "entmax:1.0005")
@@ -234,10 +231,12 @@ def test_bad_stage_and_global_stage_conflicts_are_errors(trident):
         Segmenter(clip, "cat", spec="vv/softmax/noffn/hook:surgery/hook:sam", templates="single")
     # the protocol's stage replaces the spec's default; a spec without one runs the settings' stage alone
     seg = Segmenter(clip, "cat", spec="trident", settings=InferenceSettings(stages=("sam:3",)), templates="single")
-    assert seg.global_stage.name == "sam:3" and seg.backbones() == ["dino_vitb16", "sam_vitb"]
-    assert Segmenter(clip, "cat", spec="sclip", templates="single").global_stage is None
+    assert [s.name for s in seg.plan.of_kind("global")] == ["sam:3"] and seg.plan.backbones == ("dino_vitb16", "sam_vitb")
+    assert seg.plan.forward_name == "splice" and seg.config()["proxy_backbones"].keys() == {"dino_vitb16", "sam_vitb"}
+    plain = Segmenter(clip, "cat", spec="sclip", templates="single").plan
+    assert plain.of_kind("global") == () and plain.forward_name == "windows"
     sclip_sam = Segmenter(clip, "cat,dog", spec="sclip", settings=SETTINGS.replace(stages=("sam:1.2",)), templates="single")
-    assert sclip_sam.global_stage.name == "sam:1.2" and sclip_sam.predict(image(5)).labels.shape == (50, 70)
+    assert [s.name for s in sclip_sam.plan.of_kind("global")] == ["sam:1.2"] and sclip_sam.predict(image(5)).labels.shape == (50, 70)
 
 
 def test_segment_cli_records_both_backbones_and_missing_weights_are_one_line(trident, tmp_path):
@@ -263,9 +262,6 @@ def test_segment_cli_records_both_backbones_and_missing_weights_are_one_line(tri
     res = CliRunner().invoke(app, base + ["--preset", "trident", "--window", "50", "--out", str(tmp_path / "o3")], env={"COLUMNS": "300"})
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and "window and stride must be multiples of the patch size 16" in lines[0], res.output
-    use_proxy_weights("auto")  # other weights dropped the tiny backbones: put them back for later tests
-    for backbone in trident[1:]:
-        use_backbone(backbone, "cpu")
 
 
 def test_eval_runs_the_trident_protocol(trident, tmp_path):

@@ -548,7 +548,7 @@ def published(tiny_clip):
     from segment_anything import SamPredictor
     from segment_anything.build_sam import _build_sam
 
-    from clipseg_sparse.models.proxies import PROXIES, use_backbone, use_proxy_weights
+    from conftest import installed_backbones
 
     torch.manual_seed(0)
     dino = vt.VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True).eval()
@@ -558,12 +558,9 @@ def published(tiny_clip):
             if "rel_pos" in name:
                 p.normal_()
         sam.mask_decoder.iou_prediction_head.layers[-1].bias += 0.6  # predicted IoUs near 0.48 instead of -0.12
-    use_proxy_weights("auto", clip=tiny_clip)
-    use_backbone(Backbone(BACKBONES.get("dino_vitb16"), dino), "cpu")
-    use_backbone(Backbone(BACKBONES.get("sam_vitb"), timm_sam_from(sam.state_dict(), 1024, 14, 256)), "cpu")
-    yield tiny_clip, dino, SamPredictor(sam)
-    PROXIES.configure(weights="auto")
-    PROXIES._loaded.clear()
+    dino_bb, sam_bb = Backbone(BACKBONES.get("dino_vitb16"), dino), Backbone(BACKBONES.get("sam_vitb"), timm_sam_from(sam.state_dict(), 1024, 14, 256))
+    with installed_backbones(dino_bb, sam_bb, clips=[tiny_clip]):
+        yield tiny_clip, dino, SamPredictor(sam)
 
 
 def scene(seed: int, size: tuple[int, int]) -> np.ndarray:
@@ -584,7 +581,7 @@ def ours_and_published(published, monkeypatch, dataset, size, overrides, stages,
     from clipseg_sparse.segment.segmenter import Segmenter
 
     clip, dino, predictor = published
-    monkeypatch.setattr(sr, "_PREDICTORS", {("none", "cpu"): predictor})
+    monkeypatch.setattr(sr, "load_sam_predictor", lambda weights, device: predictor)
     settings = PROTOCOLS.get("trident").settings(dataset, {**overrides, "stages": stages})
     seg = Segmenter(clip, "background,cat,dog,grass", spec="trident", settings=settings, templates="single")
     img = scene(0, size)
