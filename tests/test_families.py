@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from clipseg_sparse.attention import edited_block_forward, resolve_spec
-from clipseg_sparse.attention.spec import SOURCES
+from clipseg_sparse.attention.terms import SOURCES
 from clipseg_sparse.models.clip import check_model_name, supported_models
 from clipseg_sparse.models.text_tower import cut_plan, encode_tokens
 from clipseg_sparse.models.clip import DenseCLIP

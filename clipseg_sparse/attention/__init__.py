@@ -63,7 +63,8 @@ from .blocks import EncoderState, edited_block_forward, encode_tokens
 from .combine import _attend, aggregate, attention_weights
 from .presets import list_presets, register_entmax_variant, register_preset, resolve_spec
 from .stitched import blocked_attention, global_attention, stitch_multiple
-from .spec import OPTIONS, PRESETS, SOURCES, AttentionSpec, BlockInput, Group, Preset, Term, register_option
+from .spec import OPTIONS, PRESETS, AttentionSpec, Preset, register_option
+from .terms import SOURCES, BlockInput, Group, Term
 from .taps import TAPS, BlockContext, Tap
 from .transforms import gaussian_prior
 

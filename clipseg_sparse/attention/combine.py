@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from ..runtime.accel import adasplash_entmax_attention, can_use_adasplash
 from .normalizers import Normalizer, normalize
 from .precision import like
-from .spec import AttentionSpec, Group, Term
+from .spec import AttentionSpec
+from .terms import Group, Term
 from .grid import values_to_grid
 from .taps import BlockContext, attention_grid
 from .transforms import apply_support, gaussian_prior, pair_scores, term_scores

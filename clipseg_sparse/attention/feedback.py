@@ -24,7 +24,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from .spec import AttentionSpec, Group, Term, _num
+from .spec import AttentionSpec
+from .terms import Group, Term, _num
 from .taps import TAPS, BlockContext, Tap
 
 #: the first pass's PAMR, hard-coded in the published `create_logit_temp`

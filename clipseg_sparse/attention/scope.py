@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from .contract import Block, grid_block, positive_attention
 from .grid import merge_regions, resize_regions
 from ..stages import Needs
-from .spec import AttentionSpec, Term, _num, fmt_num, register_option
+from .spec import AttentionSpec, register_option
+from .terms import Term, _num, fmt_num
 from .taps import BlockContext, attention_grid
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .normalizers import Normalizer, normalize
 from .grid import region_support
-from .spec import Term
+from .terms import Term
 from .taps import BlockContext
 
 

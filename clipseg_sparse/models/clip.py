@@ -241,7 +241,7 @@ class DenseCLIP:
     proxy_weights: str | None = None
     pretrained_sha256: str | None = None
     tower: Tower | None = field(default=None, repr=False, compare=False)
-    _proxies: ProxyBackbones | None = field(default=None, repr=False)
+    _proxies: ProxyBackbones | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tower is None:
