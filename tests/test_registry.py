@@ -179,3 +179,24 @@ def test_the_engine_imports_no_method_model_or_dna():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_method_file_in_the_folder_is_imported_without_an_edit(tmp_path, monkeypatch):
+    """A new method is its own file: a module in the methods folder that `METHODS` does not name is imported
+    with the others (its presets then exist), so adding a method edits no other package file."""
+    import clipseg_sparse.methods as methods
+    from clipseg_sparse.attention import PRESETS
+
+    (tmp_path / "zz_new_method.py").write_text(
+        "from clipseg_sparse.attention.presets import register_preset\n"
+        "register_preset('zz-new-method', 'qq/softmax', 'a test method')\n"
+    )
+    monkeypatch.setattr(methods, "__path__", [*methods.__path__, str(tmp_path)])
+    for table in ("_items", "_help", "_where"):
+        monkeypatch.setattr(PRESETS, table, dict(getattr(PRESETS, table)))
+    try:
+        methods.import_methods()
+        assert "zz_new_method" not in methods.METHODS and str(PRESETS.get("zz-new-method").spec) == "qq/softmax"
+        assert PRESETS.where("zz-new-method") == "clipseg_sparse.methods.zz_new_method"
+    finally:
+        sys.modules.pop("clipseg_sparse.methods.zz_new_method", None)

@@ -1,13 +1,16 @@
 """Published methods, one room each: presets, stages, protocol, constants and notes (see README.md).
 
-This package is the catalog: `PRESETS`, `STAGES`, `PROTOCOLS`, `PIPELINES` and `REGION_SOURCES` name it in their `locations`, so their first
-lookup imports it, and it imports every method module below. May import `evaluation` and below; nothing
-below imports a method.
+This package is the catalog: `PRESETS`, `STAGES`, `PROTOCOLS`, `PIPELINES`, `REGION_SOURCES` and `FORWARDS`
+name it in their `locations`, so their first lookup imports it, and it imports every method module of the
+folder: those of `METHODS` first, in that order (the order `ls` lists them in), then any other module here
+(a new method's file is found without an edit here). May import `evaluation` and below; nothing below
+imports a method.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 # In dependency order: a method that reuses another's protocol or constants comes after it.
 METHODS = (
@@ -29,5 +32,12 @@ METHODS = (
     "pearl",  # PEARL (CVPR 2026): Procrustes-aligned attention taps pa / pakk, the tlp post stage
     "sam3",  # SAM 3 zero-shot (SegEarth-OV3): the sam3 pipeline and protocol, not a CLIP spec
 )
-for _name in METHODS:
-    importlib.import_module(f"{__name__}.{_name}")
+
+
+def import_methods() -> None:
+    """Import the modules of `METHODS` in order, then every other module of this folder (once each)."""
+    for name in (*METHODS, *sorted({m.name for m in pkgutil.iter_modules(__path__)} - set(METHODS))):
+        importlib.import_module(f"{__name__}.{name}")
+
+
+import_methods()

@@ -11,7 +11,7 @@ fixed and not copied: `RESCLIP_NOTES` (datasets.md, Presets). Grid: `sweeps/grid
 from __future__ import annotations
 
 from ..attention.presets import register_entmax_variant, register_preset
-from ..attention.spec import fmt_num
+from ..attention.terms import fmt_num
 from ..evaluation.protocols import PROTOCOLS, SCLIP_LINE, Protocol
 from .naclip import V2_DATASETS
 
