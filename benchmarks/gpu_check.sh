@@ -37,8 +37,8 @@ for name in ("triton", "adasplash", "entmax", "open_clip", "typer", "rich", "pyt
         print(name, "MISSING:", e)
 PY
 
-step "exactness tests on CUDA (tests/test_accel.py) and the normalizer suite"
-timeout 150 $PY -m pytest -q -rs tests/test_accel.py tests/test_normalizers.py
+step "exactness tests on CUDA (tests/runtime/test_accel.py) and the normalizer suite"
+timeout 150 $PY -m pytest -q -rs tests/runtime/test_accel.py tests/attention/test_normalizers.py
 
 for prec in fp16 bf16 fp32; do
   step "(a) normalizers on cuda $prec"

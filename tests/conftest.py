@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,6 +14,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DATA = Path(__file__).parent / "data"
+
+# Test files mirror the package (tests/<folder>/test_<module>.py) and import shared helpers from each other by
+# basename (pytest's default import mode, so basenames are unique): every folder holding tests is importable,
+# whichever file is collected first.
+for _folder in sorted({path.parent for path in Path(__file__).parent.rglob("test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 TINY_CONFIG = str(DATA / "tiny-vit.json")
 
 

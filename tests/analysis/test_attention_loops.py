@@ -13,7 +13,7 @@ from clipseg_sparse.analysis.statistics import analyze
 from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.segment.settings import InferenceSettings
 
-ADE_ROOT = Path(__file__).parent / "data" / "ade20k"
+ADE_ROOT = Path(__file__).parents[1] / "data" / "ade20k"
 STAGED = "qq/softmax/hook:lp:pixel:0.01:2:0.95/hook:tlp:8"  # an at-input stage (LPOSS+'s) and a post stage (PEARL's)
 
 

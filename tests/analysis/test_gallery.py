@@ -18,7 +18,7 @@ from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.files.outputs import OutputOptions, write_outputs
 from clipseg_sparse.segment.images import load_image
 
-ADE_ROOT = Path(__file__).parent / "data" / "ade20k"
+ADE_ROOT = Path(__file__).parents[1] / "data" / "ade20k"
 FAST = dict(resolution=64, window=32, stride=16)
 SPECS = ("clearclip", "clearclip-entmax")
 

@@ -27,7 +27,7 @@ from clipseg_sparse.files.results import progress_path
 from clipseg_sparse.segment.segmenter import Segmenter
 from conftest import TINY_CONFIG
 
-ADE_ROOT = Path(__file__).parent / "data" / "ade20k"
+ADE_ROOT = Path(__file__).parents[1] / "data" / "ade20k"
 FAST = dict(resolution=64, window=32, stride=16)
 
 

@@ -18,7 +18,7 @@ from clipseg_sparse.segment.preprocess import to_pixels
 from clipseg_sparse.segment.regions import RegionFolder
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark_with_masks
-from test_analysis import _loop_majority
+from test_statistics import _loop_majority
 from test_corrclip import TINY as CORRCLIP
 from test_bank import TINY_V2, models  # noqa: F401  (fixture: tiny CLIP, aux CLIP, tiny RADIO as c_radio_v3_l)
 from test_proxyclip import proxy  # noqa: F401  (the fixture `models` builds on)

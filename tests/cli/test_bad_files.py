@@ -20,11 +20,11 @@ from PIL import Image
 
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
-from test_cli_ux import invoke
+from test_common import invoke
 
 MODEL = ["--model", TINY_CONFIG, "--pretrained", "none", "--device", "cpu"]
 FAST = ["--templates", "single", "--resolution", "32", "--window", "0"]
-SUBSET = Path(__file__).parent / "data" / "fgovd" / "subset" / "transparency.json"
+SUBSET = Path(__file__).parents[1] / "data" / "fgovd" / "subset" / "transparency.json"
 GARBAGE = b"\x00\xff\xfe not a file of this kind \x00" * 8
 
 
@@ -131,7 +131,7 @@ CASES = {
 
 
 def test_every_command_that_reads_or_writes_files_is_here():
-    from test_user_errors import COMMANDS
+    from test_errors import COMMANDS
 
     no_files = {"ls", "bench", "demo"}  # they read and write no files of the user's
     assert {command.split(" ")[0] if command.startswith("convert") else command for command in COMMANDS} - no_files == {c for c, _ in CASES}

@@ -10,10 +10,10 @@ from clipseg_sparse.evaluation.fgovd import BenchmarkFormatError, evaluate_fgovd
 from clipseg_sparse.segment.settings import InferenceSettings
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
-from test_cli_ux import assert_one_line_error, cache_dir, image, invoke  # noqa: F401 - fixtures
+from test_common import assert_one_line_error, cache_dir, image, invoke  # noqa: F401 - fixtures
 
 TINY = ["--model", TINY_CONFIG, "--pretrained", "none", "--templates", "single", "--device", "cpu"]
-SUBSET = Path(__file__).parent / "data" / "fgovd" / "subset" / "transparency.json"
+SUBSET = Path(__file__).parents[1] / "data" / "fgovd" / "subset" / "transparency.json"
 
 
 def test_unwritable_out_and_save_pred_fail_before_the_model_is_loaded(image, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from conftest import TINY_CONFIG
-from test_cli_ux import invoke
+from test_common import invoke
 
 TINY = ["--model", TINY_CONFIG, "--pretrained", "none", "--device", "cpu", "--templates", "single", "--resolution", "32", "--window", "0"]
 REGIONS_SPEC = "qk[region:0.5]/softmax"  # reads region maps, runs on the 3-block tiny model

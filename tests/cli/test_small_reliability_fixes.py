@@ -15,7 +15,7 @@ import typer
 from PIL import Image
 
 from conftest import TINY_CONFIG
-from test_cli_ux import invoke
+from test_common import invoke
 
 TINY = ["--model", TINY_CONFIG, "--pretrained", "none", "--device", "cpu"]
 
@@ -155,7 +155,7 @@ def test_help_texts_keep_their_square_brackets(monkeypatch):
             assert bracket in shown, (command, param, bracket)
 
 
-README = (__import__("pathlib").Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+README = (__import__("pathlib").Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
 
 
 def test_readme_never_reads_region_masks_from_a_folder_it_writes_label_maps_to():

@@ -15,7 +15,7 @@ from clipseg_sparse.datasets.convert import (
 )
 from fake_benchmarks import LAYOUT_OF, LAYOUTS, make_benchmark, write_png
 
-ADE_ROOT = Path(__file__).parent / "data" / "ade20k"
+ADE_ROOT = Path(__file__).parents[1] / "data" / "ade20k"
 REDUCE_ZERO = {"voc20", "context59", "ade20k"}
 EXPECTED_CLASSES = {"voc21": 21, "voc20": 20, "context60": 60, "context59": 59, "ade20k": 150,
                     "coco-stuff": 171, "coco-object": 81, "cityscapes": 19}

@@ -16,7 +16,7 @@ from clipseg_sparse.files.results import ConfigMismatchError
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
 
-ADE_ROOT = Path(__file__).parent / "data" / "ade20k"
+ADE_ROOT = Path(__file__).parents[1] / "data" / "ade20k"
 FAST = dict(resolution=64, window=32, stride=16)  # small inputs for the tiny model
 
 

@@ -12,10 +12,10 @@ from clipseg_sparse.sweeps.grid import Grid
 from clipseg_sparse.sweeps.run import SweepPaths, run_sweep
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
-from test_cli_ux import assert_one_line_error, invoke
+from test_common import assert_one_line_error, invoke
 
 TINY = ["--model", TINY_CONFIG, "--pretrained", "none", "--templates", "single", "--device", "cpu", "--resolution", "32", "--window", "0"]
-SUBSET = Path(__file__).parent / "data" / "fgovd" / "subset" / "transparency.json"
+SUBSET = Path(__file__).parents[1] / "data" / "fgovd" / "subset" / "transparency.json"
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from clipseg_sparse.models.backbones import BACKBONES, MASK_KINDS, Backbone
 from clipseg_sparse.segment.preprocess import prepare, rounded_size
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- published: seg_utils/utils.py ---------------------------------------------------------------------

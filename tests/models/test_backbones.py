@@ -23,7 +23,7 @@ from clipseg_sparse.models.backbones import BACKBONES, Backbone, BackboneInfo, l
 from clipseg_sparse.runtime.weights import MissingExtraError, require_extra
 from clipseg_sparse.runtime.weights import WeightsUnavailableError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_vit(**kw):

@@ -20,7 +20,7 @@ from clipseg_sparse.attention.contract import grid_block, is_block
 from clipseg_sparse.models.tower import FAMILIES, Tower, model_family
 from conftest import DATA, TINY_CONFIG
 
-PACKAGE = Path(__file__).parent.parent / "clipseg_sparse"
+PACKAGE = Path(__file__).parents[2] / "clipseg_sparse"
 CAPTURED = json.loads((DATA / "ls_models.json").read_text(encoding="utf-8"))
 # the smallest open_clip configuration of each family that runs (the protocol test builds each on the meta device)
 EXAMPLES = {

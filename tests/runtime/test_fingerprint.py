@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from clipseg_sparse import load_clip
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
-from test_cli_ux import assert_one_line_error, invoke
+from test_common import assert_one_line_error, invoke
 
 FAST = ["--templates", "single", "--device", "cpu", "--resolution", "32", "--window", "0"]
 
@@ -151,7 +151,7 @@ def test_analyze_recomputes_for_a_rewritten_checkpoint_and_refuses_edited_labels
 
 
 def test_dna_train_refuses_to_resume_on_a_rewritten_checkpoint(tiny_clip, ckpt, tmp_path):
-    from test_dna_train_checks import _one_line
+    from test_train_checks import _one_line
 
     make_benchmark("ade20k-train", tmp_path / "ade", n=2, size=(64, 80), seed=3)
     args = ["dna", "train", "--out", tmp_path / "run", "--root", tmp_path / "ade", "--dataset", "ade20k", "--model", TINY_CONFIG,

@@ -15,7 +15,7 @@ from PIL import Image
 from clipseg_sparse.files.inputs import discover_images
 from conftest import TINY_CONFIG
 from fake_benchmarks import make_benchmark
-from test_cli_ux import invoke
+from test_common import invoke
 
 TINY = ["--model", TINY_CONFIG, "--pretrained", "none", "--templates", "single", "--device", "cpu"]
 LINE = r"\d\d:\d\d:\d\d {what}: {done}/{total} {unit} \({pct}%\), [-0-9.]+ {unit}/s, elapsed \d:\d\d:\d\d"

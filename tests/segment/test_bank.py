@@ -31,7 +31,7 @@ from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.segment.vocabulary import Vocabulary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VALUES = "ext:dino_vitb8.qk[cos,scale:4,region]/softmax/cls:0/noffn/in:mean@1-2/mct:0.5"
 VALUE_SETTINGS = InferenceSettings(resolution=64, window=48, stride=32)
 TINY_V2 = "ext:c_radio_v3_l.image[cos,scale:4,region]/softmax/cls:0/noffn/in:mean@1-2/mct:0.5/hook:retrieve:3:0.5"
@@ -331,7 +331,7 @@ def test_bank_build_info_and_segment_with_bank_on_the_command_line(models, tmp_p
 GLOO_SCRIPT = """
 import json, sys
 import numpy as np, torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}
 from conftest import TINY_CONFIG
 from test_bank import ByName, VALUES, VALUE_SETTINGS, write_images
 from test_dense_backbones import tiny_radio
@@ -363,7 +363,7 @@ def test_two_gloo_ranks_build_the_same_bank_as_one_process(tmp_path):
     for procs in (1, 2):
         script = tmp_path / f"build{procs}.py"
         out = tmp_path / f"bank{procs}"
-        script.write_text(GLOO_SCRIPT.format(tests=str(ROOT / "tests"), images=str(tmp_path / f"images{procs}"), out=str(out)))
+        script.write_text(GLOO_SCRIPT.format(tests=[str(ROOT / "tests" / folder) for folder in ("", "segment", "models")], images=str(tmp_path / f"images{procs}"), out=str(out)))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs), str(script)],
                              env=env, capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -19,7 +19,7 @@ from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.files.outputs import OutputOptions, write_outputs
 from conftest import TINY_CONFIG
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def segmenters(clip, **settings):

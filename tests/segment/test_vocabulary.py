@@ -6,7 +6,7 @@ import pytest
 from clipseg_sparse.files.outputs import overlay_image
 from clipseg_sparse.segment.vocabulary import Vocabulary, resolve_templates
 from conftest import TINY_CONFIG
-from test_cli_ux import assert_one_line_error, invoke
+from test_common import assert_one_line_error, invoke
 
 
 @pytest.mark.parametrize(

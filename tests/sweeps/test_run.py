@@ -222,7 +222,7 @@ def readme_demo_commands():
     """The shell commands of the README's runnable sweep example, continuation lines joined."""
     from pathlib import Path
 
-    text = (Path(__file__).parents[1] / "README.md").read_text()
+    text = (Path(__file__).parents[2] / "README.md").read_text()
     block = text.split("### A sweep you can run without downloads", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.replace("\\\n", "").splitlines() if line.strip()]
 
@@ -234,7 +234,7 @@ def test_readme_sweep_example_runs(tmp_path, monkeypatch):
     import sys
     from pathlib import Path
 
-    tests_dir = Path(__file__).parent
+    tests_dir = Path(__file__).parents[1]
     make_data, sweep_cmd, report_cmd = readme_demo_commands()
     monkeypatch.chdir(tmp_path)
     argv = shlex.split(make_data)

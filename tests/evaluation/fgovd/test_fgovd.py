@@ -33,7 +33,7 @@ from clipseg_sparse.registry import UnknownNameError
 from clipseg_sparse.files.results import ConfigMismatchError
 from conftest import TINY_CONFIG
 
-DATA = Path(__file__).parent / "data" / "fgovd"
+DATA = Path(__file__).parents[2] / "data" / "fgovd"
 FULL = DATA / "transparency.json"  # the real benchmark file: 230 images, 409 annotations
 SUBSET = DATA / "subset" / "transparency.json"  # 2 images (213224, 245026), 3 annotations
 FAST = InferenceSettings(resolution=64, window=0)  # whole image at short side 64: one forward per image

@@ -11,9 +11,9 @@ from clipseg_sparse.evaluation.fgovd.data import negative_counts
 from clipseg_sparse.evaluation.fgovd.metrics import supported_negatives
 from clipseg_sparse.sweeps.grid import Grid, check_fgovd_negatives
 from conftest import TINY_CONFIG
-from test_cli_ux import assert_one_line_error, invoke
+from test_common import assert_one_line_error, invoke
 
-FULL = Path(__file__).parent / "data" / "fgovd" / "transparency.json"
+FULL = Path(__file__).parents[2] / "data" / "fgovd" / "transparency.json"
 
 
 def test_the_real_transparency_file_is_reported_at_two_negatives():
