@@ -103,9 +103,13 @@ class ImageRun(Protocol):
 class TokenCall(Protocol):
     """x = B x (1 + h*w) x C hidden states entering the edited block(s), CLS first; grid = (h, w). Per-window
     statistics are the stage's job. A stage with `taps=True` also gets `taps`: block index -> the hidden states
-    the spec's score terms read (SC-CLIP's mid map), to edit at the same token positions (in place in the dict)."""
+    the spec's score terms read (SC-CLIP's mid map), to edit at the same token positions (in place in the dict).
+    A stage with `maps` gets `taps` and `maps`: each block it names -> CLIP's own B x H x N x N attention there
+    (SFP's outlier finder reads the block before the edited one)."""
 
-    def __call__(self, x: torch.Tensor, grid: tuple[int, int], taps: dict[int, torch.Tensor] = ..., /) -> torch.Tensor: ...
+    def __call__(
+        self, x: torch.Tensor, grid: tuple[int, int], taps: dict[int, torch.Tensor] = ..., maps: dict[int, torch.Tensor] = ..., /
+    ) -> torch.Tensor: ...
 
 
 class TextCall(Protocol):
@@ -185,15 +189,18 @@ CALLS: Mapping[str, type] = {
 class Stage:
     """One configured stage: its kind, canonical text form and function (its call: `CALLS[kind]`).
 
-    taps: token stages only: also edits the hidden states the spec reads. backbones: external backbones the
-    stage runs (`ls backbones`; loaded before any image, recorded in results). forward: the registered forward
-    it runs in (None: any that runs its kind). load: `load(backbones, device)` loads, before any image, what the
-    stage loads itself (so missing weights fail first), given the run's `models.proxies.ProxyBackbones`."""
+    taps: token stages only: also edits the hidden states the spec reads. maps: token stages only: the blocks
+    whose CLIP attention maps the stage reads, 1-based, or counted back from the first edited block (-1: the
+    block before it). backbones: external backbones the stage runs (`ls backbones`; loaded before any image,
+    recorded in results). forward: the registered forward it runs in (None: any that runs its kind). load:
+    `load(backbones, device)` loads, before any image, what the stage loads itself (so missing weights fail
+    first), given the run's `models.proxies.ProxyBackbones`."""
 
     kind: str
     name: str
     fn: Callable[..., torch.Tensor]
     taps: bool = False
+    maps: tuple[int, ...] = ()
     backbones: tuple[str, ...] = ()
     forward: str | None = None
     load: Callable[[Any, Any], None] | None = None

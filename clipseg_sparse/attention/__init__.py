@@ -39,7 +39,8 @@ Compact text form, used on the command line, in sweep grids, result files and ta
                 aggin:TERM    aggregate the block input, x <- R(support(S)) x (identity values; R: rows
                               divided by their sum + 1e-6), e.g. x@9[cos,thresh:0.4] (SC-CLIP)
                 aggout:TERM   the same on the block output
-                in:[W*]sum@A-B | in:[W*]mean@A-B   also run the block on that input and add its output
+                in:[W*]sum@A-B | in:[W*]mean@A-B   also run the block on that input and add its output;
+                              in:sum@A-B(GROUP+...) attends with its own score groups (SFP)
                 hook:NAME     a token, match or global stage the method needs (`clipseg_sparse.stages`):
                               lof (SC-CLIP's outlier repair), surgery (CLIP Surgery's feature surgery),
                               sam (Trident's SAM stage over the spliced windows)

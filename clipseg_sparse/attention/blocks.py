@@ -6,7 +6,9 @@ read), the token hooks, then the last `spec.layers` blocks from their own weight
 - parallel mode: the original blocks keep running; a side path starts at the first edited block's input
   and adds each edited attention, computed from the *original* path's ln_1 state (GEM, CLIP Surgery).
   Its output has the original path's CLS token (CLIP Surgery; patch tokens do not depend on it).
-Extra inputs (`in:sum@A-B`) run the last block again on that input and add its output (SC-CLIP).
+Extra inputs (`in:sum@A-B`) run the last block again on that input and add its output (SC-CLIP), attending
+with the spec's score groups or with their own (`in:sum@A-B(GROUPS)`, SFP). Token stages may read CLIP's own
+attention of the blocks before the edited ones (`Stage.maps`, SFP's outlier finder).
 Region maps (CorrCLIP, `scope.py`): the `region:EPS` support and the `mct:BETA` semantic branch; with
 `mct`, `encode_normed` applies ln_post to each branch before the weighted sum.
 Nothing is patched in place; the model's weights are only read.
@@ -14,6 +16,7 @@ Nothing is patched in place; the model's weights are only read.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -27,6 +30,7 @@ from .grid import resize_regions
 from .precision import like
 from .scope import mask_class_tokens, mct_step, needs_regions, prepare_regions, semantic_tokens, semantic_weight
 from .spec import AttentionSpec
+from .terms import BlockInput
 from .taps import BlockContext, block_qkv, clip_attention, run_block
 
 
@@ -51,7 +55,8 @@ def _tap_needs(spec: AttentionSpec) -> tuple[set[int], set[int], set[int]]:
     """(hidden states read by score terms and input aggregation, by output aggregation and extra
     inputs, CLIP attention maps read), as 1-based block indices."""
     main, raw, maps = set(), set(), set()
-    for term in (*spec.terms, *(t for t in (spec.aggregation_in,) if t)):
+    inputs = (t for inp in spec.block_inputs for t in inp.terms)
+    for term in (*spec.terms, *(t for t in (spec.aggregation_in,) if t), *inputs):
         main |= term.ref.tap.hidden(term.ref.arg)
         maps |= term.ref.tap.blocks(term.ref.arg)
     if spec.aggregation_out:
@@ -59,6 +64,33 @@ def _tap_needs(spec: AttentionSpec) -> tuple[set[int], set[int], set[int]]:
     for inp in spec.block_inputs:
         raw |= set(range(inp.first, inp.last + 1))
     return main, raw, maps
+
+
+@functools.lru_cache(maxsize=256)
+def input_spec(spec: AttentionSpec, inp: BlockInput) -> AttentionSpec:
+    """The spec an extra input attends with: the spec's own, or with the input's score groups (`sum@A-B(...)`)."""
+    return spec.replace(source=inp.source) if inp.source else spec
+
+
+def _stage_maps(hooks: Sequence[Callable], n_plain: int) -> dict[int, int]:
+    """Each block a token stage's `maps` names -> its 1-based index; UserValueError for one that is not a
+    block before the edited ones."""
+    blocks = {}
+    for hook in hooks:
+        for named in getattr(hook, "maps", ()):
+            i = n_plain + 1 + named if named < 0 else named
+            if not 1 <= i <= n_plain:
+                raise UserValueError(f"token stage {getattr(hook, 'name', hook)} reads the attention of block {named}; blocks 1..{n_plain} run before the edited ones")
+            blocks[named] = i
+    return blocks
+
+
+def _token_stage(hook: Callable, state: EncoderState, grid: tuple[int, int], blocks: dict[int, int]) -> torch.Tensor:
+    """Run one token stage on `state.x` with what it declares it reads (`stages.TokenCall`)."""
+    named = getattr(hook, "maps", ())
+    if named:
+        return hook(state.x, grid, state.main, {m: state.maps[blocks[m]] for m in named})
+    return hook(state.x, grid, state.main) if getattr(hook, "taps", False) else hook(state.x, grid)
 
 
 def check_depth(spec: AttentionSpec, depth: int) -> None:
@@ -186,6 +218,9 @@ def encode_tokens(
         return x
     n_plain = len(blocks) - spec.layers
     need_main, need_raw, need_maps = _tap_needs(spec)
+    hooks = [st for st in spec.stages if st.kind == "token"] + list(token_hooks)
+    stage_maps = _stage_maps(hooks, n_plain)
+    need_maps |= set(stage_maps.values())
     state = EncoderState(x, grid, pixels=pixels)
     for name, feats in (context or {}).get("image_features", {}).items():  # whole-image backbone features, per window
         state.extra[("image", name)] = feats
@@ -213,8 +248,8 @@ def encode_tokens(
             state.hidden[i] = x
     state.x = x
     state.main = {i: state.hidden[i] for i in need_main}
-    for hook in [st for st in spec.stages if st.kind == "token"] + list(token_hooks):
-        state.x = hook(state.x, grid, state.main) if getattr(hook, "taps", False) else hook(state.x, grid)
+    for hook in hooks:
+        state.x = _token_stage(hook, state, grid, stage_maps)
     edited = blocks[n_plain:]
     if feedback.feedback_terms(spec):  # ResCLIP: a first pass, then the map the final pass reads
         first = _replace(edited, state, feedback.first_pass_spec(spec), None)
@@ -240,7 +275,7 @@ def _replace(edited, state: EncoderState, spec: AttentionSpec, sink: list | None
     for inp in spec.block_inputs:
         layers = [state.hidden[i] for i in range(inp.first, inp.last + 1)]
         r = sum(layers[1:], layers[0].clone()) if inp.kind == "sum" else torch.stack(layers).mean(0)
-        y = edited_block_forward(edited[-1], r, spec, grid, state, main=False)[:, off:]
+        y = edited_block_forward(edited[-1], r, input_spec(spec, inp), grid, state, main=False)[:, off:]
         if branches is not None:
             branches.append((inp.weight, y))
             continue

@@ -172,7 +172,8 @@ class AttentionSpec:
         """What the edited attention takes besides CLIP: one fold over its terms (their taps, the region
         support) and its registered options (`stages.Needs`)."""
         needs = Needs()
-        for term in (*self.terms, *(t for t in (self.aggregation_in, self.aggregation_out) if t)):
+        inputs = (t for inp in self.block_inputs for t in inp.terms)
+        for term in (*self.terms, *(t for t in (self.aggregation_in, self.aggregation_out) if t), *inputs):
             needs |= term.needs
         for name, arg in self.extras:
             option = OPTIONS.get(name).needs

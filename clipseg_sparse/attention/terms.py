@@ -224,26 +224,38 @@ class Group:
 @dataclass(frozen=True)
 class BlockInput:
     """An extra input the edited block also runs on: `sum`/`mean` of the hidden states after blocks
-    first..last (1-based, CLS included), its output added to the main output with `weight`."""
+    first..last (1-based, CLS included), its output added to the main output with `weight`. `source`: score
+    groups of its own (canonical text, as the spec's; empty: the spec's), written `sum@A-B(GROUP+GROUP...)`
+    (SFP's multi-level branch attends with the mid map alone)."""
 
     kind: str
     first: int
     last: int
     weight: float = 1.0
+    source: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> "BlockInput":
         weight, body = _split_weight(text.strip())
+        body, paren, own = body.partition("(")
+        if paren and not (own.endswith(")") and own[:-1].strip()):
+            raise ValueError(f"bad block input {text!r}: its own score terms go in parentheses, e.g. sum@4-10(kk)")
+        source = tuple(str(Group.parse(g)) for g in split_top(own[:-1], "+")) if paren else ()
         kind, at, span = body.partition("@")
         first, dash, last = span.partition("-")
         if kind not in INPUT_KINDS or not at or not dash or not (first.isdigit() and last.isdigit()):
             raise ValueError(f"bad block input {text!r}; write sum@A-B or mean@A-B (blocks A..B, 1-based), optionally W*sum@A-B")
-        return cls(kind, int(first), int(last), weight)
+        return cls(kind, int(first), int(last), weight, source)
 
     def __post_init__(self) -> None:
         if not 1 <= self.first <= self.last:
             raise ValueError(f"block input {self.kind}@{self.first}-{self.last}: need 1 <= A <= B")
 
+    @cached_property
+    def terms(self) -> tuple[Term, ...]:
+        """The score terms of its own groups (none: it attends with the spec's)."""
+        return tuple(t for g in self.source for t in Group.parse(g).terms)
+
     def __str__(self) -> str:
-        body = f"{self.kind}@{self.first}-{self.last}"
+        body = f"{self.kind}@{self.first}-{self.last}" + (f"({'+'.join(self.source)})" if self.source else "")
         return body if self.weight == 1.0 else f"{fmt_num(self.weight)}*{body}"

@@ -11,6 +11,8 @@ between repositories, so the choice is a setting with a version:
 - `segearth`: earth-insights/SegEarth-OV-3's files (the `sam3` protocol): `plain`'s on VOC21 / COCO-Object,
   synonyms on VOC20 (`boat, ship`, `television monitor, ...`) and Cityscapes (`tree, hedge`, ...), SCLIP's
   for the other datasets (shared).
+- `sfp`: Kimsure/SFP's files (the `sfp` protocol): SCLIP's with `people` for `person` on VOC21, VOC20 and
+  Cityscapes, SCLIP's for the other datasets (shared).
 - a file path: one class per line, synonyms separated by commas, one line per dataset class.
 
 The version of a name set is its source and a hash of its bytes, so a result says exactly which
@@ -27,7 +29,8 @@ from ..errors import UserValueError
 from ..segment.vocabulary import Vocabulary
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-NAME_SETS = ("sclip", "plain", "segearth")
+# every folder of data/class_names is a name set; a file it lacks falls back to SCLIP's (`class_names_file`)
+NAME_SETS = ("sclip", *sorted(d.name for d in (DATA_DIR / "class_names").iterdir() if d.is_dir() and d.name != "sclip"))
 
 # Datasets whose labels are another dataset's, minus a background class or restricted to things.
 _LABEL_FILES = {

@@ -10,6 +10,8 @@ Presets). Grids: `sweeps/grids/scclip.toml` (ViT-B/16), `scclip-l14.toml`.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -37,9 +39,10 @@ def lof_outliers(x: torch.Tensor, n_neighbors: int = 30, contamination: float = 
     return lof > torch.quantile(lof.to(torch.float32), 1 - contamination)
 
 
-def neighbour_repair(tokens: torch.Tensor, outliers: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+def neighbour_repair(tokens: torch.Tensor, outliers: torch.Tensor, grid: tuple[int, int], keep_isolated: bool = True) -> torch.Tensor:
     """SC-CLIP's `mean_interpolation`: each outlier token (N x C, row-major h x w grid) becomes the mean
-    of its non-outlier 3 x 3 neighbours (zero padding counts as invalid); kept if it has none."""
+    of its non-outlier 3 x 3 neighbours (zero padding counts as invalid); kept if it has none, or zeroed
+    with `keep_isolated=False` (SFP's copy divides the empty sum by 1)."""
     h, w = grid
     C = tokens.shape[-1]
     fmap = tokens.T.reshape(1, C, h, w)
@@ -48,7 +51,8 @@ def neighbour_repair(tokens: torch.Tensor, outliers: torch.Tensor, grid: tuple[i
     kernel[:, 0, 1, 1] = 0
     sums = F.conv2d(F.pad(fmap * keep, (1, 1, 1, 1)), kernel, groups=C)
     count = F.conv2d(F.pad(keep, (1, 1, 1, 1)), kernel[:1])
-    update = outliers.to(tokens.dtype).view(1, 1, h, w) * (count > 0).to(tokens.dtype)
+    update = outliers.to(tokens.dtype).view(1, 1, h, w)
+    update = update * (count > 0).to(tokens.dtype) if keep_isolated else update
     mean = sums / count.clamp_min(1)  # SC-CLIP sets zero counts to 1
     return (fmap * (1 - update) + mean * update).reshape(C, h * w).T
 
@@ -57,16 +61,24 @@ def lof_repair(x: torch.Tensor, grid: tuple[int, int], taps: dict | None = None)
     """Outliers of the patch tokens of x (B x (P + h*w) x C; P = 1 CLS token, 0 for SigLIP), per image (the
     published code runs one window at a time), repaired in x and in every hidden state of `taps` at the
     same positions."""
+    return repair_outliers(x, grid, taps, lambda b, patches: lof_outliers(patches))
+
+
+def repair_outliers(
+    x: torch.Tensor, grid: tuple[int, int], taps: dict | None, find: Callable[[int, torch.Tensor], torch.Tensor], keep_isolated: bool = True
+) -> torch.Tensor:
+    """x with the outliers `find(b, patches)` marks (a boolean mask over image b's h*w patch tokens) repaired
+    by `neighbour_repair`, in x and at the same positions in every hidden state of `taps` (edited in place)."""
     x = x.clone()
     taps = taps if taps is not None else {}
     repaired = {layer: h.clone() for layer, h in taps.items()}
     p = x.shape[1] - grid[0] * grid[1]
     for b in range(x.shape[0]):
-        outliers = lof_outliers(x[b, p:])
+        outliers = find(b, x[b, p:])
         if outliers.any():
-            x[b, p:] = neighbour_repair(x[b, p:], outliers, grid)
+            x[b, p:] = neighbour_repair(x[b, p:], outliers, grid, keep_isolated)
             for h in repaired.values():
-                h[b, p:] = neighbour_repair(h[b, p:], outliers, grid)
+                h[b, p:] = neighbour_repair(h[b, p:], outliers, grid, keep_isolated)
     taps.update(repaired)
     return x
 
