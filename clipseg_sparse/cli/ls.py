@@ -73,9 +73,9 @@ def registry_table(what: Listable):
     where = {name: registry.where(name).removeprefix("clipseg_sparse.") for name in registry}
     columns = [c for c in dict.fromkeys(k for row in rows.values() for k in row) if any(row.get(c) for row in rows.values())]
     table = Table()
-    table.add_column(title, no_wrap=True)
+    table.add_column(title, no_wrap=True, min_width=max(map(len, rows), default=0))  # names stay whole beside long specs
     if show_where:
-        table.add_column("defined in", no_wrap=True)
+        table.add_column("defined in", no_wrap=True, min_width=max(map(len, where.values()), default=0))
     for column in columns:
         table.add_column(column, no_wrap=column == "spec")
     for name, row in rows.items():
