@@ -1,5 +1,6 @@
-"""Engine v2: the text form of the new axes, each axis against a direct computation, and the CLIP-only
-presets (SC-CLIP, GEM) against transcriptions of their published code on random-init ViT-B/16."""
+"""The spec's axes (terms, taps, options, groups, extension points): the text form and each axis against a
+direct computation; the CLIP-only presets' listing, grids and entmax variants (their published forwards:
+tests/methods/test_scclip.py, test_gem.py, test_clipsurgery.py)."""
 
 import math
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import window_run
+from conftest import structured_pixels
 from clipseg_sparse.attention import (
     OPTIONS, PRESETS, TAPS, AttentionSpec, BlockContext, Tap, attention_maps, edited_block_forward, register_option,
 )
@@ -224,156 +225,6 @@ def test_attention_maps_reproduce_the_forward(tiny_clip):
     assert torch.allclose(maps, ref, atol=1e-6)
 
 
-# -- presets against transcriptions of the published code (random-init ViT-B/16) ---------------------------
-def _lof(x, n_neighbors=30, contamination=0.05):
-    """SuleBai/SC-CLIP@0417ba9 clip/model.py lof_pytorch, transcribed."""
-    distances = torch.norm(x[:, None] - x[None, :], dim=2, p=2) ** 2
-    knn_distances, knn_indices = torch.topk(distances, k=n_neighbors + 1, largest=False)
-    knn_distances, knn_indices = knn_distances[:, 1:], knn_indices[:, 1:]
-    k_distances = knn_distances[:, -1].unsqueeze(1).expand_as(knn_distances)
-    reach_distances = torch.max(knn_distances, k_distances)
-    LRD = n_neighbors / torch.nan_to_num(reach_distances.mean(dim=1), nan=1e-6)
-    LOF = (LRD[knn_indices] / LRD.unsqueeze(1)).mean(dim=1)
-    return torch.where(LOF > torch.quantile(LOF.to(torch.float32), 1 - contamination))[0]
-
-
-def _mean_interpolation(fmap, cells):
-    """SC-CLIP's mean_interpolation with an explicit loop over outlier cells (fmap: C x h x w)."""
-    C, h, w = fmap.shape
-    bad = {(int(r), int(c)) for r, c in cells}
-    out = fmap.clone()
-    for r, c in bad:
-        good = [fmap[:, rr, cc] for rr in range(r - 1, r + 2) for cc in range(c - 1, c + 2)
-                if (rr, cc) != (r, c) and 0 <= rr < h and 0 <= cc < w and (rr, cc) not in bad]
-        if good:
-            out[:, r, c] = torch.stack(good).mean(0)
-    return out
-
-
-def _scclip_reference(clip, pixels, pre=8, post=3, start=3, end=10, res_cls=0.3, beta=0.4, maps=None):
-    """SC-CLIP's VisionTransformer.forward (return_all) for one image, batch first, then ln_post/proj/L2.
-    `maps` (a list) receives the main path's H x N x N attention."""
-    v = clip.visual
-    x, (h, w) = clip._embed(pixels)
-    blocks = v.transformer.resblocks
-    feats = []
-    for blk in blocks[:-1]:
-        x = blk(x)
-        feats.append(x)
-    cls_token = x[:, :1]
-    out_idx = _lof(x[0, 1:])
-    cells = [(int(i) // w, int(i) % w) for i in out_idx]
-    C = x.shape[-1]
-    x = _mean_interpolation(x[0, 1:].T.reshape(C, h, w), cells).reshape(C, h * w).T[None]
-    f = _mean_interpolation(feats[pre][0, 1:].T.reshape(C, h, w), cells).reshape(C, h * w).T[None]
-    f = f / f.norm(dim=2, keepdim=True)
-    before = f @ f.transpose(1, 2)
-    mid = before.clone()
-    before[before < beta] = 0.0
-
-    def aggregate(t, corr):
-        return (corr / (corr.sum(dim=-1, keepdim=True) + 1e-6)) @ t
-
-    def custom_attn(blk, t):
-        q, k, val = _qkv_plain(blk, t)
-        m = (mid - torch.mean(mid)) * 3.0
-        m[m < 0.0] = float("-inf")
-        a = torch.softmax(m, -1) + torch.softmax(k @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1)
-        a = a / 2
-        if maps is not None:
-            maps.append(a)
-        return blk.attn.out_proj((a @ val).transpose(0, 1).reshape(1, -1, C))
-
-    x = aggregate(x, before)
-    x = custom_attn(blocks[-1], blocks[-1].ln_1(x)) + res_cls * cls_token
-    g = feats[post][:, 1:] / feats[post][:, 1:].norm(dim=2, keepdim=True)
-    after = g @ g.transpose(1, 2)
-    after[after < beta] = 0.0
-    x = aggregate(x, after)
-    re = torch.zeros_like(feats[0])
-    for i in range(start, end):
-        re += feats[i]
-    r = custom_attn(blocks[-1], blocks[-1].ln_1(re[:, 1:])) + res_cls * re[:, :1]
-    x = x + aggregate(r, after)
-    return F.normalize(v.ln_post(x) @ v.proj, dim=-1)
-
-
-def _qkv_plain(blk, u):
-    """q, k, v per head (H x N x d) of ln_1 output u (1 x N x C), as custom_attn does."""
-    N, C = u.shape[1:]
-    H = blk.attn.num_heads
-    q, k, v = F.linear(u[0], blk.attn.in_proj_weight, blk.attn.in_proj_bias).chunk(3, -1)
-    return [t.reshape(N, H, C // H).transpose(0, 1) for t in (q, k, v)]
-
-
-def _structured_pixels(n, size):
-    """Smooth regions plus noise: patch tokens of a random-init ViT then correlate enough (about 27 % of
-    pairs above SC-CLIP's 0.4) for thresholds, aggregation and the outlier repair to matter."""
-    return F.interpolate(torch.randn(n, 3, 4, 4), size=size, mode="bilinear") + 0.3 * torch.randn(n, 3, *size)
-
-
-def test_scclip_matches_published_forward(vit_b16):
-    """Changing any published constant (threshold 0.45, block 5 for 4, no LOF) moves the features by
-    4e-4 or more here; the tolerance is 2e-5."""
-    torch.manual_seed(6)
-    pixels = _structured_pixels(2, (224, 224))
-    with torch.no_grad():
-        ours = vit_b16.encode_dense(pixels, "scclip").reshape(2, 196, -1)
-        ours_maps = attention_maps(vit_b16, pixels, "scclip")  # patch tokens only (cls:0.3)
-        for b in range(2):  # the published code runs one window at a time
-            ref_maps = []
-            ref = _scclip_reference(vit_b16, pixels[b : b + 1], maps=ref_maps)
-            assert torch.allclose(ours[b], ref[0], atol=2e-5), (ours[b] - ref[0]).abs().max()
-            assert torch.allclose(ours_maps[b], ref_maps[0], atol=1e-6)
-
-
-def test_scclip_l14_indices_are_the_authors():
-    spec = AttentionSpec.parse("scclip-l14")
-    assert spec.aggregate_in.startswith("x@17[") and spec.aggregate_out.startswith("x@7[")
-    assert spec.inputs == ("sum@9-19",) and spec.cls_residual == 0.1 and spec.groups[0].terms[0].tap == "x@17"
-
-
-def _gem_reference(clip, pixels, depth=6, iters=1):
-    """WalBouss/GEM@5fa677c gem_utils.py SelfSelfAttention + GEMResidualBlock, per head in a plain loop."""
-    v = clip.visual
-    x, _ = clip._embed(pixels)
-    blocks = v.transformer.resblocks
-    for blk in blocks[: len(blocks) - depth]:
-        x = blk(x)
-    x_gem = x
-    for blk in blocks[len(blocks) - depth :]:
-        u = blk.ln_1(x)
-        B, N, C = u.shape
-        H = blk.attn.num_heads
-        d = C // H
-        qkv = F.linear(u, blk.attn.in_proj_weight, blk.attn.in_proj_bias).reshape(B, N, 3, H, d)
-        inv_temp = torch.norm(u, dim=-1).mean(dim=-1) * d**-0.5  # B
-        heads = []
-        for b in range(B):
-            for hd in range(H):
-                q, k, val = qkv[b, :, 0, hd], qkv[b, :, 1, hd], qkv[b, :, 2, hd]
-                acc = 0
-                for z in (val, k, q):
-                    for _ in range(iters):
-                        z = F.normalize(z, dim=-1)
-                        z = torch.softmax(z @ z.T * inv_temp[b], -1) @ z
-                    z = F.normalize(z, dim=-1)
-                    acc = acc + torch.softmax(z @ z.T * inv_temp[b], -1) @ val
-                heads.append(acc / 3)
-        out = torch.stack(heads).reshape(B, H, N, d).transpose(1, 2).reshape(B, N, C)
-        x_gem = x_gem + blk.attn.out_proj(out)
-        x = blk(x)
-    return F.normalize(v.ln_post(x_gem[:, 1:]) @ v.proj, dim=-1)
-
-
-def test_gem_matches_published_forward(vit_b16):
-    torch.manual_seed(7)
-    pixels = _structured_pixels(1, (160, 192))
-    with torch.no_grad():
-        ours = vit_b16.encode_dense(pixels, "gem").reshape(1, -1, 512)
-        assert torch.allclose(ours, _gem_reference(vit_b16, pixels), atol=2e-5)
-
-
 def test_ls_presets_shows_the_new_presets_with_their_papers():
     from typer.testing import CliRunner
 
@@ -385,26 +236,6 @@ def test_ls_presets_shows_the_new_presets_with_their_papers():
     for name, paper in [("scclip", "SC-CLIP (Bai et al."), ("scclip-l14", "ViT-L/14"), ("gem", "GEM (Bousselham"),
                         ("gem-entmax", "gem with alpha-entmax"), ("clipsurgery", "CLIP Surgery (Li")]:
         assert any(paper in line and f" {name} " in line for line in result.output.splitlines()), (name, result.output)
-
-
-# values typed from SuleBai/SC-CLIP@0417ba9 configs/cfg_*.py and SCCLIPForSegmentation's defaults
-SCCLIP_PUBLISHED = {
-    "voc21": dict(resolution=336, window=224, stride=112, logit_scale=50, bg_threshold=0.15, area_threshold=0.1, pamr=False),
-    "voc20": dict(resolution=336, window=224, stride=112, logit_scale=40, bg_threshold=0),
-    "context60": dict(resolution=336, logit_scale=40, bg_threshold=0.15, area_threshold=0),
-    "coco-object": dict(resolution=336, logit_scale=55, bg_threshold=0.35),
-    "coco-stuff": dict(resolution=336, window=224, logit_scale=40),
-    "cityscapes": dict(resolution=560, window=224, stride=112),
-}
-
-
-@pytest.mark.parametrize("dataset", list(SCCLIP_PUBLISHED))
-def test_scclip_protocol_matches_published_configs(dataset):
-    from clipseg_sparse.evaluation.protocols import PROTOCOLS
-
-    settings = PROTOCOLS.get("scclip").settings(dataset)
-    for name, value in SCCLIP_PUBLISHED[dataset].items():
-        assert getattr(settings, name) == pytest.approx(value), name
 
 
 @pytest.mark.parametrize("grid,models,presets", [
@@ -422,70 +253,13 @@ def test_reproduce_grids_cross_the_new_presets_with_softmax_and_entmax(grid, mod
     assert set(g.attention_specs()) == specs and len(g.cells()) == len(models) * 8 * 2
 
 
-def _surgery_reference(clip, pixels, depth=6):
-    """xmed-lab/CLIP_Surgery@d4696d4 clip_surgery_model.py: Attention.forward (v-v) and the dual-path
-    ResidualAttentionBlock.forward, written per head; output x with its CLS row from x_ori."""
-    v = clip.visual
-    x, _ = clip._embed(pixels)
-    blocks = v.transformer.resblocks
-    for blk in blocks[: len(blocks) - depth]:
-        x = blk(x)
-    x_new, x_ori = x.clone(), x
-    for blk in blocks[len(blocks) - depth :]:
-        u = blk.ln_1(x_ori)
-        B, N, C = u.shape
-        H = blk.attn.num_heads
-        qkv = F.linear(u, blk.attn.in_proj_weight, blk.attn.in_proj_bias).reshape(B, N, 3, H, C // H)
-        heads = []
-        for b in range(B):
-            for hd in range(H):
-                val = qkv[b, :, 2, hd]
-                heads.append(torch.softmax(val @ val.T * (C // H) ** -0.5, -1) @ val)
-        out = torch.stack(heads).reshape(B, H, N, C // H).transpose(1, 2).reshape(B, N, C)
-        x_new = x_new + blk.attn.out_proj(out)  # skip ffn for the new path
-        x_ori = blk(x_ori)
-    x_new[:, 0] = x_ori[:, 0]
-    return F.normalize(v.ln_post(x_new) @ v.proj, dim=-1)
-
-
-def _feature_surgery_reference(image_features, text_features):
-    """clip.py clip_feature_surgery (redundant_feats None), batch 1: B x (1 + N) x D, T x D -> B x (1 + N) x T."""
-    prob = (image_features[:, :1, :] @ text_features.t() * 2).softmax(-1)
-    w = prob / prob.mean(-1, keepdim=True)
-    b, n_t, n_i, c = image_features.shape[0], text_features.shape[0], image_features.shape[1], image_features.shape[2]
-    feats = image_features.reshape(b, n_i, 1, c) * text_features.reshape(1, 1, n_t, c)
-    feats *= w.reshape(1, 1, n_t, 1)
-    feats = feats - feats.mean(2, keepdim=True)
-    return feats.sum(-1)
-
-
-def test_clipsurgery_matches_published_forward_and_feature_surgery(vit_b16):
-    from clipseg_sparse.segment.windows import dense_cosine
-
-    torch.manual_seed(9)
-    pixels = _structured_pixels(1, (160, 160))
-    text = F.normalize(torch.randn(5, 512), dim=-1)
-    with torch.no_grad():
-        ref = _surgery_reference(vit_b16, pixels)  # 1 x (1 + N) x D, CLS first
-        feats, cls = vit_b16.encode_dense(pixels, "clipsurgery", with_cls=True)
-        assert torch.allclose(feats.reshape(1, -1, 512), ref[:, 1:], atol=2e-5)
-        assert torch.allclose(cls, ref[:, 0], atol=2e-5)  # the original path's CLS: CLIP's image embedding
-        surgery = _feature_surgery_reference(ref, text)[0, 1:].T.reshape(5, 10, 10)
-        # one window covering the image, kept at the patch grid: the matcher applies the surgery there
-        ours = dense_cosine(window_run(vit_b16, pixels, "clipsurgery", text, window=0), (160, 160)).rows(0, 160)
-        plain = dense_cosine(window_run(vit_b16, pixels, AttentionSpec.parse("clipsurgery").replace(hooks=()), text, window=0), (160, 160)).rows(0, 160)
-        up = F.interpolate(surgery[None], size=(160, 160), mode="bilinear", align_corners=False)[0]
-    assert torch.allclose(ours, up, atol=5e-5)
-    assert (plain - ours).abs().max() > 1e-2  # the surgery changes the map
-
-
 @pytest.mark.parametrize("name", ["scclip", "gem", "clipsurgery"])
 def test_entmax_variant_tends_to_its_softmax_preset(vit_b16, name):
     """entmax replaces every normalizer slot: at alpha = 1 + 1e-4 the features agree with the softmax
     preset to 2e-3 (the entmax-softmax gap is O(alpha - 1) and fp32 rounding of (1 + (a-1)s)^(1/(a-1))
     adds about 1e4 x 6e-8 relative per probability); at alpha 1.5 they differ."""
     torch.manual_seed(8)
-    pixels = _structured_pixels(1, (224, 224))
+    pixels = structured_pixels(1, (224, 224))
     spec = PRESETS.get(f"{name}-entmax").spec
     assert spec == PRESETS.get(name).spec.replace(normalizer="entmax:1.5")
     with torch.no_grad():
