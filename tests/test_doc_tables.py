@@ -1,0 +1,112 @@
+"""The hand-written tables of README.md, datasets.md and methods/README.md against the registries: every
+preset, protocol, dataset, grid and method module a table names exists, and every registered one is in a
+table, so a renamed, added or removed entry fails here until its documentation follows."""
+
+from __future__ import annotations
+
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+import clipseg_sparse.methods as methods
+from clipseg_sparse.attention.spec import PRESETS
+from clipseg_sparse.datasets.benchmarks import DATASETS
+from clipseg_sparse.evaluation.protocols import PROTOCOLS
+from clipseg_sparse.sweeps.grid import GRIDS
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DATASETS_MD = ROOT / "datasets.md"
+METHODS_MD = ROOT / "clipseg_sparse" / "methods" / "README.md"
+TESTS = ROOT / "tests"
+
+
+def tables(path: Path) -> list[tuple[list[str], list[list[str]]]]:
+    """Each markdown table of `path` as (header cells, body rows of cells); a `|` inside backticks is text."""
+    found: list[tuple[list[str], list[list[str]]]] = []
+    block: list[list[str]] = []
+    for line in [*path.read_text(encoding="utf-8").splitlines(), ""]:
+        if line.startswith("|"):
+            block.append(cells(line))
+            continue
+        if len(block) >= 2 and set("".join(block[1])) <= set("-: "):
+            found.append((block[0], block[2:]))
+        block = []
+    return found
+
+
+def cells(line: str) -> list[str]:
+    parts, current, quoted = [], "", False
+    for char in line.strip().strip("|"):
+        if char == "`":
+            quoted = not quoted
+        if char == "|" and not quoted:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return [*parts, current.strip()]
+
+
+def named(path: Path, header: str, column: int = 0) -> list[str]:
+    """The backticked names in `column` of every table of `path` whose first header cell is `header`, before
+    the cell's first parenthesis (what follows it is a note: a source, a commit, a config path)."""
+    found = [
+        name
+        for head, rows in tables(path)
+        if head[0] == header
+        for row in rows
+        for name in re.findall(r"`([^`]+)`", row[column].split(" (")[0])
+    ]
+    assert found, f"no table headed {header!r} in {path.name}"
+    return found
+
+
+def test_the_parser_reads_cells_and_skips_prose(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("text | not a table\n\n| a | b |\n|---|---|\n| `x|y` | `z` (`note`) |\n| 1 | 2 |\n\n| lone |\n")
+    assert tables(page) == [(["a", "b"], [["`x|y`", "`z` (`note`)"], ["1", "2"]])]
+    assert named(page, "a") == ["x|y"] and named(page, "a", 1) == ["z"]
+
+
+def test_readme_preset_tables_name_every_preset_and_only_presets():
+    names = named(README, "preset")
+    listed = {name for name in names if "*" not in name}
+    assert "*-entmax" in names, "the README's `*-entmax` rows cover the entmax variants"
+    assert sorted(listed - set(PRESETS.names())) == []
+    missing = [p for p in PRESETS.names() if p not in listed and p.removesuffix("-entmax") not in listed]
+    assert missing == [], "presets the README's preset tables do not list"
+
+
+def test_datasets_md_protocol_tables_name_every_protocol_and_only_protocols():
+    listed = set(named(DATASETS_MD, "protocol"))
+    assert sorted(listed - set(PROTOCOLS.names())) == []
+    assert [p for p in PROTOCOLS.names() if p not in listed] == [], "protocols datasets.md's tables do not list"
+
+
+def test_datasets_md_dataset_table_is_the_dataset_registry():
+    assert sorted(named(DATASETS_MD, "`--dataset`")) == sorted(DATASETS.names())
+
+
+def test_readme_grid_table_is_the_grid_registry():
+    assert sorted(named(README, "grid")) == sorted(GRIDS.names())
+
+
+def test_methods_readme_table_is_the_method_modules_their_protocols_and_grids():
+    modules = {m.name for m in pkgutil.iter_modules(methods.__path__)}
+    assert sorted(n.removesuffix(".py") for n in named(METHODS_MD, "module")) == sorted(modules)
+    assert set(methods.METHODS) == modules
+    protocols = named(METHODS_MD, "module", 2)
+    assert sorted(set(protocols) - set(PROTOCOLS.names())) == []
+    assert [p for p in PROTOCOLS.names() if p not in protocols] == [], "protocols methods/README.md does not list"
+    grids = [name.removesuffix(".toml") for name in named(METHODS_MD, "module", 3)]
+    assert sorted(set(grids) - set(GRIDS.names())) == []
+    homes = {PRESETS.where(p).rsplit(".", 1)[-1] for p in PRESETS.names()}
+    assert homes <= modules
+
+
+@pytest.mark.parametrize("module", sorted(m.name for m in pkgutil.iter_modules(methods.__path__)))
+def test_every_method_module_has_its_test_file(module):
+    assert (TESTS / "methods" / f"test_{module}.py").is_file(), f"tests/methods/test_{module}.py"
