@@ -7,7 +7,7 @@ SigLIP text towers whose Hugging Face tokenizer is not on this machine, word-id 
 (name checks, the commands, windows, stages, result files) runs as it does for users. Tiny images keep it
 fast; each command runs on one or two families, each family under several commands. EVA-01 has only
 giant configurations (EVA01-g-14, 1B parameters), too large to build here; its blocks are covered by
-tests/test_families.py's shape check.
+tests/models/test_families.py's shape check.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def test_eval_refuses_a_result_of_a_checkpoint_rewritten_in_place(tiny_clip, ckp
 
 def test_fgovd_refuses_a_result_of_a_checkpoint_rewritten_in_place(tiny_clip, ckpt, tmp_path):
     from test_fgovd import make_images
-    from test_stale_results import SUBSET
+    from test_results import SUBSET
 
     make_images(SUBSET, tmp_path / "coco")
     out = tmp_path / "r.json"
