@@ -267,7 +267,7 @@ def analyze(
     stuff: class indices counted as background / stuff (default `stuff_classes(dataset)`).
     The spec's windows, post and retrieval stages (`hook:lp:patch`, `hook:tlp`, CorrCLIPv2's `hook:retrieve`)
     act on the cosine maps after the attention: they cannot change these statistics and are not run
-    (tests/test_attention_loops.py), so no image bank is needed. regions: the region source (as `Segmenter`'s,
+    (tests/analysis/test_attention_loops.py), so no image bank is needed. regions: the region source (as `Segmenter`'s,
     called with the sample id) of specs whose attention reads region maps (CorrCLIP, CorrCLIPv2; required by
     them, ignored otherwise); the rows of specs on an external backbone's finer grid are measured on that grid.
     resources: the run's inputs (`segment.Resources`: region source, backbones' weights) in place of `regions`.

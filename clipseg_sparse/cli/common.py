@@ -149,7 +149,7 @@ def user_errors(*builtins: type[Exception]) -> Callable[[Command], Command]:
             except caught as e:
                 fail(str(e))
 
-        run.user_errors = caught  # what `tests/test_user_errors.py` checks every command has
+        run.user_errors = caught  # what `tests/test_errors.py` checks every command has
         return run  # type: ignore[return-value]
 
     return wrap

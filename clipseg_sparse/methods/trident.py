@@ -2,7 +2,7 @@
 
 Read from `YuHengsss/Trident@a93b346`: `trident.py` (`get_trident_seg`, `get_sam_feat`, `get_windowed_imgs`,
 `postprocess_result`), `open_clip/transformer.py` (`custom_attn`, `guidance_attn`, `get_sam_sim`),
-`seg_utils/utils.py` (`preprocess_image`, `sam_refinement`), configs; tests/test_trident_published.py runs a
+`seg_utils/utils.py` (`preprocess_image`, `sam_refinement`), configs; tests/methods/test_trident_published.py runs a
 transcription of them against this module. Steps and where they live:
 1. mmseg's keep-ratio resize (cv2 on the uint8 image), then `preprocess_image`: both sides scaled by (the
    longer side rounded up to 16) / the longer side, each rounded up to 16 and to at least the window

@@ -53,7 +53,7 @@ def deep_clip(tmp_path_factory):
 
 @pytest.fixture()
 def deep_bank(deep_clip, radio, tmp_path):
-    """(deep CLIP, an image bank of its values) for the presets' `hook:retrieve` (tests/test_bank.py's
+    """(deep CLIP, an image bank of its values) for the presets' `hook:retrieve` (tests/segment/test_bank.py's
     builder: tiny DINO values, the tiny RADIO keys), two small images."""
     from test_bank import build, write_images
 

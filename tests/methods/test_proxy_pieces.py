@@ -1,5 +1,5 @@
 """CorrCLIP and Trident attention pieces against hand computations with plain loops (ProxyCLIP runs
-through the engine: tests/test_proxyclip.py)."""
+through the engine: tests/methods/test_proxyclip.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 against F.interpolate, the score rule by hand with a stubbed predictor, and the stage end to end through
 Segmenter with a tiny random-init SAM (segment_anything's modules with a 1-block, 32-wide image encoder; its
 prompt encoder and mask decoder at their real sizes). The whole rule against a transcription of the
-published `sam_refinement`: tests/test_trident_published.py."""
+published `sam_refinement`: tests/methods/test_trident_published.py."""
 
 from __future__ import annotations
 

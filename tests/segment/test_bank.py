@@ -217,7 +217,7 @@ STITCHED = "ext:dino_vitb8.out[cos,scale:4,region:0.2]/softmax/cls:0/noffn/in:me
 
 def test_stitched_spec_with_retrieval_equals_the_stitched_map_fused_with_the_support(models, proxy, tmp_path):  # noqa: F811
     """OV-Stitcher's spec + hook:retrieve: the stitched features' cosine with the text (published forward,
-    tests/test_ovstitcher.py) resized bilinearly to the network input, fused there 0.5 / 0.5 with the bank's
+    tests/methods/test_ovstitcher.py) resized bilinearly to the network input, fused there 0.5 / 0.5 with the bank's
     support (brute force), then bilinear to the original size. The stage in the settings runs the same."""
     from test_corrclipv2 import image_and_regions
     from test_ovstitcher import published_ovstitcher
