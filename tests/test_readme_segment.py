@@ -85,3 +85,10 @@ def test_first_command_segments_the_shipped_examples(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     out = Path(args[args.index("--out") + 1])
     assert sorted(p.name for p in out.glob("*.overlay.png")) == sorted(n.replace(".jpg", ".overlay.png") for n in shipped)
+
+
+def test_readme_never_reads_region_masks_from_a_folder_it_writes_label_maps_to():
+    commands = " ".join(re.findall(r"```bash\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S))
+    written = set(re.findall(r"--out (\S+)", commands))
+    regions = set(re.findall(r"--regions (\S+)", commands)) - {"sam2", "sam3"}
+    assert regions and not regions & written, regions & written

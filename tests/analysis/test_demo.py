@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 from browser import run_chromium, screenshot
+from test_common import TINY_CPU, cache_dir, no_model, one_line, invoke  # noqa: F401 (fixtures)
 from test_proxyclip import proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO installed as dino_vitb8)
 from clipseg_sparse.analysis.demo import DemoError, DemoModel, build_demo, launch
 from clipseg_sparse.segment.settings import InferenceSettings
@@ -239,3 +240,37 @@ def test_the_page_lists_presets_left_out_for_weights_with_the_reason(vit_b16, of
     listed = [b.value for b in demo.blocks.values() if getattr(b, "elem_id", None) == "left-out"]
     assert len(listed) == 1 and "- `proxyclip`: needs backbone weights: dino_vitb8's weights" in listed[0]
     assert "- `corrclip`: needs region masks" in listed[0]
+
+
+def animated_gif(path) -> Image.Image:
+    frames = [Image.fromarray(np.full((40, 56, 3), v, np.uint8)).convert("P") for v in (30, 200)]
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return Image.open(path)
+
+
+def test_the_demo_refuses_repeated_names_and_reads_an_animated_gif(tiny_clip, tmp_path):
+    from clipseg_sparse.analysis.demo import DemoError, DemoModel
+    from clipseg_sparse.segment.settings import InferenceSettings
+
+    model = DemoModel(tiny_clip, InferenceSettings(resolution=32, window=0), "single")
+    gif = animated_gif(tmp_path / "a.gif")
+    assert gif.is_animated and gif.mode == "P"
+    [(overlay, caption)] = model.predict(gif, "a,b", ["sclip"])  # the page hands a PIL image (type="pil")
+    assert overlay.shape[0] == 40 and overlay.ndim == 3 and caption.startswith("sclip")
+    [(attention, _)] = model.attention(gif, "a,b", ["sclip"], 5, 5)
+    assert attention.shape == (40, 56, 3)
+    # a palette array, as Gradio's numpy images of GIFs were (H x W indices), is no longer what the page sends;
+    # an RGBA array still works
+    rgba = np.dstack([np.asarray(gif.convert("RGB")), np.full((40, 56), 255, np.uint8)])
+    assert model.predict(rgba, "a,b", ["sclip"])[0][0].shape[0] == 40
+    with pytest.raises(DemoError, match="duplicate class name: 'a'"):
+        model.predict(gif, "a,b|a", ["sclip"])
+
+
+def test_the_demo_says_its_port_is_taken_before_the_model_loads(no_model):
+    pytest.importorskip("gradio")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        one_line(invoke("demo", *TINY_CPU, "--port", port), f"--port {port}: cannot serve there", "pick another --port")

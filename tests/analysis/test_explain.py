@@ -17,6 +17,7 @@ from clipseg_sparse.analysis.explain import attention_image, explain, query_patc
 from clipseg_sparse.segment.preprocess import to_pixels
 from clipseg_sparse.segment.settings import InferenceSettings
 from conftest import TINY_CONFIG
+from test_common import TINY_CPU, cache_dir, no_model, one_line, invoke  # noqa: F401 (fixtures)
 from test_corrclip import TINY as CORRCLIP, region_map
 from test_proxyclip import proxy  # noqa: F401  (fixture: tiny CLIP + tiny DINO installed as dino_vitb8)
 from clipseg_sparse.segment.regions import RegionFolder
@@ -305,3 +306,9 @@ def test_explain_runs_the_corrclipv2_presets(deep_bank, radio):  # noqa: F811
         rows = maps[:, view.query[0] * 12 + view.query[1]].double()
         np.testing.assert_allclose(view.attention, (rows / rows.sum(-1, keepdim=True)).mean(0).reshape(8, 12).numpy(), atol=1e-6)
     assert views[0].nonzero > views[1].nonzero  # entmax drops some of softmax's support
+
+
+def test_explain_refuses_a_repeated_class_name_before_the_model_loads(tmp_path, no_model):
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / "a.png")
+    one_line(invoke("explain", tmp_path / "a.png", "--point", "1,1", "--classes", "sky,tree|sky", *TINY_CPU, "--out", tmp_path / "e.png"),
+             "duplicate class name: 'sky'")  # fmt: skip

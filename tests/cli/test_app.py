@@ -1,9 +1,12 @@
+import re
 import subprocess
 import sys
 
+import typer
 from typer.testing import CliRunner
 
 from clipseg_sparse.cli.app import app
+from test_common import invoke
 
 runner = CliRunner()
 
@@ -56,3 +59,28 @@ def test_main_restores_the_callers_sigterm_handler(monkeypatch):
     except SystemExit:
         pass
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def rendered_help(group, path=()):
+    """(command, param, its help with rich's escapes undone) for every option whose help has a [...] part."""
+    for name in group.list_commands(typer.Context(group)):
+        command = group.get_command(typer.Context(group), name)
+        if hasattr(command, "list_commands"):
+            yield from rendered_help(command, (*path, name))
+            continue
+        for param in command.params:
+            text = getattr(param, "help", None) or ""
+            if re.search(r"\[[a-z0-9_]+\]", text.replace("\\[", "[")):
+                yield (*path, name), param.name, text.replace("\\[", "[")
+
+
+def test_help_texts_keep_their_square_brackets(monkeypatch):
+    from clipseg_sparse.cli.app import app
+
+    monkeypatch.setenv("COLUMNS", "400")
+    found = list(rendered_help(typer.main.get_command(app)))
+    assert any(p == "regions" and ".[proxy]" in t for _, p, t in found), found
+    for command, param, text in found:
+        shown = re.sub(r"[\s│]+", " ", invoke(*command, "--help").stdout)
+        for bracket in re.findall(r"\S*\[[a-z0-9_]+\]\S*", text):
+            assert bracket in shown, (command, param, bracket)

@@ -12,6 +12,7 @@ from fake_benchmarks import make_benchmark
 
 runner = CliRunner()
 TINY = ["--model", TINY_CONFIG, "--pretrained", "none"]
+TINY_CPU = [*TINY, "--device", "cpu"]
 FAST = ["--templates", "single", "--resolution", "64", "--window", "64", "--stride", "32"]
 
 
@@ -25,6 +26,26 @@ def assert_one_line_error(result, *fragments):
     assert lines[-1].startswith("error:") and "Traceback" not in result.stderr, result.stderr
     for fragment in fragments:
         assert fragment in lines[-1], lines[-1]
+
+
+def one_line(result, *fragments: str) -> str:
+    """The only stderr line of an exit-2 result: an `error:` line holding every fragment."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    import clipseg_sparse.cli.analysis as analysis
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(analysis, "load_model", refuse)
 
 
 @pytest.fixture(autouse=True)

@@ -212,3 +212,28 @@ def test_missing_weights_reads_the_hub_cache_and_checkpoint_files_only(tmp_path,
     assert missing_weights(["dino_vitb8", "sam_vitb"], real(f"sam_vitb={sam}")) == {}
     assert missing_weights(["dino_vitb8", "sam_vitb"], SimpleNamespace(pretrained="none", proxy_weights="auto")) == {}
     assert missing_weights(["dino_vitb8", "sam_vitb"], real("none")) == {}
+
+
+def test_proxy_weights_from_the_hub_offline_use_the_fast_probe(monkeypatch, tmp_path):
+    """Unreachable Hub: the download runs in huggingface_hub's offline mode (fails at once from the cache)
+    instead of retrying for about a minute, and the message says the host is unreachable. A closed local
+    port stands in for the Hub, so nothing is downloaded anywhere."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from clipseg_sparse.models.backbones import BACKBONES, create_backbone_model
+    from clipseg_sparse.runtime.weights import WeightsUnavailableError
+
+    for key in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")
+    offline = []
+
+    def download(*_a, **_k):
+        offline.append(constants.HF_HUB_OFFLINE)
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    with pytest.raises(WeightsUnavailableError, match=r"127\.0\.0\.1 is unreachable .*--proxy-weights"):
+        create_backbone_model(BACKBONES.get("dino_vitb16"), "hub", cache_dir=str(tmp_path))
+    assert offline and all(offline)

@@ -93,3 +93,40 @@ def test_a_fifo_named_png_is_skipped_with_a_note(tmp_path):
     run = subprocess.run(cmd, env={**os.environ, "COLUMNS": "300"}, capture_output=True, text=True, timeout=120)  # hung before
     assert run.returncode == 0, run.stderr
     assert "note: skipping 1 file(s) that are not regular files (FIFO, socket, device)" in run.stderr and "pipe.png" in run.stderr
+
+
+@pytest.fixture
+def wide_image(tmp_path):
+    """57 windows of 32 px at stride 16 on the 64 x 320 network input."""
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 320, 3), dtype=np.uint8)).save(tmp_path / "wide.png")
+    return ["segment", tmp_path / "wide.png", "--classes", "a,b", *TINY, "--resolution", "64",
+            "--window", "32", "--stride", "16", "--batch-size", "4", "--out", tmp_path / "out"]  # fmt: skip
+
+
+def test_progress_inside_an_image_off_a_terminal(wide_image, monkeypatch):
+    """Off a terminal a line came only when an image finished (minutes of silence on a large photo): the
+    windows of the image under way are reported too, every $CLIPSEG_SPARSE_PROGRESS_SECONDS."""
+    monkeypatch.setenv("CLIPSEG_SPARSE_PROGRESS_SECONDS", "0")
+    result = invoke(*wide_image)
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    inside = [int(m[1]) for line in lines if (m := re.search(r"windows of the image under way: (\d+)/57 windows", line))]
+    finished = next(i for i, line in enumerate(lines) if "segmenting: 1/1 images" in line)
+    assert len(inside) >= 10 and inside == sorted(inside) and inside[-1] == 57 and min(inside) < 57
+    assert all(i < finished for i, line in enumerate(lines) if "windows of the image under way" in line)
+
+
+def test_progress_inside_an_image_on_a_terminal(wide_image, monkeypatch):
+    """On a terminal the image bar sat at 0/1 while an image ran: a nested bar counts its windows."""
+    import io
+
+    from rich.console import Console
+
+    import clipseg_sparse.runtime.progress as progress
+
+    screen = io.StringIO()
+    monkeypatch.setattr(progress, "err_console", Console(file=screen, force_terminal=True, width=160))
+    result = invoke(*wide_image)
+    assert result.exit_code == 0, result.output
+    drawn = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
+    assert "windows of the image under way" in drawn and re.search(r"\b([1-9]\d?)/57\b", drawn), drawn[-2000:]
