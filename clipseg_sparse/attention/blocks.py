@@ -160,7 +160,7 @@ def edited_block_forward(
     branch = negative_branch(block.attn)  # a WrappedAttention's (DnA, dna:PATH)
     if branch is not None:
         if out.shape[2] != ctx.u.shape[1]:
-            raise ValueError("dna:PATH adds its branch on CLIP's token grid; it cannot be combined with attention on an external grid")
+            raise UserValueError("dna:PATH adds its branch on CLIP's token grid; it cannot be combined with attention on an external grid")
         out = out + branch(ctx.u, ctx.k, ctx.v)
     out = attn.out_proj(out.transpose(1, 2).reshape(B, out.shape[2], C))  # N, or an external grid's size
     if spec.cls_residual is not None:
@@ -182,7 +182,7 @@ def _cls_offset(spec: AttentionSpec, x: torch.Tensor, grid: tuple[int, int]) -> 
         return 0
     prefix = x.shape[1] - grid[0] * grid[1]
     if prefix == 0 and spec.cls_residual:
-        raise ValueError(f"spec {spec}: cls:C adds C x the CLS token, and this model's tokens have none (SigLIP; cls:0 runs)")
+        raise UserValueError(f"spec {spec}: cls:C adds C x the CLS token, and this model's tokens have none (SigLIP; cls:0 runs)")
     return min(prefix, 1)
 
 
@@ -235,7 +235,7 @@ def encode_tokens(
         beta = None  # attention maps only: the main path does not depend on the MCTs
     if beta is not None:
         if spec.layers != 1 or spec.parallel:
-            raise ValueError(f"spec {spec}: mct needs one edited block in replace mode (layers:1, no parallel)")
+            raise UserValueError(f"spec {spec}: mct needs one edited block in replace mode (layers:1, no parallel)")
         ids = torch.stack([resize_regions(r.view(state.extra["regions_grid"]), grid) for r in state.extra["regions"]])
         mct, allowed, index = mask_class_tokens(x, ids.flatten(1))
     for i, blk in enumerate(blocks[:n_plain], start=1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from ..runtime.accel import adasplash_entmax_attention, can_use_adasplash
 from .normalizers import Normalizer, normalize
 from .precision import like
@@ -72,7 +73,7 @@ def attended_values(spec: AttentionSpec, ctx: BlockContext) -> torch.Tensor:
     if target == tuple(ctx.grid):
         return ctx.v
     if ctx.offset != 1:
-        raise ValueError(f"spec {spec}: terms on an external backbone's grid need cls:C (attention over patch tokens only)")
+        raise UserValueError(f"spec {spec}: terms on an external backbone's grid need cls:C (attention over patch tokens only)")
     return values_to_grid(ctx.v, ctx.grid, target)
 
 
@@ -135,7 +136,7 @@ def aggregate(tokens: torch.Tensor, term: Term, ctx: BlockContext) -> torch.Tens
     give one map for all heads (e.g. `x@L[cos,thresh:0.4]`)."""
     scores = term_scores(term, ctx, Normalizer("softmax"), None)
     if scores.shape[1] != 1:
-        raise ValueError(f"aggregation term {term} gives one map per head; use a tap shared by all heads, e.g. x@L")
+        raise UserValueError(f"aggregation term {term} gives one map per head; use a tap shared by all heads, e.g. x@L")
     weights = scores[:, 0].masked_fill(scores[:, 0] == float("-inf"), 0.0)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
     return like(weights, tokens) @ tokens

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from .spec import AttentionSpec
 from .terms import Group, Term, _num
 from .taps import TAPS, BlockContext, Tap
@@ -34,9 +35,9 @@ FEEDBACK_PAMR = (10, (8, 16))
 
 def _check_threshold(arg: str) -> None:
     if not arg:
-        raise ValueError("feedback:THD needs the first pass's probability threshold THD in [0, 1], e.g. feedback:0.25")
+        raise UserValueError("feedback:THD needs the first pass's probability threshold THD in [0, 1], e.g. feedback:0.25")
     if not 0.0 <= _num(arg, "feedback threshold") <= 1.0:
-        raise ValueError(f"feedback:THD needs 0 <= THD <= 1 (got {arg})")
+        raise UserValueError(f"feedback:THD needs 0 <= THD <= 1 (got {arg})")
 
 
 def _feedback_scores(ctx: BlockContext, arg: str) -> torch.Tensor:
@@ -66,7 +67,7 @@ def first_pass_spec(spec: AttentionSpec) -> AttentionSpec:
     """The spec without its feedback terms; the other terms of a group that had one keep their share:
     weights divided by their sum (ResCLIP: tau (1 - lambda) kk -> kk, as without a feedback map)."""
     if spec.parallel or len(feedback_terms(spec)) != 1:
-        raise ValueError(f"spec {spec}: feedback needs exactly one feedback term and replace mode (no parallel)")
+        raise UserValueError(f"spec {spec}: feedback needs exactly one feedback term and replace mode (no parallel)")
     groups = []
     for group in spec.groups:
         kept = tuple(t for t in group.terms if t.kind != "feedback")
@@ -76,7 +77,7 @@ def first_pass_spec(spec: AttentionSpec) -> AttentionSpec:
         if kept:
             groups.append(str(Group(kept, group.weight)))
     if not groups:
-        raise ValueError(f"spec {spec}: a feedback term needs other terms for the first pass")
+        raise UserValueError(f"spec {spec}: a feedback term needs other terms for the first pass")
     return spec.replace(source=tuple(groups))
 
 
@@ -168,7 +169,7 @@ def feedback_scores(
             "Segmenter and dense_cosine pass them"
         )
     if not spec.gauss_sigma:
-        raise ValueError(f"spec {spec}: feedback blurs its map with the prior's sigma; add gauss:SIGMA (ResCLIP: 5)")
+        raise UserValueError(f"spec {spec}: feedback blurs its map with the prior's sigma; add gauss:SIGMA (ResCLIP: 5)")
     threshold = float(feedback_terms(spec)[0].ref.arg)
     text = context["text"].to(tokens.device).float()
     normed = visual.ln_post(tokens[:, -grid[0] * grid[1] :])  # the patch tokens

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UserValueError
 from ..registry import Registry
 
 #: kind -> its written form (`ls normalizers`, the spec grammar's help and the parse errors read this one list)
@@ -53,25 +54,25 @@ class Normalizer:
         name, _, arg = text.strip().partition(":")
         name = name.lower()
         if name not in NORMALIZER_KINDS:
-            raise ValueError(f"unknown normalizer {text!r}; choose {normalizer_forms()} (1 < ALPHA <= 2)")
+            raise UserValueError(f"unknown normalizer {text!r}; choose {normalizer_forms()} (1 < ALPHA <= 2)")
         if name in ("softmax", "sparsemax"):
             if arg:
-                raise ValueError(f"normalizer {name!r} takes no argument (got {text!r})")
+                raise UserValueError(f"normalizer {name!r} takes no argument (got {text!r})")
             return cls(name, 1.0 if name == "softmax" else 2.0)
         if not arg:
-            raise ValueError(f"normalizer {name!r} needs an alpha, e.g. {name}:1.5 (got {text!r})")
+            raise UserValueError(f"normalizer {name!r} needs an alpha, e.g. {name}:1.5 (got {text!r})")
         try:
             alpha = float(arg)
         except ValueError:
-            raise ValueError(f"alpha in {text!r} is not a number") from None
+            raise UserValueError(f"alpha in {text!r} is not a number") from None
         if not (1.0 <= alpha <= 2.0) or math.isnan(alpha):
-            raise ValueError(f"alpha must be in (1, 2] for {name} (got {arg}); alpha = 1 is softmax")
+            raise UserValueError(f"alpha must be in (1, 2] for {name} (got {arg}); alpha = 1 is softmax")
         if name == "entmax" and alpha == 1.0:
             return cls("softmax", 1.0)
         if name == "entmax" and alpha == 2.0:
             return cls("sparsemax", 2.0)
         if name == "randmask" and alpha == 1.0:
-            raise ValueError("randmask needs alpha in (1, 2]: at alpha = 1 nothing would be masked")
+            raise UserValueError("randmask needs alpha in (1, 2]: at alpha = 1 nothing would be masked")
         return cls(name, alpha)
 
     def __str__(self) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from .contract import Block, grid_block, positive_attention
 from .grid import merge_regions, resize_regions
 from ..stages import Needs
@@ -48,22 +49,22 @@ def prepare_regions(spec: AttentionSpec, regions: torch.Tensor | None, pixels: t
     """Put the B x M region ids of the attention grid (merged for a `region:EPS` term) in
     `extra["regions"]`. regions: B x H x W ids at the crop's pixels; grid: CLIP's patch grid."""
     if regions is None:
-        raise ValueError(f"spec {spec} needs region masks for each image (give regions, e.g. --regions FOLDER or sam2)")
+        raise UserValueError(f"spec {spec} needs region masks for each image (give regions, e.g. --regions FOLDER or sam2)")
     target = attention_grid(spec, tuple(pixels.shape[-2:]), grid)
     ids = torch.stack([resize_regions(r, target) for r in regions.to(torch.int64)]).flatten(1)
     terms = region_terms(spec)
     if terms:
         if len({t.support_arg for t in terms}) > 1:
-            raise ValueError(f"spec {spec}: region terms with different merge distances")
+            raise UserValueError(f"spec {spec}: region terms with different merge distances")
         term = terms[0]
         if term.support_arg is None:  # bare `region`: no merging (CorrCLIPv2 comments its DBSCAN out)
             terms = []
     if terms:
         if term.kind != "ext":
-            raise ValueError(f"term {term}: the region support needs features from the image alone (an ext:NAME tap)")
+            raise UserValueError(f"term {term}: the region support needs features from the image alone (an ext:NAME tap)")
         feats, _ = term.ref.tap.features(BlockContext(grid=grid, pixels=pixels, extra=extra), term.ref.arg)
         if feats.shape[1] != 1:
-            raise ValueError(f"term {term}: the region support needs one map for all heads")
+            raise UserValueError(f"term {term}: the region support needs one map for all heads")
         feats = F.normalize(feats[:, 0].float(), dim=-1)
         ids = torch.stack([merge_regions(r.cpu(), f.cpu(), term.support_arg) for r, f in zip(ids, feats)]).to(ids.device)
     extra["regions"] = ids

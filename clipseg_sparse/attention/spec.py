@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
 
+from ..errors import UserValueError
 from ..registry import ENTRY_POINT_GROUP, Registry, caller_module
 from ..stages import Needs, Stage, check_hook, resolve_stages
 from .normalizers import NORMALIZER_KINDS, Normalizer, normalizer_forms
@@ -23,7 +24,7 @@ from .terms import SOURCES, BlockInput, Group, Term, _num, fmt_num, split_top
 class ExtraOption:
     """A spec option defined outside this package, e.g. `dna:PATH`.
 
-    check(arg) validates the argument and returns its canonical text (raise ValueError when bad);
+    check(arg) validates the argument and returns its canonical text (raise `errors.UserValueError` when bad);
     `rest_of_spec`: the argument runs to the end of the spec text, so it may contain '/' (paths); such an
     option is written last. The parsed value is `spec.extra(name)` (the canonical text). tower(clip, arg):
     what the edited blocks run from instead of `clip.visual` (its `transformer.resblocks`; DnA's adapter
@@ -99,26 +100,26 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         source = (self.source,) if isinstance(self.source, str) else tuple(self.source)
         if not source:
-            raise ValueError("attention source is empty")
+            raise UserValueError("attention source is empty")
         if "id" in source and len(source) > 1:
-            raise ValueError("source 'id' (value path only) cannot be summed with other sources")
+            raise UserValueError("source 'id' (value path only) cannot be summed with other sources")
         groups = []
         for text in source:
             try:
                 groups.append(Group.parse(text) if text != "id" else None)
-            except ValueError as e:
+            except UserValueError as e:
                 if text.isalpha() and "[" not in text:
-                    raise ValueError(f"unknown attention source {text!r}; choose from {', '.join(SOURCES)}, a tap "
-                                     f"({_taps_help()}) or a sum such as qq+kk") from None
+                    raise UserValueError(f"unknown attention source {text!r}; choose from {', '.join(SOURCES)}, a tap "
+                                         f"({_taps_help()}) or a sum such as qq+kk") from None
                 raise e
         object.__setattr__(self, "source", tuple("id" if g is None else str(g) for g in groups))
         object.__setattr__(self, "normalizer", str(Normalizer.parse(self.normalizer)))
         if self.gauss_sigma is not None and not self.gauss_sigma > 0:
-            raise ValueError(f"gauss sigma must be > 0 (got {self.gauss_sigma})")
+            raise UserValueError(f"gauss sigma must be > 0 (got {self.gauss_sigma})")
         if self.temperature is not None and not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (got {self.temperature})")
+            raise UserValueError(f"temperature must be > 0 (got {self.temperature})")
         if not (isinstance(self.layers, int) and self.layers >= 1):
-            raise ValueError(f"layers must be an integer >= 1 (got {self.layers})")
+            raise UserValueError(f"layers must be an integer >= 1 (got {self.layers})")
         if self.cls_residual is not None and self.residual:
             object.__setattr__(self, "residual", False)  # cls:C replaces the residual
         for name in ("aggregate_in", "aggregate_out"):
@@ -127,7 +128,7 @@ class AttentionSpec:
                 object.__setattr__(self, name, str(Term.parse(value)))
         object.__setattr__(self, "inputs", tuple(str(BlockInput.parse(i)) for i in self.inputs))
         if self.inputs and (self.parallel or self.layers != 1):
-            raise ValueError("extra block inputs (in:...) need one edited block in replace mode (layers:1, no parallel)")
+            raise UserValueError("extra block inputs (in:...) need one edited block in replace mode (layers:1, no parallel)")
         object.__setattr__(self, "hooks", tuple(check_hook(h) for h in self.hooks))
         extras = []
         for name, arg in self.extras:
@@ -207,7 +208,7 @@ class AttentionSpec:
                 parts[1] = options.pop(0)
             return cls.parse("/".join(parts + options))
         if not options and "+" not in text and "[" not in text and "@" not in text and text not in SOURCES:
-            raise ValueError(
+            raise UserValueError(
                 f"unknown attention spec {text!r}: not a preset ({', '.join(PRESETS.names())}) and not of the "
                 f"form SOURCE/NORMALIZER, e.g. qq/entmax:1.5; sources: {', '.join(SOURCES)}"
             )
@@ -226,7 +227,7 @@ class AttentionSpec:
                 else:
                     kwargs.update(_parse_option(name, arg, inputs, hooks))
             except ValueError as e:
-                raise ValueError(f"bad option {opt!r} in attention spec {text!r} ({e}); {_options_help()}") from None
+                raise UserValueError(f"bad option {opt!r} in attention spec {text!r} ({e}); {_options_help()}") from None
         return cls(**kwargs, inputs=tuple(inputs), hooks=tuple(hooks), extras=tuple(extras))
 
     def __str__(self) -> str:
@@ -296,7 +297,7 @@ def _parse_option(name: str, arg: str, inputs: list, hooks: list) -> dict:
     if name == "hook" and arg:
         hooks.append(arg)
         return {}
-    raise ValueError("unknown option or missing argument")
+    raise UserValueError("unknown option or missing argument")
 
 
 def _taps_help() -> str:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import UserValueError
 from ..stages import Needs
 from .normalizers import Normalizer, normalize
 from .spec import AttentionSpec, register_option
@@ -63,7 +64,7 @@ def stitch_multiple(spec: AttentionSpec) -> int | None:
 
 def _check_stitch(arg: str) -> str:
     if not arg.isdigit() or int(arg) < 1:
-        raise ValueError(f"stitch:{arg}: give the window padding multiple, a positive integer (OV-Stitcher: stitch:56)")
+        raise UserValueError(f"stitch:{arg}: give the window padding multiple, a positive integer (OV-Stitcher: stitch:56)")
     return str(int(arg))
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from ..registry import ENTRY_POINT_GROUP, Registry
 from ..stages import Needs
 from .contract import Block, grid_block, positive_attention
@@ -55,7 +56,7 @@ class BlockContext:
     def hidden_state(self, layer: int) -> torch.Tensor:
         """B x N x C tokens after block `layer`, restricted to the attended tokens."""
         if layer not in self.hidden:
-            raise ValueError(f"x@{layer}: the hidden state after block {layer} was not kept (is block {layer} edited?)")
+            raise UserValueError(f"x@{layer}: the hidden state after block {layer} was not kept (is block {layer} edited?)")
         return self.hidden[layer][:, self.offset :]
 
 
@@ -63,7 +64,7 @@ class BlockContext:
 class Tap:
     """features(ctx, arg) -> (a, b), each B x H' x N x d (H' = 1 or heads); or maps(ctx, arg) -> B x H' x N x N
     already normalised; or scores(ctx, arg) -> B x H' x N x N scores mixed before the normalizer as they are
-    (no metric; ResCLIP's `feedback`). check(arg) raises ValueError for a bad argument. hidden(arg) / blocks(arg): the
+    (no metric; ResCLIP's `feedback`). check(arg) raises UserValueError for a bad argument. hidden(arg) / blocks(arg): the
     hidden states / CLIP attention maps (1-based block indices) the tap reads, kept while CLIP runs. grid(arg,
     pixels, clip_grid): the token grid the tap's features live on for a crop of `pixels` (H, W) whose CLIP
     patch grid is `clip_grid` (None: CLIP's). needs(arg): what running it takes besides CLIP (`stages.Needs`:
@@ -108,7 +109,7 @@ def tap_kind(tap: str) -> TapRef:
 def check_tap(tap: str) -> None:
     kind, arg = tap_kind(tap)
     if kind not in TAPS:
-        raise ValueError(f"unknown tap {tap!r}; taps: {', '.join(TAPS.help(n) for n in TAPS.names())}")
+        raise UserValueError(f"unknown tap {tap!r}; taps: {', '.join(TAPS.help(n) for n in TAPS.names())}")
     TAPS.get(kind).check(arg)
 
 
@@ -120,28 +121,28 @@ def attention_grid(spec, pixels: tuple[int, int], grid: tuple[int, int]) -> tupl
         tap, arg = term.ref.tap, term.ref.arg
         grids.add(tuple(tap.grid(arg, tuple(pixels), tuple(grid))) if tap.grid else tuple(grid))
     if len(grids) > 1:
-        raise ValueError(f"spec {spec} mixes terms on different token grids {sorted(grids)}; use taps of one grid")
+        raise UserValueError(f"spec {spec} mixes terms on different token grids {sorted(grids)}; use taps of one grid")
     return grids.pop() if grids else tuple(grid)
 
 
 def _no_arg(kind: str) -> Callable[[str], None]:
     def check(arg: str) -> None:
         if arg:
-            raise ValueError(f"tap {kind!r} takes no argument")
+            raise UserValueError(f"tap {kind!r} takes no argument")
 
     return check
 
 
 def _layer(arg: str) -> int:
     if not arg.isdigit() or int(arg) < 1:
-        raise ValueError(f"x@L needs a block number L >= 1 (got {arg!r})")
+        raise UserValueError(f"x@L needs a block number L >= 1 (got {arg!r})")
     return int(arg)
 
 
 def _span(arg: str) -> range:
     first, dash, last = arg.partition("-")
     if not (dash and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
-        raise ValueError(f"attn@A-B needs blocks 1 <= A <= B (got {arg!r})")
+        raise UserValueError(f"attn@A-B needs blocks 1 <= A <= B (got {arg!r})")
     return range(int(first), int(last) + 1)
 
 

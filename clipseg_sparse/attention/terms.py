@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+from ..errors import UserValueError
 from ..stages import Needs
 
 SOURCES = ("qk", "qq", "kk", "vv", "id")  # the v1 sources; `id` is the value path alone (MaskCLIP)
@@ -30,9 +31,9 @@ def _num(text: str, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{what}: {text!r} is not a number") from None
+        raise UserValueError(f"{what}: {text!r} is not a number") from None
     if not math.isfinite(value):
-        raise ValueError(f"{what}: {text!r} is not finite")
+        raise UserValueError(f"{what}: {text!r} is not finite")
     return value
 
 
@@ -86,7 +87,7 @@ class Term:
         kwargs: dict = {"tap": tap.strip(), "weight": weight}
         if bracket:
             if not mods.endswith("]"):
-                raise ValueError(f"term {text!r}: modifiers must be closed with ']'")
+                raise UserValueError(f"term {text!r}: modifiers must be closed with ']'")
             for mod in filter(None, (m.strip() for m in mods[:-1].split(","))):
                 kwargs.update(_parse_modifier(mod, text))
         return cls(**kwargs)
@@ -96,25 +97,25 @@ class Term:
 
         check_tap(self.tap)
         if self.metric not in ("dot", "cos"):
-            raise ValueError(f"term {self.tap!r}: metric {self.metric!r}; choose dot or cos")
+            raise UserValueError(f"term {self.tap!r}: metric {self.metric!r}; choose dot or cos")
         if isinstance(self.temp, str) and self.temp != "auto":
-            raise ValueError(f"term {self.tap!r}: temp must be a number or auto (got {self.temp!r})")
+            raise UserValueError(f"term {self.tap!r}: temp must be a number or auto (got {self.temp!r})")
         if isinstance(self.temp, (int, float)) and not self.temp > 0:
-            raise ValueError(f"term {self.tap!r}: temp must be > 0 (got {self.temp})")
+            raise UserValueError(f"term {self.tap!r}: temp must be > 0 (got {self.temp})")
         if not (isinstance(self.iterate, int) and self.iterate >= 0):
-            raise ValueError(f"term {self.tap!r}: iter must be an integer >= 0 (got {self.iterate})")
+            raise UserValueError(f"term {self.tap!r}: iter must be an integer >= 0 (got {self.iterate})")
         if self.iterate and not self.is_self_pair:
-            raise ValueError(f"term {self.tap!r}: iter needs a self-similarity tap (qq, kk, vv or x@L)")
+            raise UserValueError(f"term {self.tap!r}: iter needs a self-similarity tap (qq, kk, vv or x@L)")
         if self.support not in SUPPORTS:
-            raise ValueError(f"term {self.tap!r}: support {self.support!r}; choose {', '.join(SUPPORTS)}")
+            raise UserValueError(f"term {self.tap!r}: support {self.support!r}; choose {', '.join(SUPPORTS)}")
         if self.support != "region" and (self.support_arg is None) != (self.support in ("all", "pos")):
-            raise ValueError(f"term {self.tap!r}: support {self.support} {'takes no' if self.support in ('all', 'pos') else 'needs an'} argument")
+            raise UserValueError(f"term {self.tap!r}: support {self.support} {'takes no' if self.support in ('all', 'pos') else 'needs an'} argument")
         if self.support == "topk" and not (self.support_arg >= 1 and float(self.support_arg).is_integer()):
-            raise ValueError(f"term {self.tap!r}: topk needs an integer >= 1 (got {self.support_arg})")
+            raise UserValueError(f"term {self.tap!r}: topk needs an integer >= 1 (got {self.support_arg})")
         if self.support == "topp" and not 0 < self.support_arg <= 1:
-            raise ValueError(f"term {self.tap!r}: topp needs 0 < p <= 1 (got {self.support_arg})")
+            raise UserValueError(f"term {self.tap!r}: topp needs 0 < p <= 1 (got {self.support_arg})")
         if self.support == "region" and self.support_arg is not None and not self.support_arg >= 0:
-            raise ValueError(f"term {self.tap!r}: region needs a merge distance EPS >= 0, or no argument for no merging (got {self.support_arg})")
+            raise UserValueError(f"term {self.tap!r}: region needs a merge distance EPS >= 0, or no argument for no merging (got {self.support_arg})")
 
     @cached_property
     def ref(self):
@@ -179,7 +180,7 @@ def _parse_modifier(mod: str, term: str) -> dict:
         return {"support": name}
     if name in ("thresh", "topk", "topp", "region") and arg:
         return {"support": name, "support_arg": _num(arg, what)}
-    raise ValueError(
+    raise UserValueError(
         f"bad {what}; modifiers: cos, dot, temp:T|auto, iter:N, shift:BETA, scale:GAMMA, "
         f"pos, thresh:T, topk:K, topp:P, region[:EPS]"
     )
@@ -197,7 +198,7 @@ class Group:
     def parse(cls, text: str) -> "Group":
         text = text.strip()
         if not text:
-            raise ValueError("empty score term")
+            raise UserValueError("empty score term")
         weight, body = 1.0, text
         w, rest = _split_weight(text)
         if rest.startswith("(") and rest.endswith(")"):  # W*(A&B): a weighted group of pre-mixed terms
@@ -244,12 +245,12 @@ class BlockInput:
         kind, at, span = body.partition("@")
         first, dash, last = span.partition("-")
         if kind not in INPUT_KINDS or not at or not dash or not (first.isdigit() and last.isdigit()):
-            raise ValueError(f"bad block input {text!r}; write sum@A-B or mean@A-B (blocks A..B, 1-based), optionally W*sum@A-B")
+            raise UserValueError(f"bad block input {text!r}; write sum@A-B or mean@A-B (blocks A..B, 1-based), optionally W*sum@A-B")
         return cls(kind, int(first), int(last), weight, source)
 
     def __post_init__(self) -> None:
         if not 1 <= self.first <= self.last:
-            raise ValueError(f"block input {self.kind}@{self.first}-{self.last}: need 1 <= A <= B")
+            raise UserValueError(f"block input {self.kind}@{self.first}-{self.last}: need 1 <= A <= B")
 
     @cached_property
     def terms(self) -> tuple[Term, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from .normalizers import Normalizer, normalize
 from .grid import region_support
 from .terms import Term
@@ -84,7 +85,7 @@ def apply_support(scores: torch.Tensor, term: Term, ctx: BlockContext | None = N
     if kind == "region":
         regions = (ctx.extra if ctx is not None else {}).get("regions")
         if regions is None or regions.shape[-1] != scores.shape[-1]:
-            raise ValueError(f"term {term}: the region support needs region maps on its {scores.shape[-1]}-token grid (give regions)")
+            raise UserValueError(f"term {term}: the region support needs region maps on its {scores.shape[-1]}-token grid (give regions)")
         B, H = scores.shape[:2]
         allowed = region_support(scores.reshape(B * H, *scores.shape[2:]), regions.repeat_interleave(H, 0))
         return scores.masked_fill(~allowed.view_as(scores), float("-inf"))
