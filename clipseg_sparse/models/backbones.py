@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserValueError
 from ..registry import Registry
 from ..runtime.device import PRECISIONS, resolve_device
 from ..runtime.weights import RANDOM_WEIGHTS_SEED, WeightsUnavailableError, _hub_offline, _unreachable_hub, _weights_help, is_checkpoint_path
@@ -169,7 +170,7 @@ def create_backbone_model(info: BackboneInfo, pretrained: str | None, cache_dir:
             raise WeightsUnavailableError(f"{pretrained}: cannot load as {arch} weights: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
         return model, str(path)
     if pretrained != "hub":
-        raise ValueError(f"backbone weights must be 'hub', a checkpoint file or 'none' (got {pretrained!r})")
+        raise UserValueError(f"backbone weights must be 'hub', a checkpoint file or 'none' (got {pretrained!r})")
     path = _hub_checkpoint(info, pretrained, cache_dir)  # before building the model: fails fast offline
     return timm.create_model(info.timm_name, pretrained=True, num_classes=0, pretrained_cfg_overlay={"file": path}, **info.timm_kwargs()), info.timm_name
 
@@ -429,9 +430,9 @@ def load_backbone(
 
     info = BACKBONES.get(name)
     if info.kind in MASK_KINDS:
-        raise ValueError(f"{name} is a mask generator, not a feature backbone; use it through segment.regions (or models.sam3)")
+        raise UserValueError(f"{name} is a mask generator, not a feature backbone; use it through segment.regions (or models.sam3)")
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
+        raise UserValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     if isinstance(pretrained, str) and pretrained.lower() in ("", "none"):
         pretrained = None
     model, weights = create_backbone_model(info, pretrained, cache_dir)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ..attention import OPTIONS, AttentionSpec, resolve_spec
 from ..attention import blocks as attention_blocks
 from ..attention.taps import attention_grid
+from ..errors import UserValueError
 from ..runtime.device import PRECISIONS, check_precision, resolve_device
 from ..runtime.fingerprint import file_digest
 from ..runtime.weights import (
@@ -48,7 +49,7 @@ DEFAULT_MODEL, DEFAULT_PRETRAINED = "ViT-B-16", "openai"
 
 def _check_rule(rule: str) -> None:
     if rule not in POS_INTERP_RULES:
-        raise ValueError(f"unknown positional-embedding rule {rule!r}; choose {', '.join(POS_INTERP_RULES)}")
+        raise UserValueError(f"unknown positional-embedding rule {rule!r}; choose {', '.join(POS_INTERP_RULES)}")
 
 
 def _is_torchscript_archive(path: Path) -> bool:
@@ -90,7 +91,7 @@ def _no_stray_open_clip_logs():
 
 
 def check_model_name(model_name: str) -> str:
-    """The open_clip name of a supported model (a config JSON is registered); ValueError otherwise.
+    """The open_clip name of a supported model (a config JSON is registered); UserValueError otherwise.
 
     Cheap (reads configs only), so grids can be checked before any model is built.
     """
@@ -100,22 +101,22 @@ def check_model_name(model_name: str) -> str:
     if name.endswith(".json"):  # a custom architecture, e.g. a tiny ViT for tests
         path = Path(name)
         if not path.is_file():
-            raise ValueError(f"{name}: model config file not found")
+            raise UserValueError(f"{name}: model config file not found")
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{name}: not a JSON model config ({e})") from None
+            raise UserValueError(f"{name}: not a JSON model config ({e})") from None
         missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if not isinstance(config, dict) or k not in config]
         if missing:
-            raise ValueError(f"{name}: not an open_clip model config: no {', '.join(repr(k) for k in missing)}")
+            raise UserValueError(f"{name}: not an open_clip model config: no {', '.join(repr(k) for k in missing)}")
         open_clip.add_model_config(path)
         name = path.stem
     elif open_clip.get_model_config(name.replace("/", "-")) is None:
-        raise ValueError(f"unknown model {model_name!r}; supported ViTs include: {', '.join(supported_models()[:12])}, ... (`ls models`)")
+        raise UserValueError(f"unknown model {model_name!r}; supported ViTs include: {', '.join(supported_models()[:12])}, ... (`ls models`)")
     name = name.replace("/", "-")
     reason = _unsupported(open_clip.get_model_config(name), name)
     if reason:
-        raise ValueError(f"model {model_name!r} is not supported: {reason}; see `clipseg-sparse ls models`")
+        raise UserValueError(f"model {model_name!r} is not supported: {reason}; see `clipseg-sparse ls models`")
     return name
 
 
@@ -148,7 +149,7 @@ def _create_open_clip(model_name: str, pretrained: str | None, quick_gelu: bool 
     cfg = open_clip.get_pretrained_cfg(name, pretrained)
     if not cfg:
         tags = open_clip.list_pretrained_tags_by_model(name)
-        raise ValueError(
+        raise UserValueError(
             f"unknown pretrained tag {pretrained!r} for {name}; tags: {', '.join(tags) or '(none)'}; "
             f"or give a checkpoint path, or 'none'"
         )
@@ -188,7 +189,7 @@ def load_clip(
     Every family comes back as a DenseCLIP holding the tower its family wraps (`tower.wrap_tower`).
     """
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
+        raise UserValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     if isinstance(pretrained, str) and pretrained.lower() in ("", "none"):
         pretrained = None
     dev = resolve_device(device)
@@ -345,12 +346,12 @@ class DenseCLIP:
         return len(self.visual.transformer.resblocks)
 
     def check_spec(self, spec: AttentionSpec | str | None) -> None:
-        """ValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth, a
+        """UserValueError, before any image is read, for a spec this model cannot run (`layers:N` past its depth, a
         tap reading a block it does not have; a `dna:PATH` adapter that is missing, changed or made for another model)."""
         spec = resolve_spec(spec)
         reason = self.tower.refuse(spec, self.model_name)  # what its family cannot run (SigLIP: no CLS token)
         if reason:
-            raise ValueError(f"attention spec {spec}: {reason}")
+            raise UserValueError(f"attention spec {spec}: {reason}")
         attention_blocks.check_depth(spec, self.depth)
         self._tower(spec)
 

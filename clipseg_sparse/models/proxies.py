@@ -132,17 +132,17 @@ def missing_weights(names: Sequence[str], clip) -> dict[str, str]:
 
 
 def split_ext(arg: str) -> tuple[str, str]:
-    """`dino_vitb8.qk` -> ("dino_vitb8", "qk"); ValueError for an unknown backbone or feature."""
+    """`dino_vitb8.qk` -> ("dino_vitb8", "qk"); UserValueError for an unknown backbone or feature."""
     name, _, feature = arg.partition(".")
     info = BACKBONES.get(name)
     if info.kind in MASK_KINDS:
-        raise ValueError(f"ext:{arg}: {name} makes region masks, not features")
+        raise UserValueError(f"ext:{arg}: {name} makes region masks, not features")
     if feature not in EXT_FEATURES:
-        raise ValueError(f"ext:{arg}: unknown feature {feature!r}; use ext:NAME (last normed tokens), ext:NAME.qk, ext:NAME.out (with stitch:M) or ext:NAME.image")
+        raise UserValueError(f"ext:{arg}: unknown feature {feature!r}; use ext:NAME (last normed tokens), ext:NAME.qk, ext:NAME.out (with stitch:M) or ext:NAME.image")
     if feature == "qk" and "qkv" not in info.features:
-        raise ValueError(f"ext:{arg}: {name} exposes no last-block q/k; use ext:{name} or ext:{name}.image")
+        raise UserValueError(f"ext:{arg}: {name} exposes no last-block q/k; use ext:{name} or ext:{name}.image")
     if feature == "image" and info.kind != "dense":
-        raise ValueError(f"ext:{arg}: {name} gives no whole-image feature map; .image needs a dense backbone (`ls backbones`)")
+        raise UserValueError(f"ext:{arg}: {name} gives no whole-image feature map; .image needs a dense backbone (`ls backbones`)")
     return name, feature
 
 
@@ -163,8 +163,8 @@ def ext_features(pixels: torch.Tensor, arg: str, backbones: ProxyBackbones) -> t
     """B x 1 x M x C features of `ext:arg` for CLIP-normalised pixels (B x 3 x H x W)."""
     name, feature = split_ext(arg)
     if feature == "out":
-        raise ValueError(f"ext:{arg}: the proxy's last block re-run over the stitched image exists only in the stitched forward "
-                         f"(a spec with stitch:M, run by Segmenter); this call encodes windows alone")
+        raise UserValueError(f"ext:{arg}: the proxy's last block re-run over the stitched image exists only in the stitched forward "
+                             f"(a spec with stitch:M, run by Segmenter); this call encodes windows alone")
     backbone = backbones.get(name, pixels.device)
     x = backbone.from_clip_pixels(pixels.float(), backbones.clip_mean, backbones.clip_std)
     out = backbone.features(x, want=(EXT_FEATURES[feature],))
