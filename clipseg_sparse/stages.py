@@ -237,7 +237,7 @@ STAGES: Registry[Callable[[str], Stage]] = Registry(
 
 
 def parse_stage(text: str) -> Stage:
-    """`NAME[:ARGS]` -> the configured Stage (UnknownNameError / ValueError name the problem)."""
+    """`NAME[:ARGS]` -> the configured Stage (UnknownNameError / UserValueError name the problem)."""
     name, _, args = text.strip().partition(":")
     return STAGES.get(name)(args)
 
@@ -247,10 +247,10 @@ HOOK_KINDS = ("token", "match", "windows", "global", "retrieval", "input", "post
 
 
 def check_hook(text: str) -> str:
-    """The canonical text of a stage a spec's `hook:` may name (HOOK_KINDS); ValueError naming them."""
+    """The canonical text of a stage a spec's `hook:` may name (HOOK_KINDS); UserValueError naming them."""
     try:
         stage = parse_stage(text)
-    except (KeyError, ValueError) as e:
+    except UserValueError as e:
         raise UserValueError(f"{e}" if text.partition(":")[0] in STAGES else f"unknown hook {text!r}; hooks: {_hook_stages()}") from None
     if stage.kind not in HOOK_KINDS:
         raise UserValueError(f"hook {text!r} is a {stage.kind} stage; hooks: {_hook_stages()} (text, labels and refine stages run with InferenceSettings.stages)")
@@ -345,14 +345,14 @@ def _pamr_stage(args: str) -> Stage:
     usage = "expected pamr[:ITERATIONS[:D1,D2,...]] with positive integers, e.g. pamr:10:8,16"
     parts = args.split(":") if args else []
     if len(parts) > 2:
-        raise ValueError(f"bad stage 'pamr:{args}': {usage}")
+        raise UserValueError(f"bad stage 'pamr:{args}': {usage}")
     try:
         iterations = int(parts[0]) if parts else PAMR_ITERATIONS
         dilations = tuple(int(d) for d in parts[1].split(",")) if len(parts) > 1 else PAMR_DILATIONS
     except ValueError:
-        raise ValueError(f"bad stage 'pamr:{args}': {usage}") from None
+        raise UserValueError(f"bad stage 'pamr:{args}': {usage}") from None
     if iterations < 1 or not dilations or min(dilations) < 1:
-        raise ValueError(f"bad stage 'pamr:{args}': {usage}")
+        raise UserValueError(f"bad stage 'pamr:{args}': {usage}")
     name = f"pamr:{iterations}:{','.join(map(str, dilations))}"
     return Stage("post", name, lambda cosine, guide, run: pamr(cosine, guide, iterations, dilations))
 
@@ -369,7 +369,7 @@ def register_plain_stage(name: str, kind: str, fn: Callable[..., torch.Tensor], 
 
     def factory(args: str) -> Stage:
         if args:
-            raise ValueError(f"bad stage '{name}:{args}': {name} takes no arguments")
+            raise UserValueError(f"bad stage '{name}:{args}': {name} takes no arguments")
         return Stage(kind, name, fn)
 
     STAGES.register(name, factory, help=help, module=module or caller_module())
