@@ -75,7 +75,7 @@ def evaluate(
     log; overwrite=True recomputes a finished result. save_pred: a folder for palette PNG predictions
     in the dataset's own label encoding (reduce_zero_label datasets store class k as k + 1).
     Raises DatasetError for a missing / malformed dataset, ConfigMismatchError when `out` or its log
-    hold another configuration, ValueError for bad settings. regions: the region source of specs and
+    hold another configuration, UserValueError for bad settings. regions: the region source of specs and
     stages that read region maps (CorrCLIP; see `Segmenter`), called with each sample's id. prompts: a
     prompt file of sentences per class name (`Segmenter`), recorded in the config. bank: the image
     bank of retrieval stages (CorrCLIPv2; `segment.bank.ImageBank`), recorded by its content hash.

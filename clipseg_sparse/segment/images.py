@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from ..errors import UserError
+from ..errors import UserError, UserFileNotFoundError, UserValueError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm")
 
@@ -64,8 +64,8 @@ def load_image(image: str | Path | Image.Image | np.ndarray, exif_transpose: boo
             with Image.open(path) as img:
                 img.load()
                 return np.asarray(to_rgb(img, exif_transpose))
-        except FileNotFoundError:
-            raise
+        except FileNotFoundError as e:  # a missing file is the user's to fix; the message stays the OS's
+            raise UserFileNotFoundError(e.errno, e.strerror, e.filename) from None
         except Exception as e:  # truncated, not an image, unsupported mode
             raise ImageReadError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
     if isinstance(image, Image.Image):
@@ -74,5 +74,5 @@ def load_image(image: str | Path | Image.Image | np.ndarray, exif_transpose: boo
     if arr.ndim == 2:
         arr = np.repeat(arr[..., None], 3, axis=-1)
     if arr.ndim != 3 or arr.shape[-1] not in (3, 4):
-        raise ValueError(f"expected an H x W (x 3|4) image array, got shape {arr.shape}")
+        raise UserValueError(f"expected an H x W (x 3|4) image array, got shape {arr.shape}")
     return np.ascontiguousarray(arr[..., :3])

@@ -34,7 +34,7 @@ PIPELINES: Registry[Callable[[str], Pipeline]] = Registry(
 
 
 def find_pipeline(text: object) -> Pipeline | None:
-    """The pipeline `text` names (`NAME[:ARGS]`; ValueError for bad ARGS), or None when it names none (an
+    """The pipeline `text` names (`NAME[:ARGS]`; UserValueError for bad ARGS), or None when it names none (an
     attention spec or preset, or not a string)."""
     if not isinstance(text, str):
         return None

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.grid import resize_regions
+from ..errors import UserValueError
 from ..models.clip import DenseCLIP
 from .settings import REMAINDER_RULES, RESIZE_METHODS, SIZE_RULES, InferenceSettings
 
@@ -49,7 +50,7 @@ def rounded_size(height: int, width: int, multiple: int, minimum: int = 0, rule:
     truncated (`int(h * dst / longer)`), then each rounded up: 448 x 597 -> 464 x 608, not 448 x 608.
     """
     if rule not in SIZE_RULES:
-        raise ValueError(f"unknown size rule {rule!r}; choose {', '.join(SIZE_RULES)}")
+        raise UserValueError(f"unknown size rule {rule!r}; choose {', '.join(SIZE_RULES)}")
     up = lambda side: -(-side // multiple) * multiple  # noqa: E731
     sides = (height, width)
     if rule == "longer" and (height % multiple or width % multiple):
@@ -73,7 +74,7 @@ def to_pixels(image: np.ndarray, clip: DenseCLIP, size: tuple[int, int], method:
     whose fixed-point result is rounded to uint8 (up to about 0.8 grey levels from the float resize).
     """
     if method not in RESIZE_METHODS:
-        raise ValueError(f"unknown resize method {method!r}; choose {', '.join(RESIZE_METHODS)}")
+        raise UserValueError(f"unknown resize method {method!r}; choose {', '.join(RESIZE_METHODS)}")
     if method == "opencv" and tuple(image.shape[:2]) != tuple(size):
         import cv2
 
@@ -98,11 +99,11 @@ def window_geometry(side: int, patch: int, rule: str = "pad", whole_image: bool 
     side % patch pixels and the floor(side / patch) patch map is stretched over the whole side.
     """
     if rule not in REMAINDER_RULES:
-        raise ValueError(f"unknown remainder rule {rule!r}; choose {', '.join(REMAINDER_RULES)}")
+        raise UserValueError(f"unknown remainder rule {rule!r}; choose {', '.join(REMAINDER_RULES)}")
     extra = -side % patch
     if rule == "drop" or (rule == "centre" and whole_image):
         if side < patch:
-            raise ValueError(f"a {side}-pixel window side is smaller than one {patch}-pixel patch")
+            raise UserValueError(f"a {side}-pixel window side is smaller than one {patch}-pixel patch")
         return side // patch, 0, -(side % patch), side
     before = extra // 2 if rule == "centre" else 0
     return (side + extra) // patch, before, extra - before, side + extra

@@ -247,7 +247,7 @@ REGION_SOURCES.register("sam3", _sam3_source, help="SAM 3 instance masks prompte
 def open_regions(value: str, device: str = "cpu", names: Sequence[str] = ()) -> "RegionFolder | CachedRegions":
     """The region source a `--regions` value names: a registered source (`REGION_SOURCES`: sam2, sam3; its
     extra checked now; masks cached under the package cache) or a folder, checked to hold a file for each
-    image of `names`. ValueError / MissingExtraError name the problem."""
+    image of `names`. UserValueError / MissingExtraError name the problem."""
     if value in REGION_SOURCES:
         from .vocabulary import default_cache_dir
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..errors import UserValueError
 from ..models.clip import POS_INTERP_RULES
 from ..stages import resolve_stages
 
@@ -43,20 +44,20 @@ class InferenceSettings:
     def __post_init__(self) -> None:
         for name, choices in (("resize", RESIZE_METHODS), ("pos_interp", POS_INTERP_RULES), ("remainder", REMAINDER_RULES), ("size_rule", SIZE_RULES)):
             if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)} (got {getattr(self, name)!r})")
+                raise UserValueError(f"{name} must be one of {', '.join(choices)} (got {getattr(self, name)!r})")
         if isinstance(self.stages, str):
-            raise ValueError(f"stages must be a list of stage names (got the string {self.stages!r})")
+            raise UserValueError(f"stages must be a list of stage names (got the string {self.stages!r})")
         object.__setattr__(self, "stages", tuple(self.stages))
         resolve_stages(self.stage_texts())  # unknown names and bad arguments fail here
         for name in ("resolution", "window", "max_long_side", "size_multiple"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
+                raise UserValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
         if self.window and not 0 < self.stride <= self.window:
-            raise ValueError(f"stride must be in (0, window] (got stride {self.stride}, window {self.window})")
+            raise UserValueError(f"stride must be in (0, window] (got stride {self.stride}, window {self.window})")
         if not 0.0 <= self.bg_threshold <= 1.0 or not 0.0 <= self.area_threshold <= 1.0:
-            raise ValueError("bg_threshold and area_threshold must be in [0, 1]")
+            raise UserValueError("bg_threshold and area_threshold must be in [0, 1]")
         if self.batch_size < 1 or self.logit_scale <= 0:
-            raise ValueError("batch_size must be >= 1 and logit_scale > 0")
+            raise UserValueError("batch_size must be >= 1 and logit_scale > 0")
 
     def stage_texts(self) -> tuple[str, ...]:
         """Every stage to run, in order: `stages`, then PAMR when `pamr` is on."""
@@ -64,11 +65,11 @@ class InferenceSettings:
 
     def replace(self, **changes: object) -> "InferenceSettings":
         """A validated copy with `changes`; None values are ignored (an option left unset). Unknown names
-        raise ValueError listing the settings."""
+        raise UserValueError listing the settings."""
         known = [f.name for f in dataclasses.fields(self)]
         unknown = sorted(set(changes) - set(known))
         if unknown:
-            raise ValueError(f"unknown inference setting(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+            raise UserValueError(f"unknown inference setting(s) {', '.join(unknown)}; choose from {', '.join(known)}")
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from ..errors import UserFileNotFoundError, UserValueError
+
 if TYPE_CHECKING:
     import torch
 
@@ -46,24 +48,24 @@ def resolve_templates(templates: str | Sequence[str] = "openai") -> tuple[str, .
     else:
         path = Path(templates)
         if not path.is_file():
-            raise ValueError(f"templates {templates!r}: not 'openai', 'single', 'none' or an existing file")
+            raise UserValueError(f"templates {templates!r}: not 'openai', 'single', 'none' or an existing file")
         out = tuple(line.strip() for line in read_text_lines(path, "templates file"))
     bad = [t for t in out if not _one_placeholder(t)]
     if not out or bad:
         where = f"templates {templates!r}: " if isinstance(templates, str) else ""
-        raise ValueError(f"{where}every template needs exactly one '{{}}' placeholder for the class name and no other braces (bad: {bad[:3] or 'none given'})")
+        raise UserValueError(f"{where}every template needs exactly one '{{}}' placeholder for the class name and no other braces (bad: {bad[:3] or 'none given'})")
     return out
 
 
 def read_text_lines(path: Path, what: str) -> list[str]:
-    """The non-blank lines of a UTF-8 text file (a byte-order mark is dropped); ValueError naming the
+    """The non-blank lines of a UTF-8 text file (a byte-order mark is dropped); UserValueError naming the
     file when it is not text."""
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a UTF-8 text file; a {what} has one entry per line") from None
+        raise UserValueError(f"{path}: not a UTF-8 text file; a {what} has one entry per line") from None
     if "\x00" in text:
-        raise ValueError(f"{path}: binary data (NUL bytes), not a text file; a {what} has one entry per line")
+        raise UserValueError(f"{path}: binary data (NUL bytes), not a text file; a {what} has one entry per line")
     return [line for line in text.splitlines() if line.strip()]
 
 
@@ -81,20 +83,20 @@ class Prompts:
 
     @classmethod
     def read(cls, path: str | Path) -> "Prompts":
-        """ValueError naming the file when it is missing or not a JSON object of lists of sentences."""
+        """UserValueError naming the file when it is missing or not a JSON object of lists of sentences."""
         path = Path(path)
         try:
             raw = path.read_bytes()
             data = json.loads(raw.decode("utf-8-sig"))
         except OSError as e:
-            raise ValueError(f"{path}: cannot read the prompt file ({e.strerror or e})") from None
+            raise UserValueError(f"{path}: cannot read the prompt file ({e.strerror or e})") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not a JSON prompt file ({e}); expected {{\"class name\": [\"sentence\", ...]}}") from None
+            raise UserValueError(f"{path}: not a JSON prompt file ({e}); expected {{\"class name\": [\"sentence\", ...]}}") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: a prompt file is a JSON object of class name -> list of sentences (got {type(data).__name__})")
+            raise UserValueError(f"{path}: a prompt file is a JSON object of class name -> list of sentences (got {type(data).__name__})")
         for name, sentences in data.items():
             if not isinstance(sentences, list) or not all(isinstance(x, str) and x.strip() for x in sentences):
-                raise ValueError(f"{path}: class {name!r}: expected a list of non-empty sentences")
+                raise UserValueError(f"{path}: class {name!r}: expected a list of non-empty sentences")
         sentences = {name: tuple(v) for name, v in data.items()}
         return cls(str(path), sentences, hashlib.sha256(raw).hexdigest()[:16])
 
@@ -145,12 +147,12 @@ class Vocabulary:
 
     def __post_init__(self) -> None:
         if not self.names:
-            raise ValueError("the vocabulary is empty: give at least one class")
+            raise UserValueError("the vocabulary is empty: give at least one class")
         if len(self.names) != len(self.labels):
-            raise ValueError("one label per class is needed")
+            raise UserValueError("one label per class is needed")
         for syn in self.names:
             if not syn or any(not n for n in syn):
-                raise ValueError("every class needs at least one non-empty name")
+                raise UserValueError("every class needs at least one non-empty name")
 
     @classmethod
     def from_names(cls, names: Sequence[Sequence[str]], labels: Sequence[str] | None = None) -> "Vocabulary":
@@ -169,17 +171,17 @@ class Vocabulary:
         """One class per line, synonyms separated by ", " (the format of the published class files)."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: class-names file not found")
+            raise UserFileNotFoundError(f"{path}: class-names file not found")
         lines = read_text_lines(path, "class-names file")
         if not lines:
-            raise ValueError(f"{path}: class-names file is empty")
+            raise UserValueError(f"{path}: class-names file is empty")
         return cls.from_names([line.split(",") for line in lines])
 
     def with_background(self, names: Sequence[str], label: str = "background") -> "Vocabulary":
         """Prepend a background class (index 0) named by `names`, e.g. stuff words such as sky, wall."""
         names = tuple(n.strip() for n in names if n.strip())
         if not names:
-            raise ValueError("background needs at least one name")
+            raise UserValueError("background needs at least one name")
         return Vocabulary(((*names,), *self.names), (label, *self.labels))
 
     def repeated_names(self) -> list[str]:
@@ -200,10 +202,10 @@ class Vocabulary:
         return out
 
     def check_unique(self) -> None:
-        """ValueError naming the first repeated name (see `repeated_names`)."""
+        """UserValueError naming the first repeated name (see `repeated_names`)."""
         repeated = self.repeated_names()
         if repeated:
-            raise ValueError(f"duplicate class name: {repeated[0]}; a name may appear once, as a class or as a synonym")
+            raise UserValueError(f"duplicate class name: {repeated[0]}; a name may appear once, as a class or as a synonym")
 
     @property
     def flat_names(self) -> tuple[str, ...]:
