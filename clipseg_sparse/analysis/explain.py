@@ -26,6 +26,7 @@ from PIL import Image, ImageDraw
 
 from .statistics import check_tokens, normalize_rows, row_entropy
 from ..attention import AttentionSpec
+from ..errors import UserValueError
 from ..segment.bank import ImageBank
 from ..segment.images import load_image
 from ..segment.resources import Resources
@@ -81,7 +82,7 @@ def query_patch(
     x, y = point
     height, width = image_size
     if not (0 <= x < width and 0 <= y < height):
-        raise ValueError(f"point ({x}, {y}) is outside the {width} x {height} image")
+        raise UserValueError(f"point ({x}, {y}) is outside the {width} x {height} image")
     cell_y, cell_x = patch if isinstance(patch, tuple) else (patch, patch)
     row, col = int(y * resized[0] / height / cell_y), int(x * resized[1] / width / cell_x)
     return (row, col) if grid is None else (min(row, grid[0] - 1), min(col, grid[1] - 1))
@@ -137,7 +138,7 @@ def explain(
         check_tokens(maps.shape[-1], att_grid[0] * att_grid[1], spec)
         cls = int(maps.shape[-1] == att_grid[0] * att_grid[1] + 1)  # CLS first, unless the spec drops it (cls:C)
         if head is not None and not 0 <= head < maps.shape[0]:
-            raise ValueError(f"head {head} does not exist: the model has {maps.shape[0]} heads (0..{maps.shape[0] - 1})")
+            raise UserValueError(f"head {head} does not exist: the model has {maps.shape[0]} heads (0..{maps.shape[0] - 1})")
         rows = normalize_rows(maps[:, cls + row * att_grid[1] + col])  # heads x N
         rows = rows[head : head + 1] if head is not None else rows
         entropy = row_entropy(rows)

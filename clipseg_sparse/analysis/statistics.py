@@ -195,7 +195,7 @@ def nearest_labels(labels: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
 def check_tokens(tokens: int, patches: int, spec: AttentionSpec) -> None:
     """The statistics need attention over CLIP's own patch grid (plus CLS): refuse any other token set."""
     if tokens not in (patches, patches + 1):
-        raise ValueError(f"spec {spec} attends over {tokens} tokens, not CLIP's {patches} patches (+ CLS); analyze and explain need CLIP's grid")
+        raise UserValueError(f"spec {spec} attends over {tokens} tokens, not CLIP's {patches} patches (+ CLS); analyze and explain need CLIP's grid")
 
 
 def cell_size(window: AttentionWindow, spec: AttentionSpec) -> int:
@@ -273,7 +273,7 @@ def analyze(
     resources: the run's inputs (`segment.Resources`: region source, backbones' weights) in place of `regions`.
     out: result JSON, resumable through `<out>.progress.jsonl` exactly as `evaluate` (see results.py);
     a finished result of the same configuration is returned, not recomputed, unless `overwrite`.
-    Raises DatasetError, ConfigMismatchError or ValueError as `evaluate` does.
+    Raises DatasetError, ConfigMismatchError or UserValueError as `evaluate` does.
     """
     from ..segment.images import load_image
     from ..runtime.progress import progress_bar
@@ -283,7 +283,7 @@ def analyze(
     bench = DATASETS.get(dataset_name)
     spec = resolve_spec(spec)
     if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1 (got {limit})")
+        raise UserValueError(f"limit must be >= 1 (got {limit})")
     plan = analysis_plan(spec, protocol, bench.name, overrides, clip)
     settings = plan.settings
     if resources is not None and regions is not None:
@@ -291,7 +291,7 @@ def analyze(
     resources = (resources or Resources.open(plan, regions=regions, attention=True)).bind(plan, clip, attention=True)
     stuff = tuple(sorted(set(stuff))) if stuff is not None else stuff_classes(bench.name)
     if stuff is not None and any(not 0 <= c < bench.num_classes for c in stuff):
-        raise ValueError(f"stuff class indices must be in 0..{bench.num_classes - 1} for {bench.name}")
+        raise UserValueError(f"stuff class indices must be in 0..{bench.num_classes - 1} for {bench.name}")
     every_sample = bench.samples(root)
     samples = every_sample[:limit]
     config = {
