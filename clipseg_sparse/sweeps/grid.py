@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import UserValueError
+from ..errors import UserError, UserValueError
 from ..files.results import config_hash
 from ..runtime.fingerprint import file_id
 from ..registry import Registry
@@ -66,13 +66,15 @@ class Grid:
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, (str, int)) else tuple(value))
         object.__setattr__(self, "normalizers", tuple(str(Normalizer.parse(n)) for n in self.normalizers))
+        if not isinstance(self.overrides, Mapping):
+            raise UserValueError(f"overrides must be a table of inference settings (got {self.overrides!r})")
         object.__setattr__(self, "overrides", dict(self.overrides))
         for preset in self.presets:
             PRESETS.get(preset)
         for dataset in self.datasets:
             DATASETS.get(dataset)
         PROTOCOLS.get(self.protocol)
-        InferenceSettings().replace(**self.overrides)  # unknown or bad settings raise ValueError
+        InferenceSettings().replace(**self.overrides)  # unknown or bad settings raise UserValueError
         if self.fgovd:
             from ..evaluation.fgovd import REGIONS, split_name
 
@@ -99,7 +101,11 @@ class Grid:
                     raise UserValueError(f"model {entry!r}: {name} has no pretrained tag {pretrained!r}; tags: {', '.join(open_clip.list_pretrained_tags_by_model(name)) or '(none)'}")
         if not self.datasets and not self.fgovd:
             raise UserValueError("the grid names no data: give datasets and/or FG-OVD benchmark files")
-        if any(int(r) <= 0 for r in self.resolutions):
+        try:
+            positive = all(int(r) > 0 for r in self.resolutions)
+        except (TypeError, ValueError):  # not a number
+            positive = False
+        if not positive:
             raise UserValueError(f"resolutions must be positive (got {list(self.resolutions)})")
         if self.limit is not None and self.limit < 1:
             raise UserValueError(f"limit must be >= 1 (got {self.limit})")
@@ -281,7 +287,7 @@ def read_grid_file(
     data.update(overrides)
     try:
         grid = Grid.from_dict(data)
-    except (ValueError, TypeError) as e:
+    except (UserError, TypeError) as e:  # TypeError: a TOML value of the wrong type (a string for a list of numbers)
         raise UserValueError(f"{path}: {e}") from None
     return GridFile(grid, description, roots, path.parent / images_root if images_root else None, report)
 
