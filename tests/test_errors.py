@@ -67,7 +67,8 @@ def test_every_command_carries_the_boundary():
             "convert coco-stuff", "convert coco-object", "dna train", "dna stats", "bank build", "bank info"} == set(COMMANDS)
     for name, command in COMMANDS.items():
         caught = getattr(command.callback, "user_errors", None)
-        assert caught is not None and caught[0] is UserError, f"`{name}` is not wrapped by cli.common.user_errors"
+        assert caught is not None, f"`{name}` is not wrapped by cli.common.user_errors"
+        assert caught == (UserError,), f"`{name}` also catches {caught[1:]}: a plain exception there is a bug, shown as its traceback"
 
 
 @pytest.mark.parametrize("name", sorted(ERRORS))
@@ -150,12 +151,6 @@ def test_migrated_folders_raise_user_errors_for_bad_input(case):
     assert isinstance(caught.value, (ValueError, FileNotFoundError)), type(caught.value).__mro__
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 30 item 5, the boundary switch: `segment` still lists ValueError in @user_errors, because segment/, "
-    "attention/, models/ and stages.py still raise plain ValueError for bad input. Once every user-facing error "
-    "there is a UserError and user_errors() takes no builtins, this passes: remove the mark then.",
-)
 def test_an_internal_value_error_in_a_command_is_a_traceback(tmp_path, monkeypatch):
     """A bug in the library (here planted: a plain ValueError from a function `segment` calls before any
     model loads) must surface as itself (exit 1, the exception kept for the traceback), not as a one-line

@@ -57,7 +57,7 @@ def analysis_file(out: Path, dataset: str, spec, config_key: str) -> Path:
 
 
 @app.command("analyze", no_args_is_help=True)
-@user_errors(ValueError, FileNotFoundError)
+@user_errors()
 def analyze(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Labelled benchmark (see `ls datasets`).")],
     root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
@@ -140,7 +140,7 @@ def analysis_table(records: list[dict]):
 
 
 @app.command("explain", no_args_is_help=True)
-@user_errors(ValueError, FileNotFoundError)
+@user_errors()
 def explain(
     image: Annotated[Path, typer.Argument(help="The image to explain.", show_default=False)],
     point: Annotated[str, typer.Option("--point", help="X,Y pixel of the original image whose patch's attention is shown.")],
@@ -225,7 +225,7 @@ def gallery(folders: list[str], out: Path, dataset: str | None, root: Path | Non
 
 
 @app.command("demo")
-@user_errors(ValueError, FileNotFoundError)
+@user_errors()
 def demo(
     model: ModelOpt = "ViT-B-16",
     pretrained: PretrainedOpt = "openai",

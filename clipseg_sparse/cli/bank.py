@@ -27,7 +27,7 @@ bank_app = typer.Typer(help="Image banks for region retrieval (CorrCLIPv2's memo
 
 
 @bank_app.command("build", no_args_is_help=True)
-@user_errors(ValueError, FileNotFoundError)
+@user_errors()
 def build(
     inputs: Annotated[list[Path], typer.Argument(help="Image files and/or folders (searched recursively): the unlabeled images of the bank.", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="The bank folder (created; an unfinished build there is resumed).")],
@@ -99,7 +99,7 @@ def _source_text(source, given: str) -> str:
 
 
 @bank_app.command("info", no_args_is_help=True)
-@user_errors(ValueError, FileNotFoundError)
+@user_errors()
 def info(bank: Annotated[Path, typer.Argument(help="A bank folder made by `bank build`.", show_default=False)]) -> None:
     """What a bank holds: images, regions, the key backbone and value CLIPs with their weights and settings,
     the index and the content hash that result files record."""

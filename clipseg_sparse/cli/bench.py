@@ -12,7 +12,7 @@ app = typer.Typer()
 
 
 @app.command("bench")
-@user_errors(ValueError, FileNotFoundError)
+@user_errors()
 def bench(
     quick: Annotated[bool, typer.Option("--quick", help="ViT-B/16 at 224 px only, without the slow package solvers (seconds).")] = False,
     device: DeviceOpt = Device.cpu,

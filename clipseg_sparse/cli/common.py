@@ -132,14 +132,13 @@ def note_shown(out: Path | None, shown: bool) -> None:
         err_console.print(f"{out} holds this configuration's finished result: showing it, not recomputing (--overwrite recomputes)", highlight=False, soft_wrap=True)
 
 
-def user_errors(*builtins: type[Exception]) -> Callable[[Command], Command]:
+def user_errors() -> Callable[[Command], Command]:
     """The CLI's one error boundary, put once on every command (under `@app.command`): a `UserError` raised
     anywhere in the command ends as one stderr line and exit 2 (`fail`) instead of a traceback.
 
-    builtins: the plain exceptions that library code this command calls still raises for bad input (spec
-    parsing, inference settings, vocabulary and template files raise `ValueError` / `FileNotFoundError`),
-    read the same way until those sites raise `errors.UserValueError`."""
-    caught = (UserError, *builtins)
+    Nothing else is caught: library code raises a `UserError` subclass for every input a user can fix, so a
+    plain `ValueError` (or any other builtin) is a bug and surfaces as its traceback."""
+    caught = (UserError,)
 
     def wrap(command: Command) -> Command:
         @functools.wraps(command)
@@ -221,7 +220,7 @@ def note_softmax_aliases(normalizers) -> None:
 
 
 def load_model(model: str, pretrained: str, device: Device, precision: Precision):
-    """load_clip behind a status line (its errors: `WeightsUnavailableError`, `ValueError`, `FileNotFoundError`)."""
+    """load_clip behind a status line (its errors: `WeightsUnavailableError`, `UserValueError`)."""
     from ..models.clip import load_clip
 
     with err_console.status(f"loading {model} ({pretrained})"):

@@ -15,7 +15,7 @@ dna_app = typer.Typer(help="DnA (Denoising Attention): train its negative branch
 
 
 @dna_app.command("train", no_args_is_help=True)
-@user_errors(ValueError, FileNotFoundError)
+@user_errors()
 def train_cmd(
     out: Annotated[Path, typer.Option("--out", "-o", help="Run folder: settings.json (claimed at start: another run with other settings is refused), checkpoint.pt (resume), adapter.safetensors, train.json.")],
     root: Annotated[Path, typer.Option("--root", help="Dataset folder (dense: the dataset's mmseg layout) or an ImageFolder (image: one sub-folder per class).")],
@@ -80,7 +80,7 @@ def train_cmd(
 
 
 @dna_app.command("stats", no_args_is_help=True)
-@user_errors(ValueError, FileNotFoundError)
+@user_errors()
 def stats_cmd(
     adapter: Annotated[Path, typer.Argument(help="A DnA adapter (.safetensors) written by `dna train`.")],
     model: ModelOpt = "ViT-B-16",

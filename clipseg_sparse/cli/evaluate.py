@@ -43,7 +43,7 @@ app = typer.Typer()
 
 
 @app.command("eval")
-@user_errors(ValueError, FileNotFoundError)
+@user_errors()
 def eval_cmd(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Benchmark: voc21, voc20, context60, context59, ade20k, coco-stuff, coco-object, cityscapes (see `ls datasets`).")],
     root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
@@ -154,7 +154,7 @@ class Region(str, Enum):
 
 
 @app.command("fgovd")
-@user_errors(ValueError, OSError)  # OSError: a benchmark, image or result file that cannot be read or written
+@user_errors()
 def fgovd(
     benchmark: Annotated[list[Path], typer.Option("--benchmark", "-b", help="FG-OVD benchmark JSON (repeat for several); the split comes from the file name.")],
     images: Annotated[Path, typer.Option("--images", help="COCO 2017 root holding val2017/ and train2017/.")],

@@ -37,7 +37,7 @@ app = typer.Typer()
 
 
 @app.command("segment", no_args_is_help=True)
-@user_errors(ValueError, FileNotFoundError)
+@user_errors()
 def segment(
     inputs: Annotated[list[Path], typer.Argument(help="Image files and/or folders (searched recursively).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder; images keep their path relative to the folder given.")],

@@ -63,7 +63,7 @@ def _run_grid(grid, paths, device: Device, metric: str | None = None, shard: str
 
 
 @app.command("sweep", no_args_is_help=True)
-@user_errors(ValueError)
+@user_errors()
 def sweep(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder of result files (one per cell, named by its config hash).")],
     grid: Annotated[Optional[Path], typer.Option("--grid", help="TOML grid file with the keys below; flags given override it.")] = None,
@@ -134,7 +134,7 @@ def sweep(
 
 
 @app.command("report", no_args_is_help=True)
-@user_errors(ValueError)
+@user_errors()
 def report(
     results: Annotated[list[str], typer.Argument(help="Result files, folders (searched recursively) or globs.")],
     rows: Annotated[str, typer.Option("--rows", help="Key on the table rows: source, normalizer, alpha, block, dataset, model, resolution, ...")] = "source",
@@ -191,7 +191,7 @@ def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite:
 
 
 @app.command("reproduce")
-@user_errors(ValueError)
+@user_errors()
 def reproduce(
     table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a \\[report] table (rows, cols, metric).")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the shipped grids and exit.")] = False,
