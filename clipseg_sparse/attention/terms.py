@@ -240,7 +240,7 @@ class BlockInput:
         weight, body = _split_weight(text.strip())
         body, paren, own = body.partition("(")
         if paren and not (own.endswith(")") and own[:-1].strip()):
-            raise ValueError(f"bad block input {text!r}: its own score terms go in parentheses, e.g. sum@4-10(kk)")
+            raise UserValueError(f"bad block input {text!r}: its own score terms go in parentheses, e.g. sum@4-10(kk)")
         source = tuple(str(Group.parse(g)) for g in split_top(own[:-1], "+")) if paren else ()
         kind, at, span = body.partition("@")
         first, dash, last = span.partition("-")
