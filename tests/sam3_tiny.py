@@ -26,7 +26,8 @@ def tiny_sam3_model(seed: int = 0) -> nn.Module:
     from sam3.model.vitdet import ViT
     from sam3.model.vl_combiner import SAM3VLBackbone
 
-    from clipseg_sparse.models.sam3 import clip_bpe_path, init_unloaded
+    from clipseg_sparse.models.sam3.common import clip_bpe_path
+    from clipseg_sparse.models.sam3.package import init_unloaded
 
     D = 256  # the heads' width is fixed in the package's modules
     torch.manual_seed(seed)
@@ -83,3 +84,40 @@ def tiny_sam3_model(seed: int = 0) -> nn.Module:
         use_instance_query=False, multimask_output=True, inst_interactive_predictor=None, matcher=None,
     )
     return init_unloaded(model, seed).eval()
+
+
+def tiny_hf_model(seed: int = 0, gain: float = 2.0):
+    """A small random transformers `Sam3Model` (1.8M parameters, 112 px, 8 x 8 patches): ViT of 2 blocks
+    (windowed, global), one fusion / decoder / geometry layer, 10 queries, a 1-layer CLIP text encoder on
+    the real 49408-token vocabulary. PyTorch's default init per layer and every Linear outside the ViT
+    times `gain`: transformers' own init (std 0.02) gives every prompt the same presence and no instance."""
+    from transformers import Sam3Config, Sam3Model
+    from transformers.models.sam3.configuration_sam3 import Sam3ViTConfig
+
+    vit = Sam3ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=RESOLUTION,
+                        patch_size=14, window_size=4, global_attn_indexes=[1], pretrain_image_size=56, layer_norm_eps=1e-5)  # fmt: skip
+    sub = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64)
+    config = Sam3Config(
+        vision_config=dict(backbone_config=vit, fpn_hidden_size=32),
+        text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=1, num_attention_heads=2,
+                         max_position_embeddings=32, hidden_act="gelu", layer_norm_eps=1e-5),  # fmt: skip
+        geometry_encoder_config=dict(num_layers=1, **sub), detr_encoder_config=dict(num_layers=1, **sub),
+        detr_decoder_config=dict(num_layers=1, num_queries=10, **sub), mask_decoder_config=dict(hidden_size=32, num_attention_heads=2),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Sam3Model(config)
+    for module in model.modules():
+        if module is not model and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and not name.startswith("vision_encoder"):
+                module.weight.mul_(gain)
+    return model.eval()
+
+
+def tiny_hf_prompter(precision: str = "fp32"):
+    from clipseg_sparse.models.sam3 import TransformersPrompter
+    from clipseg_sparse.models.sam3.hf import offline_processor
+
+    return TransformersPrompter(tiny_hf_model(), offline_processor(RESOLUTION), "none", "cpu", precision)

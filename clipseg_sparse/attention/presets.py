@@ -13,7 +13,10 @@ def register_preset(name: str, text: str, reference: str, notes: str = "", modul
     PRESETS.register(name, Preset(AttentionSpec.parse(text), reference, notes), help=reference, module=module or caller_module())
 
 
-def register_entmax_variant(name: str, alpha: float = 1.5, module: str | None = None) -> None:
+ENTMAX_ALPHA = 1.5  # the alpha of every `NAME-entmax` preset and pipeline
+
+
+def register_entmax_variant(name: str, alpha: float = ENTMAX_ALPHA, module: str | None = None) -> None:
     """`NAME-entmax`: entmax replaces every normalizer slot of NAME (its groups and any iteration)."""
     base = PRESETS.get(name)
     register_preset(

@@ -195,9 +195,9 @@ def resolve_attention(preset: str | None, attn: str | None, default: str = "scli
     from ..attention import PRESETS, AttentionSpec
 
     if attn is None and preset is not None and preset not in PRESETS:
-        from ..segment.pipelines import PIPELINES
+        from ..segment.pipelines import PIPELINES, split_pipeline
 
-        if preset.partition(":")[0] in PIPELINES:
+        if split_pipeline(preset)[0] in PIPELINES:
             fail(f"--preset {preset}: a pipeline, not an attention preset; only `eval` runs it (`ls pipelines`)")
         fail(PRESETS.unknown_message(preset))
     text = attn or preset or default
@@ -227,7 +227,7 @@ def load_model(model: str, pretrained: str, device: Device, precision: Precision
         return load_clip(model, pretrained=pretrained, device=device.value, precision=precision.value)
 
 
-def load_pipeline(pipeline, weights: str, pretrained: str, device: Device):
+def load_pipeline(pipeline, weights: str, pretrained: str, device: Device, precision: "Precision" = None):
     """A pipeline's model (`--preset sam3`, segment/pipelines.py) behind a status line: its backbone's
     --proxy-weights (auto: hub, or none with --pretrained none); its errors are one line (missing extra,
     weights, device)."""
@@ -236,7 +236,7 @@ def load_pipeline(pipeline, weights: str, pretrained: str, device: Device):
 
     chosen = ProxyBackbones(weights=weights, clip_weights=pretrained).resolved_weights(pipeline.backbone)
     with err_console.status(f"loading {pipeline.backbone} ({chosen})"):
-        return pipeline.load(chosen, str(resolve_device(device.value)))
+        return pipeline.load(chosen, str(resolve_device(device.value)), (precision or Precision.fp32).value)
 
 
 def note(message: str) -> None:

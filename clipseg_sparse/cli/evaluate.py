@@ -116,7 +116,7 @@ def eval_cmd(
         clip = load_model(model, pretrained, device, precision)
         inputs = bind_resources(inputs, spec_plan, clip, vocabulary.flat_names)
     else:
-        clip = load_pipeline(pipeline, proxy_weights, pretrained, device)
+        clip = load_pipeline(pipeline, proxy_weights, pretrained, device, precision)
     shown = out is not None and out.exists() and not overwrite  # a finished result is read back, if its config matches
     record = evaluate(clip, bench.name, root, spec, protocol=protocol, overrides=overrides, class_names=class_names,
                       limit=limit, out=out, save_pred=save_pred, overwrite=overwrite, templates=templates, resources=inputs)

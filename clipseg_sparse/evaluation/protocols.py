@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..attention import AttentionSpec
+from ..attention.presets import ENTMAX_ALPHA
 from ..models.clip import DEFAULT_MODEL, DEFAULT_PRETRAINED
 from ..segment.settings import InferenceSettings
 from ..registry import ENTRY_POINT_GROUP, Registry, caller_module
@@ -77,10 +78,16 @@ class Protocol:
         )
 
     def pipeline_text(self, dataset: str, text: str | None = None) -> str:
-        """The `NAME[:ARGS]` text of a pipeline to run on `dataset` (segment/pipelines.py): the protocol's
-        own (None or its bare name) with the dataset's published constants; any other text as given."""
+        """The `NAME[:ARGS][/NORMALIZER]` text of a pipeline to run on `dataset` (segment/pipelines.py): the
+        protocol's own up to its normalizer (None, its bare name, NAME-entmax, NAME/NORMALIZER) with the
+        dataset's published constants, the normalizer kept; any other text as given."""
         text = self.attention if text is None else text
-        return self.attention_per_dataset.get(dataset, text) if text == self.attention else text
+        base, slash, normalizer = text.partition("/")
+        if base == f"{self.attention}-entmax" and not slash:
+            base, slash, normalizer = self.attention, "/", f"entmax:{ENTMAX_ALPHA:g}"
+        if base != self.attention:
+            return text
+        return self.attention_per_dataset.get(dataset, base) + slash + normalizer
 
     def clip_weights(self, model: str | None = None, pretrained: str | None = None) -> tuple[str, str]:
         """(model, pretrained) to load, each the given value (command line, grid) if not None, else the

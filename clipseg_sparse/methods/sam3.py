@@ -22,7 +22,14 @@ in all eight) and SAM 3's processor squashes it to 1008 x 1008; bf16 autocast on
 (`configs/cfg_*.py`): confidence 0.5 (VOC21, COCO-Object; the default), 0.3 (Context60/59, Cityscapes,
 ADE20K), 0.2 (VOC20, COCO-Stuff); prob_thd 0.4 (VOC21, COCO-Object), 0.1 (Context60), else 0.
 Not copied: the segmentor re-reads the image file with PIL; here the pixels `eval` loaded (the same RGB
-values, EXIF rotation applied). No accuracy has been measured here (no weights; SAM 3 runs on CUDA only).
+values, EXIF rotation applied); the names go through the detector 16 at a time on one image encoding (the
+published loop runs one name per pass; a name's answer does not depend on its bucket). No accuracy has been
+measured here (no weights).
+
+SAM 3 runs through transformers by default, on any device (`models/sam3/`); `--precision bf16` runs it under
+bf16 autocast on a CPU as on CUDA. Ours: `sam3/NORMALIZER` (`sam3-entmax` = `sam3/entmax:1.5`) puts the
+normalizer into the detector's cross-attention to the image and the fusion encoder's cross-attention to the
+prompt (`models/sam3/attention.py`), the two places where SAM 3 spreads a softmax row over the image or text.
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..attention.normalizers import Normalizer
+from ..attention.presets import ENTMAX_ALPHA
 from ..errors import UserValueError
 from ..evaluation.protocols import PROTOCOLS, Protocol
-from ..models.sam3 import Sam3Prompter, load_sam3
+from ..models.sam3 import load_sam3
 from ..segment.images import load_image
 from ..segment.pipelines import PIPELINES, Pipeline
 from ..segment.settings import InferenceSettings
@@ -54,10 +63,12 @@ def fuse_prompt(masks: torch.Tensor, scores: torch.Tensor, semantic: torch.Tenso
 
 
 class Sam3Segmenter:
-    """SegEarth-OV3's segmenter on a loaded SAM 3 (`models.sam3.Sam3Prompter`, or anything with its
-    `set_image` / `prompt` / `config`): `scores(rgb)` (C x H x W), `predict_labels(image)` (what eval scores)."""
+    """SegEarth-OV3's segmenter on a loaded SAM 3 prompter (`models.sam3`: `set_image`, `prompts`, `normalized`,
+    `config`): `scores(rgb)` (C x H x W), `predict_labels(image)` (what eval scores). normalizer: in the
+    detector's attention (None: SAM 3's own softmax)."""
 
-    def __init__(self, prompter: Sam3Prompter, vocabulary: Vocabulary, settings: InferenceSettings | None = None, confidence: float = CONFIDENCE) -> None:
+    def __init__(self, prompter, vocabulary: Vocabulary, settings: InferenceSettings | None = None, confidence: float = CONFIDENCE,
+                 normalizer: str | None = None) -> None:  # fmt: skip
         settings = settings or InferenceSettings()
         if settings.stage_texts() or settings.area_threshold:
             raise UserValueError(f"sam3 runs no stages and no area threshold (got stages {list(settings.stage_texts())}, area_threshold {settings.area_threshold})")
@@ -65,6 +76,7 @@ class Sam3Segmenter:
         self.vocabulary = vocabulary
         self.settings = settings
         self.confidence = confidence
+        self.normalizer = normalizer
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -74,7 +86,7 @@ class Sam3Segmenter:
         """Everything that changes a prediction, for result files."""
         return {
             **self.prompter.config(),
-            "attention": f"sam3:{self.confidence:g}",
+            "attention": pipeline_name(self.confidence, self.normalizer),
             "classes": [list(syn) for syn in self.vocabulary.names],
             "confidence": self.confidence,
             "bg_threshold": self.settings.bg_threshold,
@@ -85,10 +97,9 @@ class Sam3Segmenter:
         """C x H x W class scores of an H x W x 3 uint8 RGB image: each name's fused map (`fuse_prompt`),
         then the max over each class's names."""
         state = self.prompter.set_image(rgb)
-        per_name = []
-        for name in self.vocabulary.flat_names:
-            answer = self.prompter.prompt(state, name, self.confidence)
-            per_name.append(fuse_prompt(answer.masks, answer.scores, answer.semantic, answer.presence))
+        with self.prompter.normalized(self.normalizer):
+            answers = self.prompter.prompts(state, self.vocabulary.flat_names, self.confidence)
+        per_name = [fuse_prompt(a.masks, a.scores, a.semantic, a.presence) for a in answers]
         index = torch.tensor(self.vocabulary.name_to_class)
         names = torch.stack(per_name)
         return torch.stack([names[index == c].amax(0) for c in range(len(self.vocabulary))])
@@ -101,21 +112,41 @@ class Sam3Segmenter:
         return labels.cpu().numpy().astype(np.int64)
 
 
-def _pipeline(args: str) -> Pipeline:
-    """`sam3[:CONFIDENCE]`, CONFIDENCE in [0, 1) (default 0.5)."""
+def pipeline_name(confidence: float, normalizer: str | None) -> str:
+    """The canonical `sam3:CONFIDENCE[/NORMALIZER]` (softmax runs as SAM 3 does and is written without one)."""
+    return f"sam3:{confidence:g}" + (f"/{normalizer}" if normalizer else "")
+
+
+def parse(args: str, normalizer: str | None = None) -> tuple[float, str | None]:
+    """(confidence, normalizer) of `sam3[:CONFIDENCE][/NORMALIZER]`'s text after the name."""
+    text, slash, given = args.partition("/")
     try:
-        confidence = float(args) if args else CONFIDENCE
+        confidence = float(text) if text else CONFIDENCE
     except ValueError:
         confidence = -1.0
     if not 0.0 <= confidence < 1.0:
-        raise UserValueError(f"bad pipeline 'sam3:{args}': expected sam3[:CONFIDENCE] with 0 <= CONFIDENCE < 1, e.g. sam3:0.5")
+        raise UserValueError(f"bad pipeline 'sam3:{args}': expected sam3[:CONFIDENCE][/NORMALIZER] with 0 <= CONFIDENCE < 1, e.g. sam3:0.5")
+    if slash:
+        try:
+            normalizer = str(Normalizer.parse(given))
+        except ValueError as e:
+            raise UserValueError(f"bad pipeline 'sam3:{args}': {e}") from None
+    return confidence, None if normalizer == "softmax" else normalizer
+
+
+def _pipeline(args: str, normalizer: str | None = None) -> Pipeline:
+    confidence, normalizer = parse(args, normalizer)
     return Pipeline(
-        f"sam3:{confidence:g}", "sam3", load_sam3,
-        lambda prompter, vocabulary, settings: Sam3Segmenter(prompter, vocabulary, settings, confidence),
+        pipeline_name(confidence, normalizer), "sam3", load_sam3,
+        lambda prompter, vocabulary, settings: Sam3Segmenter(prompter, vocabulary, settings, confidence, normalizer),
     )  # fmt: skip
 
 
-PIPELINES.register("sam3", _pipeline, help="SAM 3 zero-shot, SegEarth-OV3's fusion: sam3[:CONFIDENCE] (extra .[sam3], CUDA)")
+PIPELINES.register("sam3", _pipeline, help="SAM 3 zero-shot, SegEarth-OV3's fusion: sam3[:CONFIDENCE][/NORMALIZER] (transformers, any device)")
+PIPELINES.register(
+    "sam3-entmax", lambda args: _pipeline(args, f"entmax:{ENTMAX_ALPHA:g}"),
+    help=f"sam3 with entmax:{ENTMAX_ALPHA:g} in the detector's image and the fusion encoder's prompt cross-attention (this project)",
+)  # fmt: skip
 
 _CONFIDENCE = {"voc20": 0.2, "coco-stuff": 0.2, "context60": 0.3, "context59": 0.3, "cityscapes": 0.3, "ade20k": 0.3}
 PROTOCOL = PROTOCOLS.register(

@@ -119,7 +119,7 @@ _register(BackboneInfo(
 ))
 _register(BackboneInfo(
     "sam3", "sam3-masks", "facebook/sam3", 14, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), (), "fixed",
-    "sam3 build_sam3_image_model + Sam3Processor, text-prompted (SegEarth-OV3; preset sam3, --regions sam3)", input_size=1008,
+    "SAM 3, text-prompted (preset sam3, --regions sam3): transformers Sam3Model on any device (W: hub, a Hub id, a folder, none), or the sam3 package on CUDA (W: package:hub, FILE.pt)", input_size=1008,
 ))
 
 

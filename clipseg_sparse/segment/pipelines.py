@@ -1,15 +1,18 @@
 """Segmenters that are not an attention spec on CLIP (SAM 3), registered by name so `eval` runs them
 where a preset goes and puts their rows beside the presets'.
 
-A pipeline is written `NAME[:ARGS]` (`--preset sam3`, `--preset sam3:0.4`). Its factory, registered in its
-method's room (`methods/`), parses ARGS into a `Pipeline`: the backbone whose weights it loads (`ls
-backbones`; weights by `--proxy-weights NAME=W`) and `build(model, vocabulary, settings)`, which returns an
+A pipeline is written `NAME[:ARGS][/NORMALIZER]` (`--preset sam3`, `--preset sam3:0.4`, `sam3/entmax:1.5`:
+a normalizer inside the pipeline's own attention, where it has a slot). Its factory, registered in its
+method's room (`methods/`), parses the text after NAME into a `Pipeline`: the backbone whose weights it loads
+(`ls backbones`; weights by `--proxy-weights NAME=W`), `load(weights, device, precision)`, and
+`build(model, vocabulary, settings)`, which returns an
 object with the calls `eval` makes on a `Segmenter`: `predict_labels(rgb, name)`, `config()` (with the
 `attention`, `model` and `pretrained` keys of result tables) and `class_names`.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,7 +27,7 @@ class Pipeline:
 
     name: str  # canonical NAME:ARGS, recorded as the result's "attention"
     backbone: str  # BACKBONES entry whose weights it loads
-    load: Callable[[str, str], Any]  # (weights: hub | none | a file, device) -> the loaded model
+    load: Callable[[str, str, str], Any]  # (weights: hub | none | a file or folder, device, precision) -> the loaded model
     build: Callable[[Any, Vocabulary, InferenceSettings], Any]  # (model, vocabulary, settings) -> a segmenter
 
 
@@ -33,10 +36,19 @@ PIPELINES: Registry[Callable[[str], Pipeline]] = Registry(
 )
 
 
+def split_pipeline(text: str) -> tuple[str, str]:
+    """(NAME, the rest after NAME and its `:`): `sam3:0.3/entmax:1.5` -> (sam3, 0.3/entmax:1.5),
+    `sam3/sparsemax` -> (sam3, /sparsemax)."""
+    text = text.strip()
+    name = re.match(r"[^:/]*", text).group(0)
+    rest = text[len(name) :]
+    return name, rest[1:] if rest.startswith(":") else rest
+
+
 def find_pipeline(text: object) -> Pipeline | None:
-    """The pipeline `text` names (`NAME[:ARGS]`; UserValueError for bad ARGS), or None when it names none (an
-    attention spec or preset, or not a string)."""
+    """The pipeline `text` names (`NAME[:ARGS][/NORMALIZER]`; a UserValueError for bad ARGS), or None when it
+    names none (an attention spec or preset, or not a string)."""
     if not isinstance(text, str):
         return None
-    name, _, args = text.strip().partition(":")
+    name, args = split_pipeline(text)
     return PIPELINES.get(name)(args) if name in PIPELINES else None

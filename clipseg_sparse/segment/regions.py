@@ -10,7 +10,7 @@ A region map is an H x W integer array: one id >= 0 per region, -1 where no mask
 - a registered mask generator (`REGION_SOURCES`, `--regions NAME`), cached as .npy per image: `sam2`,
   SAM2's automatic mask generator (`sam2` package, extra `.[proxy]`) with CorrCLIP's settings
   (points_per_side 8, pred_iou_thresh 0.4, stability_score_thresh 0.4); `sam3`, SAM 3's instance masks
-  for the vocabulary's names (`sam3` package, extra `.[sam3]`; `Sam3Regions`).
+  for the vocabulary's names (through transformers on any device, extra `.[sam3]`; `Sam3Regions`).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class Sam3Regions(CachedRegions):
         super().__init__(cache_dir, checkpoint, device)
         self.prompts = tuple(prompts)
         self.confidence = confidence
-        self._prompter = prompter  # a loaded models.sam3.Sam3Prompter (tests: a small random one)
+        self._prompter = prompter  # a loaded models.sam3 prompter (tests: a small random one)
 
     def source(self) -> str:
         return f"sam3:{BACKBONES.get('sam3').timm_name if self.checkpoint == 'hub' else self.checkpoint}:confidence={self.confidence:g}"
@@ -212,13 +212,13 @@ class Sam3Regions(CachedRegions):
 
     def masks(self, image: np.ndarray) -> list[np.ndarray]:
         if not self.prompts:
-            raise ValueError("sam3 regions are prompted with the vocabulary's names: none were given (a Segmenter passes its own)")
+            raise UserValueError("sam3 regions are prompted with the vocabulary's names: none were given (a Segmenter passes its own)")
         if self._prompter is None:
             from ..models.sam3 import load_sam3
 
             self._prompter = load_sam3(self.checkpoint, self.device)
         state = self._prompter.set_image(image)
-        answers = [self._prompter.prompt(state, name, self.confidence) for name in self.prompts]
+        answers = self._prompter.prompts(state, self.prompts, self.confidence)
         return [m.cpu().numpy() > 0.5 for a in answers for m in a.masks]
 
 
@@ -233,15 +233,12 @@ def _sam2_source(cache_dir: Path, device: str) -> Sam2Regions:
 
 
 def _sam3_source(cache_dir: Path, device: str) -> Sam3Regions:
-    from ..models.sam3 import check_device
-
-    require_extra("sam3", "--regions sam3", extra="sam3")
-    check_device(device)  # before any model loads
+    require_extra("transformers", "--regions sam3", extra="sam3")  # before any model loads
     return Sam3Regions(cache_dir / "regions-sam3", device=device)
 
 
 REGION_SOURCES.register("sam2", _sam2_source, help="SAM2 automatic masks, CorrCLIP's settings (extra .[proxy])")
-REGION_SOURCES.register("sam3", _sam3_source, help="SAM 3 instance masks prompted with the vocabulary's names (extra .[sam3], CUDA)")
+REGION_SOURCES.register("sam3", _sam3_source, help="SAM 3 instance masks prompted with the vocabulary's names (transformers, any device; extra .[sam3])")
 
 
 def open_regions(value: str, device: str = "cpu", names: Sequence[str] = ()) -> "RegionFolder | CachedRegions":

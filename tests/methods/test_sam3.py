@@ -1,13 +1,16 @@
-"""SAM 3: the SegEarth-OV3 pipeline (`methods/sam3.py`), its prompter (`models/sam3.py`) and the `--regions
+"""SAM 3: the SegEarth-OV3 pipeline (`methods/sam3.py`), its prompters (`models/sam3/`) and the `--regions
 sam3` source, against a transcription of earth-insights/SegEarth-OV-3@87e5cc1 `segearthov3_segmentor.py`.
 
 The fusion runs on a stubbed prompter (fixed instance masks, scores, semantic maps and presence per name);
-the prompter on a small random SAM 3 built from the package's classes (`sam3_tiny.py`), when the package is
-installed (extra `.[sam3]`; its pins, huggingface-hub < 2 and numpy < 2.4, keep it out of the test extra)."""
+the transformers backend on a small random `Sam3Model` (`sam3_tiny.tiny_hf_model`, always); the package
+backend on a small random SAM 3 built from the package's classes when the package is installed (extra
+`.[sam3-package]`; its pins, huggingface-hub < 2 and numpy < 2.4, keep it out of the test extra)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import sys
 
 import numpy as np
@@ -31,7 +34,7 @@ from clipseg_sparse.segment.vocabulary import Vocabulary
 from fake_benchmarks import make_benchmark
 
 HAS_SAM3 = importlib.util.find_spec("sam3") is not None
-needs_sam3 = pytest.mark.skipif(not HAS_SAM3, reason="the sam3 package (extra .[sam3]) is not installed")
+needs_sam3 = pytest.mark.skipif(not HAS_SAM3, reason="the sam3 package (extra .[sam3-package]) is not installed")
 
 
 class StubPrompter:
@@ -59,6 +62,12 @@ class StubPrompter:
     def prompt(self, state: dict, name: str, confidence: float) -> Sam3Prompt:
         self.asked.append((name, confidence))
         return self.answer(state["size"], name)
+
+    def prompts(self, state: dict, names, confidence: float) -> list[Sam3Prompt]:
+        return [self.prompt(state, name, confidence) for name in names]
+
+    def normalized(self, normalizer):
+        return contextlib.nullcontext()
 
 
 def published_labels(answers: dict, query_words, query_idx, h, w, prob_thd, bg_idx=0):
@@ -178,47 +187,43 @@ def test_sam3_refuses_stages():
         Sam3Segmenter(StubPrompter(), Vocabulary.parse("a,b"), InferenceSettings(pamr=True))
 
 
-def test_eval_without_the_package_is_one_line(tmp_path, monkeypatch):
+def test_eval_without_transformers_is_one_line(tmp_path, monkeypatch):
     make_benchmark("voc21", tmp_path, n=1)
-    monkeypatch.setitem(sys.modules, "sam3", None)  # import sam3 now raises ImportError
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
     res = CliRunner().invoke(app, ["eval", "--dataset", "voc21", "--root", str(tmp_path), "--protocol", "sam3", "--device", "cpu"])
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1 and ".[sam3]" in lines[0], res.stderr
 
 
 @needs_sam3
-def test_eval_on_a_cpu_is_one_line(tmp_path):
+def test_the_package_backend_on_a_cpu_is_one_line(tmp_path):
     """sam3 0.1.4 builds its model with CUDA calls: refused before any work, in one line."""
     make_benchmark("voc21", tmp_path, n=1)
     res = CliRunner().invoke(app, ["eval", "--dataset", "voc21", "--root", str(tmp_path), "--preset", "sam3:0.4", "--device", "cpu",
-                                   "--proxy-weights", "sam3=none"])  # fmt: skip
+                                   "--proxy-weights", "sam3=package:none"])  # fmt: skip
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1 and "CUDA only" in lines[0], res.stderr
 
 
-def test_regions_sam3_on_a_cpu_or_without_the_package_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
+def test_regions_sam3_without_transformers_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
     make_benchmark("voc21", tmp_path, n=1)
     args = ["eval", "--dataset", "voc21", "--root", str(tmp_path), "--protocol", "corrclip", "--regions", "sam3", "--device", "cpu",
             "--pretrained", "no-such-tag"]  # fmt: skip  (a model load would fail on the tag: the regions must fail first)
-    for missing, message in ((False, "CUDA only"), (True, ".[sam3]")):
-        if missing:
-            monkeypatch.setitem(sys.modules, "sam3", None)
-        elif not HAS_SAM3:
-            continue
-        res = CliRunner().invoke(app, args)
-        lines = res.stderr.strip().splitlines()
-        assert res.exit_code == 2 and len(lines) == 1 and message in lines[0], res.stderr
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    res = CliRunner().invoke(app, args)
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and ".[sam3]" in lines[0], res.stderr
 
 
 @pytest.fixture(scope="module")
 def tiny_prompter():
     if not HAS_SAM3:
-        pytest.skip("the sam3 package (extra .[sam3]) is not installed")
+        pytest.skip("the sam3 package (extra .[sam3-package]) is not installed")
     from sam3_tiny import RESOLUTION, tiny_sam3_model
 
-    from clipseg_sparse.models.sam3 import Sam3Prompter
+    from clipseg_sparse.models.sam3 import PackagePrompter
 
-    return Sam3Prompter(tiny_sam3_model(), "none", "cpu", RESOLUTION)
+    return PackagePrompter(tiny_sam3_model(), "none", "cpu", RESOLUTION)
 
 
 def test_prompter_equals_the_published_processor(tiny_prompter):
@@ -293,3 +298,132 @@ def test_report_puts_sam3_beside_a_clip_preset(tiny_clip, tmp_path):
     (table,) = pivot(collect([tmp_path / "r"]), rows="source", cols="dataset", metric="mIoU")
     assert sorted(table.row_values) == ["qq+kk", "sam3:0.5"] and table.col_values == ["voc21"]
     assert table.cell("sam3:0.5", "voc21") is not None and table.cell("qq+kk", "voc21") is not None
+
+
+# -- the transformers backend (runs everywhere) -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_prompter():
+    from sam3_tiny import tiny_hf_prompter
+
+    torch.set_num_threads(1)  # the tiny model's ops are too small for two threads on a shared 2-core machine
+    return tiny_hf_prompter()
+
+
+def transformers_forward(prompter, rgb, names):
+    """transformers' own `Sam3Model.forward` on each name with one padded box (label -10): the sam3 package's
+    prompt (text + the geometry encoder's CLS token), answered as the package processor does."""
+    ids, mask = prompter.tokens(names)
+    pixels = prompter.processor(images=rgb, return_tensors="pt").pixel_values.expand(len(names), -1, -1, -1)
+    with torch.inference_mode():
+        out = prompter.model(pixel_values=pixels, input_ids=ids, attention_mask=mask, input_boxes=torch.zeros(len(names), 1, 4),
+                             input_boxes_labels=torch.full((len(names), 1), -10))  # fmt: skip
+    presence = out.presence_logits.sigmoid().reshape(-1)
+    size = rgb.shape[:2]
+    semantic = F.interpolate(out.semantic_seg, size=size, mode="bilinear", align_corners=False).sigmoid()[:, 0]
+    masks = F.interpolate(out.pred_masks, size=size, mode="bilinear", align_corners=False).sigmoid()
+    return out.pred_logits.sigmoid() * presence[:, None], masks, semantic, presence
+
+
+def test_transformers_prompter_equals_sam3models_own_forward(hf_prompter):
+    rgb = np.random.default_rng(0).integers(0, 256, (30, 44, 3), dtype=np.uint8)
+    names = ["cat", "a red car", "sky"]
+    scores, masks, semantic, presence = transformers_forward(hf_prompter, rgb, names)
+    got = hf_prompter.prompts(hf_prompter.set_image(rgb), names, 0.0)
+    for k, answer in enumerate(got):
+        torch.testing.assert_close(answer.scores, scores[k], atol=1e-6, rtol=0)
+        torch.testing.assert_close(answer.masks, masks[k], atol=1e-6, rtol=0)
+        torch.testing.assert_close(answer.semantic, semantic[k], atol=1e-6, rtol=0)
+        assert answer.presence == pytest.approx(float(presence[k]), abs=1e-6)
+    assert len({round(a.presence, 4) for a in got}) == 3  # the random model tells the prompts apart
+    kept = hf_prompter.prompts(hf_prompter.set_image(rgb), names, 0.3)
+    for k, answer in enumerate(kept):
+        assert torch.equal(answer.scores, got[k].scores[got[k].scores > 0.3])
+
+
+def test_buckets_do_not_change_a_prompts_answer(hf_prompter, monkeypatch):
+    rgb = np.random.default_rng(1).integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    names = ["cat", "kitten", "dog", "sky", "road"]
+    state = hf_prompter.set_image(rgb)
+    together = hf_prompter.prompts(state, names, 0.0)
+    monkeypatch.setattr(hf_prompter, "bucket", 2)
+    apart = hf_prompter.prompts(state, names, 0.0)
+    for a, b in zip(together, apart):
+        torch.testing.assert_close(a.masks, b.masks, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.semantic, b.semantic, atol=1e-5, rtol=0)
+
+
+def test_pipeline_on_the_transformers_backend_equals_the_published_fusion(hf_prompter):
+    vocab = Vocabulary.parse("cat|kitten,sky,road")
+    rgb = np.random.default_rng(2).integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    seg = Sam3Segmenter(hf_prompter, vocab, confidence=0.3)
+    state = hf_prompter.set_image(rgb)
+    answers = {n: state_of(hf_prompter.prompt(state, n, 0.3)) for n in vocab.flat_names}
+    want, labels = published_labels(answers, vocab.flat_names, vocab.name_to_class, 20, 28, 0.0)
+    torch.testing.assert_close(seg.scores(rgb), want)
+    assert np.array_equal(seg.predict_labels(rgb), labels.numpy())
+    assert seg.config()["backend"] == "transformers" and seg.config()["attention"] == "sam3:0.3"
+
+
+def test_bf16_autocast_on_a_cpu_runs_near_fp32(hf_prompter):
+    from sam3_tiny import tiny_hf_prompter
+
+    rgb = np.random.default_rng(3).integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    vocab = Vocabulary.parse("cat,sky")
+    bf16 = tiny_hf_prompter("bf16")
+    assert bf16.config()["precision"] == "bf16-autocast" and hf_prompter.config()["precision"] == "fp32"
+    low, full = Sam3Segmenter(bf16, vocab, confidence=0.0).scores(rgb), Sam3Segmenter(hf_prompter, vocab, confidence=0.0).scores(rgb)
+    assert low.dtype == torch.float32 and 0 < float((low - full).abs().max()) < 0.05
+
+
+def test_entmax_inside_the_detector(hf_prompter):
+    """entmax:1.0001 is softmax within tolerance, sparsemax changes the answer and puts exact zeros in the
+    decoder's image rows, and leaving `normalized` restores SDPA bit for bit."""
+    rgb = np.random.default_rng(4).integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    vocab = Vocabulary.parse("cat,sky,road")
+    plain = Sam3Segmenter(hf_prompter, vocab, confidence=0.0).scores(rgb)
+    near = Sam3Segmenter(hf_prompter, vocab, confidence=0.0, normalizer="entmax:1.0001").scores(rgb)
+    sparse = Sam3Segmenter(hf_prompter, vocab, confidence=0.0, normalizer="sparsemax").scores(rgb)
+    assert float((near - plain).abs().max()) < 1e-3
+    assert float((sparse - plain).abs().max()) > 1e-2
+    assert torch.equal(Sam3Segmenter(hf_prompter, vocab, confidence=0.0).scores(rgb), plain)
+    state = hf_prompter.set_image(rgb)
+    for normalizer, zeros in (("softmax", False), ("sparsemax", True)):
+        with hf_prompter.normalized(normalizer), hf_prompter.attention(("decoder-image",)) as rows:
+            hf_prompter.prompts(state, ["cat"], 0.0)
+        (weights,) = [w for calls in rows.values() for w in calls]
+        assert weights.shape[-1] == 64 and torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)  # 8 x 8 image tokens
+        assert bool((weights[:, :, 1:] == 0).any()) == zeros
+
+
+def test_pipeline_texts_and_the_protocols_constants_with_a_normalizer():
+    sam3 = PROTOCOLS.get("sam3")
+    assert sam3.pipeline_text("voc20", "sam3-entmax") == "sam3:0.2/entmax:1.5"
+    assert sam3.pipeline_text("voc21", "sam3/sparsemax") == "sam3/sparsemax"
+    assert sam3.pipeline_text("voc20", "sam3:0.4") == "sam3:0.4"  # a constant given is kept
+    assert find_pipeline("sam3:0.2/entmax:1.5").name == "sam3:0.2/entmax:1.5"
+    assert find_pipeline("sam3-entmax").name == "sam3:0.5/entmax:1.5"
+    assert find_pipeline("sam3/softmax").name == "sam3:0.5"  # SAM 3's own attention: the result keys of before
+    for bad in ("sam3/entmax:3", "sam3:x/sparsemax", "sam3/nope"):
+        with pytest.raises(ValueError, match="bad pipeline"):
+            find_pipeline(bad)
+
+
+def test_eval_reads_a_saved_model_folder_and_records_the_backend(hf_prompter, tmp_path):
+    make_benchmark("voc21", tmp_path / "d", n=1)
+    folder = tmp_path / "sam3-tiny"
+    hf_prompter.model.save_pretrained(folder)
+    hf_prompter.processor.save_pretrained(folder)
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["eval", "--dataset", "voc21", "--root", str(tmp_path / "d"), "--protocol", "sam3", "--preset", "sam3-entmax", "--device", "cpu",
+                                   "--proxy-weights", f"sam3={folder}", "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output + res.stderr
+    config = json.loads(out.read_text())["config"]
+    assert config["attention"] == "sam3:0.5/entmax:1.5" and config["backend"] == "transformers" and config["pretrained"] == str(folder)
+
+
+def test_missing_weights_are_one_line(tmp_path):
+    make_benchmark("voc21", tmp_path / "d", n=1)
+    res = CliRunner().invoke(app, ["eval", "--dataset", "voc21", "--root", str(tmp_path / "d"), "--protocol", "sam3", "--device", "cpu",
+                                   "--proxy-weights", f"sam3={tmp_path / 'none-here'}"])  # fmt: skip
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and "no such folder" in lines[0], res.stderr

@@ -1,7 +1,7 @@
-"""SAM 3 (Meta, 2025; PyPI package `sam3`, extra `.[sam3]`): text-prompted masks for the `sam3` baseline
-(`methods/sam3.py`) and the `--regions sam3` source (`segment/regions.py`).
+"""The sam3 package's backend (PyPI `sam3` 0.1.4, extra `.[sam3-package]`; CUDA only): the model Meta
+released the code with, kept beside the transformers backend (`hf.py`) to show the two agree.
 
-`Sam3Prompter.prompt(state, name, confidence)` computes what SegEarth-OV3's patched processor returns
+`PackagePrompter.prompt(state, name, confidence)` computes what SegEarth-OV3's patched processor returns
 (earth-insights/SegEarth-OV-3@87e5cc1: `sam3/model/sam3_image_processor.py::_forward_grounding`, which adds
 `semantic_mask_logits`, `presence_score` and `object_score` to the package's), from the unpatched
 package's `Sam3Image.forward_grounding` outputs:
@@ -16,42 +16,29 @@ Facts of sam3 0.1.4 (read from its wheel): the wheel lacks the BPE vocabulary it
 (`assets/bpe_simple_vocab_16e6.txt.gz`); CLIP's file is that vocabulary (open_clip's copy is byte-identical
 to the one SegEarth-OV3 ships) and is used here. Its model constructors allocate on CUDA (the 1008-px
 position-encoding cache, the decoder's coordinate cache) and its geometry encoder calls `pin_memory()`,
-so the released model is built and run on a CUDA device only. Weights: `facebook/sam3` on the Hugging
-Face Hub (gated: accept its licence, then `hf auth login`), cached, or a local `sam3.pt`.
+so the released model is built and run on a CUDA device only. It pins huggingface-hub < 2 and numpy < 2.4.
+Weights: a local `sam3.pt`, or `facebook/sam3` on the Hugging Face Hub (gated).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..runtime.weights import WeightsUnavailableError, _weights_help, require_extra
-
-SAM3_HUB_ID = "facebook/sam3"
-SAM3_RESOLUTION = 1008  # the processor's square input
-
-
-@dataclass
-class Sam3Prompt:
-    """One text prompt's answer on one image, at the image's size (H x W).
-
-    masks: n x H x W instance mask probabilities of the kept instances; scores: their n object scores
-    (sigmoid(logit) x presence); semantic: H x W semantic-head probabilities; presence: the prompt's
-    presence probability."""
-
-    masks: torch.Tensor
-    scores: torch.Tensor
-    semantic: torch.Tensor
-    presence: float
+from ...errors import UserValueError
+from ...runtime.weights import WeightsUnavailableError, _weights_help, require_extra
+from .common import SAM3_HUB_ID, SAM3_RESOLUTION, Sam3Prompt, clip_bpe_path
 
 
-class Sam3Prompter:
+class PackagePrompter:
     """A SAM 3 image model behind the package's processor: `state = set_image(rgb)` once per image, then
     `prompt(state, name, confidence)` once per name (one text-conditioned decoder pass each)."""
+
+    backend = "package"
 
     def __init__(self, model: torch.nn.Module, weights: str = "none", device: str | torch.device = "cpu", resolution: int = SAM3_RESOLUTION) -> None:
         from sam3.model.sam3_image_processor import Sam3Processor
@@ -96,6 +83,17 @@ class Sam3Prompter:
         return Sam3Prompt(masks[:, 0].float(), scores[keep].float(), semantic[0, 0].float(), float(presence.squeeze()))
 
 
+    def prompts(self, state: dict, names, confidence: float) -> list[Sam3Prompt]:
+        """Each name's answer, one decoder pass per name (the package takes one text prompt at a time)."""
+        return [self.prompt(state, name, confidence) for name in names]
+
+    def normalized(self, normalizer: str | None):
+        """Only SDPA's softmax here: a normalizer inside the detector needs the transformers backend."""
+        if normalizer is not None:
+            raise UserValueError(f"normalizer {normalizer} inside SAM 3 runs on the transformers backend only (the default); the package backend has none")
+        return contextlib.nullcontext()
+
+
 def init_unloaded(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Give random values to the parameters sam3 0.1.4 leaves uninitialised (`torch.empty`) until a
     checkpoint fills them: the text encoder's positional embedding and projection (normal, std 0.02,
@@ -108,24 +106,17 @@ def init_unloaded(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def clip_bpe_path() -> str:
-    """CLIP's BPE vocabulary (open_clip's copy), which SAM 3's text tokenizer reads."""
-    import open_clip
-
-    return os.path.join(os.path.dirname(open_clip.__file__), "bpe_simple_vocab_16e6.txt.gz")
-
-
 def check_device(device: str | torch.device) -> None:
     """WeightsUnavailableError (one line) unless `device` is a CUDA device (see the module doc)."""
     if torch.device(device).type != "cuda":
         raise WeightsUnavailableError(f"SAM 3 runs on CUDA only (sam3 0.1.4 builds its model with CUDA calls); got device {device}: use --device cuda")
 
 
-def load_sam3(weights: str | None = "hub", device: str | torch.device = "cuda") -> Sam3Prompter:
+def load_sam3_package(weights: str | None = "hub", device: str | torch.device = "cuda") -> PackagePrompter:
     """SAM 3's image model: weights "hub" (`facebook/sam3`, then the Hub cache), a local checkpoint file, or
     None / "none" (random weights). MissingExtraError without the package; WeightsUnavailableError (one
     line) when the weights cannot be had or the model cannot be built on `device` (CUDA only, see above)."""
-    require_extra("sam3", "SAM 3 (preset sam3, --regions sam3)", extra="sam3")
+    require_extra("sam3", "SAM 3's package backend", extra="sam3-package")
     from sam3.model_builder import build_sam3_image_model, download_ckpt_from_hf
 
     device = torch.device(device)
@@ -144,4 +135,4 @@ def load_sam3(weights: str | None = "hub", device: str | torch.device = "cuda") 
     model = build_sam3_image_model(bpe_path=clip_bpe_path(), device=device.type, checkpoint_path=path, load_from_HF=False)
     if path is None:
         init_unloaded(model)
-    return Sam3Prompter(model, SAM3_HUB_ID if weights == "hub" else weights or "none", device)
+    return PackagePrompter(model, SAM3_HUB_ID if weights == "hub" else weights or "none", device)
