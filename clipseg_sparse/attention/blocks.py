@@ -29,7 +29,7 @@ from .contract import Block, grid_block, negative_branch, positive_attention
 from .grid import resize_regions
 from .precision import like
 from .scope import mask_class_tokens, mct_step, needs_regions, prepare_regions, semantic_tokens, semantic_weight
-from .spec import AttentionSpec
+from .spec import OPTIONS, AttentionSpec
 from .terms import BlockInput
 from .taps import BlockContext, block_qkv, clip_attention, run_block
 
@@ -48,6 +48,7 @@ class EncoderState:
     main: dict[int, torch.Tensor] = field(default_factory=dict)
     maps: dict[int, torch.Tensor] = field(default_factory=dict)
     pixels: torch.Tensor | None = None
+    blocks: Sequence = ()  # the tower's blocks (BlockContext.blocks)
     extra: dict = field(default_factory=dict)  # BlockContext.extra of the edited blocks (feedback map, regions, cached taps)
 
 
@@ -110,7 +111,8 @@ def _context(state: EncoderState, reads: torch.Tensor, block: Block, offset: int
     u = block.ln_1(reads)
     q, k, v = block_qkv(block, u, state.grid)
     return BlockContext(
-        q=q, k=k, v=v, u=u, grid=state.grid, offset=offset, hidden=hidden, maps=state.maps, pixels=state.pixels, extra=state.extra
+        q=q, k=k, v=v, u=u, grid=state.grid, offset=offset, hidden=hidden, maps=state.maps, pixels=state.pixels, extra=state.extra,
+        blocks=state.blocks,
     )
 
 
@@ -144,15 +146,17 @@ def edited_block_forward(
     off = _cls_offset(spec, x, grid)  # cls:C attends over the patch tokens only
     tokens = x[:, off:] if off else x
     if main and spec.aggregate_in:
-        tokens = aggregate(tokens, spec.aggregation_in, BlockContext(grid=grid, offset=off, hidden=state.main))
+        tokens = aggregate(tokens, spec.aggregation_in, BlockContext(grid=grid, offset=off, hidden=state.main, blocks=state.blocks))
     source = tokens if reads is None else reads[:, off:]
     ctx = _context(state, source, block, off, state.main)
     B, _, C = tokens.shape
-    if sink is not None:
+    apply = _values_rule(spec)
+    if sink is not None or apply is not None:
         weights = attention_weights(spec, ctx)
-        sink.append(weights)
+        if sink is not None:
+            sink.append(weights)
         values = attended_values(spec, ctx)
-        out = like(weights, values) @ values
+        out = like(weights, values) @ values if apply is None else apply(weights, values)
     elif spec.source == ("id",):
         out = ctx.v
     else:
@@ -171,8 +175,17 @@ def edited_block_forward(
     if spec.ffn:
         y = y + block.ls_2(block.mlp(block.ln_2(y)))
     if spec.aggregate_out:
-        y = aggregate(y, spec.aggregation_out, BlockContext(grid=grid, offset=off, hidden=state.hidden))
+        y = aggregate(y, spec.aggregation_out, BlockContext(grid=grid, offset=off, hidden=state.hidden, blocks=state.blocks))
     return torch.cat([x[:, :off], y], dim=1) if off else y
+
+
+def _values_rule(spec: AttentionSpec) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """An option's rule for applying the attention to the values (`ExtraOption.values`), or None: weights @ v."""
+    for name, arg in spec.extras:
+        rule = OPTIONS.get(name).values
+        if rule is not None:
+            return functools.partial(rule, arg)
+    return None
 
 
 def _cls_offset(spec: AttentionSpec, x: torch.Tensor, grid: tuple[int, int]) -> int:
@@ -221,7 +234,7 @@ def encode_tokens(
     hooks = [st for st in spec.stages if st.kind == "token"] + list(token_hooks)
     stage_maps = _stage_maps(hooks, n_plain)
     need_maps |= set(stage_maps.values())
-    state = EncoderState(x, grid, pixels=pixels)
+    state = EncoderState(x, grid, pixels=pixels, blocks=tuple(blocks))
     for name, feats in (context or {}).get("image_features", {}).items():  # whole-image backbone features, per window
         state.extra[("image", name)] = feats
     if (context or {}).get("backbones") is not None:  # the run's external backbones (`ext:` taps)

@@ -29,12 +29,15 @@ class ExtraOption:
     option is written last. The parsed value is `spec.extra(name)` (the canonical text). tower(clip, arg):
     what the edited blocks run from instead of `clip.visual` (its `transformer.resblocks`; DnA's adapter
     blocks), so the model runs an option's blocks without knowing the option. needs(arg): what running it
-    takes besides CLIP (`stages.Needs`: region maps for CorrCLIP's `mct:`, a forward of its own for `stitch:`)."""
+    takes besides CLIP (`stages.Needs`: region maps for CorrCLIP's `mct:`, a forward of its own for `stitch:`).
+    values(arg, weights, v): the B x H x N x d attention output from the B x H x N x N attention and the values,
+    in place of weights @ v per head (DiH-CLIP's selected heads applied to every head's values)."""
 
     check: Callable[[str], str]
     rest_of_spec: bool = False
     tower: Callable[[Any, str], Any] | None = None
     needs: Callable[[str], Needs] | None = None
+    values: Callable[[str, Any, Any], Any] | None = None
 
 
 OPTIONS: Registry[ExtraOption] = Registry(
@@ -49,9 +52,10 @@ def register_option(
     rest_of_spec: bool = False,
     tower: Callable[[Any, str], Any] | None = None,
     needs: Callable[[str], Needs] | None = None,
+    values: Callable[[str, Any, Any], Any] | None = None,
 ) -> None:
     """Add a spec option `NAME:ARG` (see ExtraOption); it round-trips through the text form."""
-    OPTIONS.register(name, ExtraOption(check, rest_of_spec, tower, needs), help=help, module=caller_module())
+    OPTIONS.register(name, ExtraOption(check, rest_of_spec, tower, needs, values), help=help, module=caller_module())
 
 
 BUILTIN_OPTIONS = (

@@ -15,7 +15,7 @@ softmax(q k^T / sqrt(d)) maps, per head).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,8 @@ class BlockContext:
     hidden: block index (1-based) -> B x (1 + h*w) x C residual stream after that block (as the token
     hooks left it). maps: block index -> B x H x (1 + h*w) x (1 + h*w) CLIP's own attention there.
     pixels: the B x 3 x H x W input, for taps that run another backbone; extra: free for such taps.
+    blocks: the tower's blocks (0-based), for a tap that reruns part of one on a kept hidden state (DiH-CLIP's
+    `sha@L`).
     """
 
     q: torch.Tensor | None = None
@@ -52,6 +54,7 @@ class BlockContext:
     maps: Mapping[int, torch.Tensor] = field(default_factory=dict)
     pixels: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    blocks: Sequence[Block] = ()
 
     def hidden_state(self, layer: int) -> torch.Tensor:
         """B x N x C tokens after block `layer`, restricted to the attended tokens."""

@@ -108,6 +108,12 @@ def window_logits(feats: torch.Tensor, text: torch.Tensor, crop: torch.Tensor, p
     return F.interpolate(logits, size=crop.shape[-2:], mode="bilinear", align_corners=False)
 
 
+def structured(n: int, size: tuple[int, int], seed: int) -> torch.Tensor:
+    """Smooth regions plus noise, so the thresholds, aggregations and outlier repairs matter on random weights."""
+    g = torch.Generator().manual_seed(seed)
+    return F.interpolate(torch.randn(n, 3, 4, 4, generator=g), size=size, mode="bilinear") + 0.3 * torch.randn(n, 3, *size, generator=g)
+
+
 # -- DINO (facebookresearch/dino vision_transformer.py) on a timm ViT ----------------------------------------------
 def dino_pos_embed(dino, rows: int, cols: int) -> torch.Tensor:
     pos = dino.pos_embed

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from sclip_line_reference import (
-    block, embed, engine_pipeline, heads, labels_off_ties, merge, sclip_postprocess, slide_inference, window_logits,
+    block, embed, engine_pipeline, heads, labels_off_ties, merge, sclip_postprocess, slide_inference, structured, window_logits,
 )
 from clipseg_sparse.attention import AttentionSpec, attention_maps
 from clipseg_sparse.errors import UserValueError
@@ -119,11 +119,6 @@ def ref_sfp_predict(visual, img, text, query_idx, ori_shape, logit_scale, prob_t
     logits = F.interpolate(preds, size=ori_shape, mode="bilinear", align_corners=False)[0]
     return (logits, *sclip_postprocess(logits, query_idx, logit_scale, prob_thd, area_thd))
 
-
-def structured(n: int, size: tuple[int, int], seed: int) -> torch.Tensor:
-    """Smooth regions plus noise, so thresholds, aggregation and the outlier repair matter on random weights."""
-    g = torch.Generator().manual_seed(seed)
-    return F.interpolate(torch.randn(n, 3, 4, 4, generator=g), size=size, mode="bilinear") + 0.3 * torch.randn(n, 3, *size, generator=g)
 
 
 # -- the preset against the transcription ------------------------------------------------------------------------
