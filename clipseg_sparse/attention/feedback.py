@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..errors import UserValueError
 from .spec import AttentionSpec
-from .terms import Group, Term, _num
+from .terms import Group, Term, parse_number
 from .taps import TAPS, BlockContext, Tap
 
 #: the first pass's PAMR, hard-coded in the published `create_logit_temp`
@@ -36,7 +36,7 @@ FEEDBACK_PAMR = (10, (8, 16))
 def _check_threshold(arg: str) -> None:
     if not arg:
         raise UserValueError("feedback:THD needs the first pass's probability threshold THD in [0, 1], e.g. feedback:0.25")
-    if not 0.0 <= _num(arg, "feedback threshold") <= 1.0:
+    if not 0.0 <= parse_number(arg, "feedback threshold") <= 1.0:
         raise UserValueError(f"feedback:THD needs 0 <= THD <= 1 (got {arg})")
 
 

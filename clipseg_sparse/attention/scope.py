@@ -26,7 +26,7 @@ from .contract import Block, grid_block, positive_attention
 from .grid import merge_regions, resize_regions
 from ..stages import Needs
 from .spec import AttentionSpec, register_option
-from .terms import Term, _num, fmt_num
+from .terms import Term, parse_number, fmt_num
 from .taps import BlockContext, attention_grid
 
 
@@ -120,7 +120,7 @@ def semantic_tokens(mct: torch.Tensor, index: torch.Tensor, clip_grid: tuple[int
 
 
 def _check_mct(arg: str) -> str:
-    return fmt_num(_num(arg, "mct"))
+    return fmt_num(parse_number(arg, "mct"))
 
 
 register_option(

@@ -9,6 +9,7 @@ for SCLIP) and parsed once into `Group`/`Term` values (`terms.py`), so v1 code t
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
@@ -17,7 +18,7 @@ from ..errors import UserValueError
 from ..registry import ENTRY_POINT_GROUP, Registry, caller_module
 from ..stages import Needs, Stage, check_hook, resolve_stages
 from .normalizers import NORMALIZER_KINDS, Normalizer, normalizer_forms
-from .terms import SOURCES, BlockInput, Group, Term, _num, fmt_num, split_top
+from .terms import SOURCES, BlockInput, Group, Term, parse_number, fmt_num, split_top
 
 # -- extension point: options other modules register --------------------------------------------------
 @dataclass(frozen=True)
@@ -118,6 +119,13 @@ class AttentionSpec:
                 raise e
         object.__setattr__(self, "source", tuple("id" if g is None else str(g) for g in groups))
         object.__setattr__(self, "normalizer", str(Normalizer.parse(self.normalizer)))
+        if source == ("id",) and self.normalizer != "softmax":  # a run would be recorded as one it never was
+            raise ValueError(f"normalizer {self.normalizer} on source 'id' (the value path alone: maskclip, lposs) "
+                             "would change nothing: it has no attention scores to normalize; keep softmax")
+        for name in ("gauss_sigma", "temperature", "negative", "cls_residual"):  # nan / inf give NaN scores
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be finite (got {value})")
         if self.gauss_sigma is not None and not self.gauss_sigma > 0:
             raise UserValueError(f"gauss sigma must be > 0 (got {self.gauss_sigma})")
         if self.temperature is not None and not self.temperature > 0:
@@ -274,6 +282,11 @@ class AttentionSpec:
             object.__setattr__(self, name, value)
 
     @property
+    def has_normalizer_slot(self) -> bool:
+        """False for source `id` (MaskCLIP's value path): no attention scores, so no normalizer to swap."""
+        return self.source != ("id",)
+
+    @property
     def is_identity(self) -> bool:
         """True when the spec leaves CLIP unchanged, so no block needs to be re-run by hand."""
         return self == AttentionSpec()
@@ -282,17 +295,17 @@ class AttentionSpec:
 def _parse_option(name: str, arg: str, inputs: list, hooks: list) -> dict:
     """One built-in option -> AttentionSpec keyword(s); `in:` and `hook:` append to their lists."""
     if name == "gauss" and arg:
-        return {"gauss_sigma": float(arg)}
+        return {"gauss_sigma": parse_number(arg, "gauss")}
     if name == "temp" and arg:
-        return {"temperature": float(arg)}
+        return {"temperature": parse_number(arg, "temp")}
     if name in ("nores", "noffn", "parallel", "avg") and not arg:
         return {"nores": {"residual": False}, "noffn": {"ffn": False}, "parallel": {"parallel": True}, "avg": {"average": True}}[name]
     if name == "cls" and arg:
-        return {"cls_residual": _num(arg, "cls"), "residual": False}
+        return {"cls_residual": parse_number(arg, "cls"), "residual": False}
     if name == "layers" and arg:
         return {"layers": int(arg)}
     if name == "neg" and arg:
-        return {"negative": float(arg)}
+        return {"negative": parse_number(arg, "neg")}
     if name in ("aggin", "aggout") and arg:
         return {"aggregate_" + name[3:]: arg}
     if name == "in" and arg:
@@ -318,7 +331,7 @@ class Preset:
     notes: str = ""  # quirks of the published code copied or fixed
 
     def describe(self, help: str) -> dict[str, str]:
-        return {"spec": str(self.spec), "follows": help}
+        return {"spec": str(self.spec), "normalizer slot": "yes" if self.spec.has_normalizer_slot else "no", "follows": help}
 
 
 PRESETS: Registry[Preset] = Registry("attention preset", locations=("clipseg_sparse.methods",), group=ENTRY_POINT_GROUP)

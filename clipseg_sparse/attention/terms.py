@@ -27,7 +27,7 @@ def fmt_num(x: float) -> str:
     return s
 
 
-def _num(text: str, what: str) -> float:
+def parse_number(text: str, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -55,7 +55,7 @@ def _split_weight(text: str) -> tuple[float, str]:
     """`0.5*kk` -> (0.5, "kk"); `kk` -> (1.0, "kk")."""
     head, star, rest = text.partition("*")
     if star and "[" not in head and "(" not in head:
-        return _num(head, f"weight in {text!r}"), rest
+        return parse_number(head, f"weight in {text!r}"), rest
     return 1.0, text
 
 
@@ -169,17 +169,17 @@ def _parse_modifier(mod: str, term: str) -> dict:
     if name in ("dot", "cos") and not arg:
         return {"metric": name}
     if name == "temp" and arg:
-        return {"temp": "auto" if arg == "auto" else _num(arg, what)}
+        return {"temp": "auto" if arg == "auto" else parse_number(arg, what)}
     if name == "iter" and arg.isdigit():
         return {"iterate": int(arg)}
     if name == "shift" and arg:
-        return {"shift": _num(arg, what)}
+        return {"shift": parse_number(arg, what)}
     if name == "scale" and arg:
-        return {"scale": _num(arg, what)}
+        return {"scale": parse_number(arg, what)}
     if name in ("all", "pos", "region") and not arg:  # bare region: the region maps as given, no merging
         return {"support": name}
     if name in ("thresh", "topk", "topp", "region") and arg:
-        return {"support": name, "support_arg": _num(arg, what)}
+        return {"support": name, "support_arg": parse_number(arg, what)}
     raise UserValueError(
         f"bad {what}; modifiers: cos, dot, temp:T|auto, iter:N, shift:BETA, scale:GAMMA, "
         f"pos, thresh:T, topk:K, topp:P, region[:EPS]"

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 from ..runtime.distributed import barrier, gather, rank_and_world, shard
 from .inputs import ImageJob, safe_output_base
 from ..segment.images import ImageReadError, load_image
+from ..segment.labels import NonFiniteScores
 from ..segment.segmenter import Segmenter
 from .outputs import OutputOptions, Status, read_record, write_outputs
 
@@ -100,6 +101,10 @@ def run_plan(
         try:
             result = segmenter.predict(rgb, str(job.rel))
             report.records.append(write_outputs(plan.base(job), job.source, rgb, result, options))
+        except NonFiniteScores as e:  # a spec with no finite score: this image fails, nothing is written
+            report.failed.append((job.source, f"{job.source}: {e}"))
+            on_image(job, f"{job.source}: {e}")
+            continue
         except (MemoryError, RuntimeError) as e:
             if not out_of_memory(e):
                 raise

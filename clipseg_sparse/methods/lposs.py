@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..errors import UserValueError
 from ..attention.presets import register_preset
+from ..attention.terms import parse_number
 from ..evaluation.protocols import PROTOCOLS, Protocol
 from ..stages import STAGES, Stage
 
@@ -172,7 +173,7 @@ def _floats(name: str, args: str, defaults: Sequence[float], usage: str) -> list
     if len(parts) > len(defaults):
         raise UserValueError(f"bad stage '{name}:{args}': {usage}")
     try:
-        return [float(p) for p in parts] + list(defaults[len(parts) :])
+        return [parse_number(p, name) for p in parts] + list(defaults[len(parts) :])
     except ValueError:
         raise UserValueError(f"bad stage '{name}:{args}': {usage}") from None
 

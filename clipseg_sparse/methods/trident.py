@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ..attention.normalizers import Normalizer, normalize
 from ..attention.presets import register_preset
+from ..attention.terms import parse_number
 from ..errors import UserValueError
 from ..evaluation.protocols import PROTOCOLS, Protocol, register_weights_variant
 from ..models.backbones import Backbone, sam_scores
@@ -165,7 +166,7 @@ def _sam_stage(args: str) -> Stage:
     usage = "expected sam[:COS_FAC[:neg0.6][:halves]], e.g. sam:1.2 or sam:3:neg0.6:halves"
     parts = args.split(":") if args else []
     try:
-        cos_fac = float(parts[0]) if parts else 1.2
+        cos_fac = parse_number(parts[0], "sam") if parts else 1.2
     except ValueError:
         raise UserValueError(f"bad stage 'sam:{args}': {usage}") from None
     flags = parts[1:]

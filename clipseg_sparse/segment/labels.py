@@ -12,7 +12,19 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from ..errors import UserValueError
 from .maps import BAND_ELEMENTS, CosineMap, DenseMap, row_bands
+
+
+class NonFiniteScores(UserValueError):
+    """An image whose class scores became NaN or infinite (a spec value or threshold that leaves no finite
+    attention score): the image fails, and no label or probability of it is recorded."""
+
+
+def _check_finite(values: torch.Tensor) -> None:
+    if not bool(torch.isfinite(values).all()):
+        raise NonFiniteScores("its class scores are not finite (NaN or inf): the spec leaves no finite score "
+                              "(a threshold that masks every score, or a value out of range); nothing was recorded")
 
 
 def class_probabilities(logits: torch.Tensor, name_to_class: Sequence[int], num_classes: int) -> torch.Tensor:
@@ -133,8 +145,11 @@ class ClassMaps:
         if bg_threshold <= 0:
             if dropped is not None:  # the classes the area threshold drops cannot win
                 logits.masked_fill_(dropped, float("-inf"))
-            return names[logits.argmax(0)]
+            best = logits.argmax(0)  # a NaN wins the argmax, so a non-finite column shows in its top value
+            _check_finite(logits.gather(0, best[None]))
+            return names[best]
         top_all = logits.amax(0)
+        _check_finite(top_all)  # amax propagates NaN
         top, best = (logits if dropped is None else logits.masked_fill(dropped, float("-inf"))).max(0)
         total = logits.sub_(top_all).exp_().sum(0)  # over every name, dropped ones included
         labels = names[best]
@@ -161,6 +176,7 @@ class ClassMaps:
                 probs = probs * keep.to(probs.dtype).view(-1, 1, 1)
             if self.renormalize:
                 probs = probs / probs.sum(0, keepdim=True)
+            _check_finite(probs)
             yield y0, y1, probs.float().cpu().numpy()
 
 

@@ -26,6 +26,7 @@ from clipseg_sparse.cli.app import app
 from clipseg_sparse.models import clip as clip_module
 from clipseg_sparse.models.clip import DenseCLIP
 from clipseg_sparse.models.tower import model_family
+from conftest import free_memory
 from fake_benchmarks import make_benchmark
 from test_families import _WordIds, _fill
 from test_fgovd import SUBSET, make_images
@@ -36,8 +37,11 @@ _BUILT: dict[tuple[str, str], DenseCLIP] = {}
 
 
 def _family_clip(name: str, precision: str = "fp32") -> DenseCLIP:
-    """The real architecture `name`, seeded random weights, built once per session and precision."""
+    """The real architecture `name`, seeded random weights, built once in a row per name and precision: one
+    model is held at a time (the four B/16 families held together took 3.5 GB)."""
     if (name, precision) not in _BUILT:
+        _BUILT.clear()
+        free_memory()
         with torch.device("meta"):
             model = open_clip.create_model(name, pretrained=None, device="meta")
         model = _fill(model, seed=3).to({"fp32": torch.float32, "bf16": torch.bfloat16}[precision])
@@ -46,6 +50,12 @@ def _family_clip(name: str, precision: str = "fp32") -> DenseCLIP:
         tokenizer = _WordIds(cfg["context_length"], cfg["vocab_size"]) if "hf_tokenizer_name" in cfg else open_clip.get_tokenizer(name)
         _BUILT[name, precision] = DenseCLIP(model=model, tokenizer=tokenizer, model_name=name, pretrained="none", precision=precision)
     return _BUILT[name, precision]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_built():
+    yield
+    _BUILT.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -168,3 +178,10 @@ def test_bench(family, suites, towers):
     for suite in suites.split(","):
         assert f"{suite} " in result.stdout or suite in result.stdout
     assert f"{FAMILIES[family]} 224px qq H12 N{196 + (0 if 'SigLIP' in family else 1)}" in result.stdout
+
+
+def test_one_family_model_is_held_at_a_time():
+    """The suite's memory: a model built for one family is dropped when another is built."""
+    _family_clip(FAMILIES["EVA-02"])
+    _family_clip(FAMILIES["PE-Core"])
+    assert list(_BUILT) == [(FAMILIES["PE-Core"], "fp32")]

@@ -26,6 +26,7 @@ from clipseg_sparse.models.text_tower import cut_plan, encode_tokens
 from clipseg_sparse.models.clip import DenseCLIP
 from clipseg_sparse.models.families.timm_tower import TimmTower
 from clipseg_sparse.models.tower import model_family
+from conftest import free_memory
 
 FAMILIES = {"eva02": "EVA02-B-16", "siglip2": "ViT-B-16-SigLIP2", "pecore": "PE-Core-B-16"}
 SMALL = (32, 48)  # a 2 x 3 patch grid at /16
@@ -76,6 +77,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _free_memory_after_test():
+    """B/16 towers (SigLIP 2's text tower alone is 0.8 GB) are built per test: freed after each."""
+    yield
+    free_memory()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
