@@ -194,26 +194,12 @@ def _patch_stage(args: str) -> Stage:
 
 
 # -- lp:pixel --------------------------------------------------------------------------------------------
-def rgb_to_lab(rgb: torch.Tensor) -> torch.Tensor:
-    """kornia.color.rgb_to_lab on a 3 x H x W RGB image in [0, 1]: sRGB gamma removed, XYZ (D65), white
-    point normalised, CIE f, L in [0, 100], a and b about [-128, 127]."""
-    lin = torch.where(rgb > 0.04045, torch.pow(((rgb + 0.055) / 1.055).clamp_min(0), 2.4), rgb / 12.92)
-    r, g, b = lin[0], lin[1], lin[2]
-    x = 0.412453 * r + 0.357580 * g + 0.180423 * b
-    y = 0.212671 * r + 0.715160 * g + 0.072169 * b
-    z = 0.019334 * r + 0.119193 * g + 0.950227 * b
-    xyz = torch.stack((x / 0.950456, y, z / 1.088754))
-    threshold = 0.008856
-    power = torch.pow(xyz.clamp(min=threshold), 1 / 3.0)
-    scale = 7.787 * xyz + 4.0 / 29.0
-    f = torch.where(xyz > threshold, power, scale)
-    return torch.stack((116.0 * f[1] - 16.0, 500.0 * (f[0] - f[1]), 200.0 * (f[1] - f[2])))
-
-
 def pixel_graph(rgb: torch.Tensor, tau: float = PIXEL_TAU, radius: int = PIXEL_RADIUS) -> torch.Tensor:
     """LPOSS+'s pixel affinity (sparse COO, N x N, N = H x W pixels row-major) of a 3 x H x W RGB image in
     [0, 1]: each pixel to every other pixel of its (2 radius + 1)^2 square inside the image, weight
     exp(-|Lab_i - Lab_j| / tau) with Lab divided by (100, 128, 128) (`get_pixel_connections`)."""
+    from kornia.color import rgb_to_lab  # the published code's own Lab (D65 white 0.95047, 1, 1.08883)
+
     _, H, W = rgb.shape
     lab = (rgb_to_lab(rgb.float()) / torch.tensor(LAB_SCALE, device=rgb.device).view(3, 1, 1)).reshape(3, -1)
     ys = torch.arange(H, device=rgb.device).view(-1, 1).expand(H, W).flatten()

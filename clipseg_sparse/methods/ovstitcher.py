@@ -108,7 +108,7 @@ for _name, _first, _last, _what in (("ovstitcher", 6, 10, "ViT-B/16 block indice
 
 
 # configs/cfg_*.py @2bb6586: short side 448 (Cityscapes 560), long side <= 2048, 336/112 windows (Cityscapes
-# 224/112), prob_thd 0.1 (VOC21, Context60), 0.2 (COCO-Object), else 0; logit scale 40 (the segmentor's
+# 224/112, COCO-Stuff 336/224), prob_thd 0.1 (VOC21, Context60), 0.2 (COCO-Object), else 0; logit scale 40 (the segmentor's
 # default); mmseg's Resize (cv2 on uint8) and the (n + 0.1) / native positional-embedding scale of its open_clip
 # fork; the map correction after the labels; region masks from --regions.
 PROTOCOL = PROTOCOLS.register(
@@ -121,12 +121,14 @@ PROTOCOL = PROTOCOLS.register(
         defaults=dict(resolution=448, window=336, stride=112, logit_scale=40.0, resize="opencv", pos_interp="scale", stages=("regionvote",)),
         per_dataset={
             "cityscapes": dict(resolution=560, window=224),
+            "coco-stuff": dict(stride=224),
             "voc21": dict(bg_threshold=0.1),
             "context60": dict(bg_threshold=0.1),
             "coco-object": dict(bg_threshold=0.2),
         },
     ),
-    help="OV-Stitcher (CVPR 2026): short side 448 (Cityscapes 560), 336/112 windows (Cityscapes 224), logit scale 40, "
+    help="OV-Stitcher (CVPR 2026): short side 448 (Cityscapes 560), 336/112 windows (Cityscapes 224/112, COCO-Stuff "
+    "336/224), logit scale 40, "
     "the map correction (regionvote); needs --regions; its description prompts with --prompts",
 )
 

@@ -189,7 +189,9 @@ register_preset(
 register_entmax_variant("pearl")
 
 # SCLIP's line of configs (short side 336, Cityscapes 560; 224 / 112 windows; VOC21 and VOC20 on the whole image;
-# prob_thd 0.1 on the background datasets), alpha_kk 0.3 on ADE20K and Cityscapes, TLP grid 224 on Cityscapes
+# prob_thd 0.1 on the background datasets), alpha_kk 0.3 on ADE20K and Cityscapes, TLP grid 224 on Cityscapes;
+# pearl_ovss.py's postprocess_result divides the stored probabilities by their sum after the synonym max
+# (renormalize, as NACLIP's segmentor; labels unchanged)
 _PEARL = PEARL_SPEC + "/hook:tlp:{grid}"
 PROTOCOL = PROTOCOLS.register(
     "pearl",
@@ -198,7 +200,7 @@ PROTOCOL = PROTOCOLS.register(
         attention="pearl",
         class_names="sclip",
         source="PGSmall/PEARL@c26062b configs/cfg_*.py, pearl_ovss.py",
-        defaults=SCLIP_LINE,
+        defaults={**SCLIP_LINE, "renormalize": True},
         per_dataset={
             "cityscapes": dict(resolution=560),
             "voc21": dict(window=0, bg_threshold=0.1),

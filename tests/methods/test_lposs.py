@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from kornia.color import rgb_to_lab
 
 from conftest import installed_backbones, window_run
 from clipseg_sparse.methods import lposs
@@ -103,11 +104,12 @@ def ref_perform_lp(L, preds, tol=1e-6, maxiter=50):
 
 
 def ref_lab(rgb):
-    """kornia.color.rgb_to_lab (kornia 0.7: linearize, rgb_to_xyz, D65 white, CIE f), 3 x H x W in [0, 1]."""
+    """kornia.color.rgb_to_lab (kornia 0.7.4, the published dependency: linearize, rgb_to_xyz, D65 white
+    (0.95047, 1, 1.08883), CIE f), 3 x H x W in [0, 1]."""
     rgb = rgb.double()
     lin = torch.where(rgb > 0.04045, ((rgb + 0.055) / 1.055) ** 2.4, rgb / 12.92)
     m = torch.tensor([[0.412453, 0.357580, 0.180423], [0.212671, 0.715160, 0.072169], [0.019334, 0.119193, 0.950227]], dtype=torch.float64)
-    xyz = torch.einsum("ij,jhw->ihw", m, lin) / torch.tensor([0.950456, 1.0, 1.088754], dtype=torch.float64).view(3, 1, 1)
+    xyz = torch.einsum("ij,jhw->ihw", m, lin) / torch.tensor([0.95047, 1.0, 1.08883], dtype=torch.float64).view(3, 1, 1)
     f = torch.where(xyz > 0.008856, xyz.clamp(min=0.008856) ** (1 / 3), 7.787 * xyz + 4 / 29)
     return torch.stack((116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])))
 
@@ -206,11 +208,22 @@ def test_conjugate_gradient_solves_and_stops_as_cupy():
 # -- the pixel graph ------------------------------------------------------------------------------------------
 def test_lab_matches_known_colours_and_the_transcription():
     rgb = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 1.0]]).view(3, 1, 4)
-    lab = lposs.rgb_to_lab(rgb)[:, 0].T
+    lab = rgb_to_lab(rgb)[:, 0].T
     torch.testing.assert_close(lab[0], torch.tensor([100.0, 0.0, 0.0]), atol=1e-2, rtol=0)  # white
     torch.testing.assert_close(lab[1], torch.tensor([53.24, 80.09, 67.20]), atol=2e-2, rtol=0)  # sRGB red
     x = torch.rand(3, 7, 9, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(lposs.rgb_to_lab(x).double(), ref_lab(x), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(rgb_to_lab(x).double(), ref_lab(x), atol=1e-4, rtol=1e-5)
+
+
+def test_pixel_graph_reads_kornias_lab():
+    """The weights from kornia's own Lab (the published code's), to float32 rounding: OpenCV's white point
+    (0.950456, 1.088754) moved Lab b by up to 4.7e-3."""
+    rgb = torch.rand(3, 9, 11, generator=torch.Generator().manual_seed(4))
+    w = lposs.pixel_graph(rgb, tau=0.1, radius=2).to_dense()
+    lab = (rgb_to_lab(rgb) / torch.tensor([100.0, 128, 128]).view(3, 1, 1)).reshape(3, -1)
+    rows, cols = w.nonzero().T
+    hand = torch.exp(-(lab[:, rows] - lab[:, cols]).norm(dim=0) / 0.1)
+    assert (w[rows, cols] - hand).abs().max() <= 1e-6
 
 
 def test_pixel_graph_weights_by_hand():
