@@ -26,6 +26,7 @@ from __future__ import annotations
 import warnings
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,17 +44,17 @@ LAB_SCALE = (100.0, 128.0, 128.0)
 
 
 # -- graphs and the solver ---------------------------------------------------------------------------------
-def knn(feats: torch.Tensor, k: int, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def knn(feats: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact k nearest neighbours of every row of feats (N x C) among all rows by inner product, itself
-    included (faiss `knn_gpu`, METRIC_INNER_PRODUCT): (similarities N x k, indices N x k), best first.
-    Rows are compared a chunk at a time, so memory stays at chunk x N."""
+    included: (similarities N x k, indices N x k), best first. faiss's exact search, as the published code
+    (`knn_gpu`, METRIC_INNER_PRODUCT): equal similarities keep faiss's neighbour order (torch.topk orders
+    ties otherwise, which moved the propagated scores by 9.4e-4)."""
+    import faiss
+
     k = min(k, feats.shape[0])
-    sims, idx = [], []
-    for i in range(0, feats.shape[0], chunk):
-        s, j = torch.topk(feats[i : i + chunk] @ feats.T, k, dim=1)
-        sims.append(s)
-        idx.append(j)
-    return torch.cat(sims), torch.cat(idx)
+    x = np.ascontiguousarray(feats.detach().float().cpu().numpy())
+    sims, idx = faiss.knn(x, x, k, metric=faiss.METRIC_INNER_PRODUCT)
+    return torch.from_numpy(sims).to(feats.device, feats.dtype), torch.from_numpy(idx).to(feats.device)
 
 
 def patch_centres(boxes: Sequence[tuple[int, int, int, int]], grid: tuple[int, int], patch: int) -> torch.Tensor:
@@ -296,9 +297,12 @@ def _protocol(name: str) -> Protocol:
             attention=name,
             class_names="plain",
             source="vladan-stojnic/LPOSS@2a6eced configs/lposs*.yaml, segmentation/configs/_base_/datasets/*.py",
-            defaults=dict(resolution=448, window=224, stride=112, resize="opencv"),  # mmcv Resize on the uint8 image
+            # mmcv Resize on the uint8 image; logit scale 1: the published code takes the softmax of the propagated
+            # scores unscaled (it returns labels only, which no scale changes; this sets what `result.probs` holds)
+            defaults=dict(resolution=448, window=224, stride=112, resize="opencv", logit_scale=1.0),
         ),
-        help=f"{name.upper()} (CVPR 2025): short side 448, 224-px windows, stride 112, no probability threshold",
+        help=f"{name.upper()} (CVPR 2025): short side 448, 224-px windows, stride 112, logit scale 1 (the published "
+        "softmax is unscaled), no probability threshold",
     )
 
 

@@ -311,4 +311,18 @@ def test_protocols():
     for name in ("lposs", "lposs+"):
         s = PROTOCOLS.get(name).settings("voc21")
         assert (s.resolution, s.window, s.stride, s.bg_threshold) == (448, 224, 112, 0.0)
+        assert s.logit_scale == 1.0  # `lposs_eval.py`: softmax(preds) with no scale
         assert PROTOCOLS.get(name).spec_for("voc21") == PROTOCOLS.get(name).spec_for("ade20k")
+
+
+def test_knn_keeps_faiss_neighbour_order_on_ties():
+    """`knn_gpu` of the published graph: equal similarities (duplicate features) in faiss's order."""
+    import faiss
+
+    g = torch.Generator().manual_seed(0)
+    base = F.normalize(torch.randn(6, 8, generator=g), dim=1)
+    feats = base[torch.randint(0, 6, (300,), generator=g)]
+    sims, idx = lposs.knn(feats, 20)
+    ref_sims, ref_idx = faiss.knn(feats.numpy(), feats.numpy(), 20, metric=faiss.METRIC_INNER_PRODUCT)
+    assert np.array_equal(idx.numpy(), ref_idx) and np.array_equal(sims.numpy(), ref_sims)
+    assert idx.shape == (300, 20) and lposs.knn(feats[:5], 20)[1].shape == (5, 5)
