@@ -56,7 +56,7 @@ def build(
     from ..models.proxies import ProxyBackbones
     from ..runtime.distributed import init_from_env
     from ..segment import InferenceSettings
-    from ..segment.bank import INDEX_KINDS, ValueModel, build_bank
+    from ..segment.bank import BUILDER_SETTINGS, INDEX_KINDS, ValueModel, build_bank
     from ..segment.resources import missing_regions
 
     check_out(out, folder=True)
@@ -69,7 +69,7 @@ def build(
     if not found.jobs:
         fail("no images found in the inputs")
     jobs = [(job.source, str(job.rel)) for job in found.jobs]
-    settings = InferenceSettings(resolution=resolution, window=window, stride=stride)
+    settings = InferenceSettings(**{**BUILDER_SETTINGS, "resolution": resolution, "window": window, "stride": stride})
     if regions is None:
         fail(missing_regions("bank build"))
     source = open_resources([], device, [name for _, name in jobs], regions=regions).regions
@@ -81,6 +81,7 @@ def build(
     values = [ValueModel(c, resolve_spec(values_attn or _values_preset(c)), settings, ProxyBackbones.following(c, proxy_weights)) for c in clips]
     for v in values:
         v.clip.check_spec(v.spec)
+        v.backbones.share(values[0].backbones)  # DINO loaded once for both CLIPs
         for name in v.spec.needs.backbones:
             v.backbones.get(name, v.clip.device)
     key_backbones = values[0].backbones
@@ -120,7 +121,7 @@ def _print_manifest(path: Path, manifest: dict) -> None:
     table.add_row("keys", f"{keys['backbone']} ({keys.get('timm')}, weights {keys.get('weights')}, {keys.get('precision')})")
     for store in manifest["values"]:
         s = store["settings"]
-        table.add_row("values", f"{store['clip']} ({store['dim']}-d, {store['precision']}): {store['spec']} at {s['resolution']} px, windows {s['window']}/{s['stride']}")
+        table.add_row("values", f"{store['clip']} ({store['dim']}-d, {store['precision']}): {store['spec']} at {s['resolution']} px, windows {s['window']}/{s['stride']}, resize {s.get('resize')}, positions {s.get('pos_interp')}")
     table.add_row("regions from", str(manifest["regions"]))
     table.add_row("index", f"{manifest['index']} ({manifest['index_kind']})")
     out_console().print(table)

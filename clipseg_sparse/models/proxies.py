@@ -87,6 +87,15 @@ class ProxyBackbones:
         or a small model in tests)."""
         self._loaded[(backbone.info.name, str(torch.device(device)))] = backbone
 
+    def share(self, other: "ProxyBackbones") -> None:
+        """Use `other`'s loaded backbones where this set would load the same ones (weights and precision):
+        a bank's second CLIP reads DINO through its own normalisation but does not load it again."""
+        if self.precision != other.precision:
+            return
+        for (name, device), backbone in other._loaded.items():
+            if self.resolved_weights(name) == other.resolved_weights(name):
+                self._loaded.setdefault((name, device), backbone)
+
     def held(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """What a stage loads itself (SAM's predictor), made once per key and held with these backbones."""
         if key not in self._held:

@@ -59,6 +59,9 @@ FLAT_BELOW = 20_000
 INDEX_KINDS = ("auto", "flat", "ivfpq")
 NUM_SUPPORT = 20  # published num_support
 SUPPORT_WEIGHT = 0.5  # published alpha: logits = alpha * own + (1 - alpha) * support
+#: the published memory_bank_builder's values: mmcv's Resize (cv2 on the uint8 image) to short side 448, 336 / 112
+#: windows, positional embeddings by (n + 0.1) / native (its open_clip fork); `bank build`'s defaults
+BUILDER_SETTINGS = {"resolution": 448, "window": 336, "stride": 112, "resize": "opencv", "pos_interp": "scale"}
 
 
 class BankError(UserValueError):
@@ -181,6 +184,17 @@ class ImageBank:
         for what in ("timm", "weights"):
             if built.get(what) != proxy.get(what):
                 raise BankError(f"{self.path}: bank keys were built with {built['backbone']} {what} {built.get(what)!r}, not {proxy.get(what)!r}")
+
+    def unpublished(self) -> str | None:
+        """A note naming the stores whose values were not made the published builder's way (resize and
+        positional rule of BUILDER_SETTINGS: banks of an older `bank build`), or None."""
+        rules = ("resize", "pos_interp")
+        other = [s for s in self.manifest["values"] if any(s["settings"].get(r) != BUILDER_SETTINGS[r] for r in rules)]
+        if not other:
+            return None
+        built = ", ".join(f"{s['clip']} (resize {s['settings'].get('resize')}, positions {s['settings'].get('pos_interp')})" for s in other)
+        return (f"bank {self.path}: values of {built} were not built with the published builder's settings (resize opencv, "
+                "positions scale); an older `bank build` default: rebuild the bank for the published values")
 
     def retrieval_logits(self, regions: torch.Tensor, features: torch.Tensor, texts: dict[str, torch.Tensor], k: int = NUM_SUPPORT) -> torch.Tensor:
         """`retrieval_logits` of this bank."""

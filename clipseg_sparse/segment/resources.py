@@ -84,6 +84,8 @@ class Resources:
             raise UserValueError(missing_bank(wants_bank))
         if bank is not None and not isinstance(bank, ImageBank):
             bank = ImageBank.open(bank)
+        if bank is not None and note and bank.unpublished():
+            note(bank.unpublished())
         if proxy_weights is not None and note:
             used = list(dict.fromkeys(b for n in needs for b in n.backbones))
             unused = unused_proxy_weights(proxy_weights, used)

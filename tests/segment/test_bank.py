@@ -27,6 +27,7 @@ from clipseg_sparse import load_clip
 from clipseg_sparse.attention import resolve_spec
 from clipseg_sparse.segment import bank as banks
 from clipseg_sparse.segment.bank import BankError, ImageBank, ValueModel, build_bank, build_index, retrieval_logits, search
+from clipseg_sparse.segment.plan import Plan
 from clipseg_sparse.segment.segmenter import Segmenter
 from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.segment.vocabulary import Vocabulary
@@ -400,3 +401,58 @@ def test_eval_with_a_bank_records_its_hash_and_sweep_files_name_it(models, tmp_p
     (v2,), (sclip,) = ([c for c in cells if ("retrieve" in str(c.attention)) == want] for want in (True, False))
     assert paths.result(v2).name == f"{v2.hash}.bank-{bank.content_hash}.json" and paths.result(sclip).name == f"{sclip.hash}.json"
     assert paths.image_bank(v2).content_hash == bank.content_hash and paths.image_bank(sclip) is None
+
+
+def test_bank_build_defaults_to_the_published_builder_and_names_older_banks(models, tmp_path):
+    """`bank build`'s values are the published memory_bank_builder's: OpenCV resize and (n + 0.1) positions at
+    its windows (here scaled down), equal to the library's build with those settings; a bank built with the
+    float resize is named in a note when a run reads it."""
+    from conftest import TINY_CONFIG
+    from clipseg_sparse.segment.resources import Resources
+
+    clip, _, radio = models
+    jobs, regions = write_images(tmp_path / "images", 2)
+    write_masks(tmp_path / "masks", regions)
+    built = cli("bank", "build", tmp_path / "images", "--out", tmp_path / "bank", "--regions", tmp_path / "masks", "--model", TINY_CONFIG,
+                "--pretrained", "none", "--device", "cpu", "--values-attn", VALUES, "--resolution", 64, "--window", 48, "--stride", 32,
+                "--index", "flat")  # fmt: skip
+    assert built.exit_code == 0, built.output
+    settings = ImageBank.open(tmp_path / "bank").manifest["values"][0]["settings"]
+    assert (settings["resize"], settings["pos_interp"]) == ("opencv", "scale")
+    named = [(path, Path(name).stem) for path, name in jobs]
+    by_stem = ByName({Path(n).stem: r for n, r in regions.items()})
+    record = clip.proxies.config(["c_radio_v3_l"])["c_radio_v3_l"]
+    published = VALUE_SETTINGS.replace(resize="opencv", pos_interp="scale")
+    build_bank(named, tmp_path / "published", [ValueModel(clip, resolve_spec(VALUES), published)], radio, record, by_stem, "test", "flat")
+    ours = np.load(tmp_path / "bank" / banks.values_file(0)).astype(np.float32)
+    assert np.abs(ours - np.load(tmp_path / "published" / banks.values_file(0)).astype(np.float32)).max() <= 1e-6
+    build_bank(named, tmp_path / "older", [ValueModel(clip, resolve_spec(VALUES), VALUE_SETTINGS)], radio, record, by_stem, "test", "flat")
+    assert np.abs(ours - np.load(tmp_path / "older" / banks.values_file(0)).astype(np.float32)).max() > 1e-4
+    notes = []
+    Resources.open([Plan.of(TINY_V2)], regions=str(tmp_path / "masks"), bank=tmp_path / "older", note=notes.append)
+    Resources.open([Plan.of(TINY_V2)], regions=str(tmp_path / "masks"), bank=tmp_path / "bank", note=notes.append)
+    assert len(notes) == 1 and "older" in notes[0] and "not built with the published builder's settings" in notes[0]
+
+
+def test_bank_build_with_a_second_clip_loads_each_backbone_once(models, tmp_path, monkeypatch):
+    import clipseg_sparse.models.proxies as proxies
+    from conftest import TINY_CONFIG
+
+    _, aux, _ = models
+    jobs, regions = write_images(tmp_path / "images", 2)
+    write_masks(tmp_path / "masks", regions)
+    aux_config = tmp_path / "tiny-aux.json"
+    aux_config.write_text(json.dumps({**json.loads((ROOT / "tests/data/tiny-vit.json").read_text()), "embed_dim": 48}))
+    loads, installed = [], proxies.load_backbone
+
+    def counted(name, *args, **kwargs):
+        loads.append(name)
+        return installed(name, *args, **kwargs)
+
+    monkeypatch.setattr(proxies, "load_backbone", counted)
+    built = cli("bank", "build", tmp_path / "images", "--out", tmp_path / "bank", "--regions", tmp_path / "masks", "--model", TINY_CONFIG,
+                "--pretrained", "none", "--aux-model", aux_config, "--aux-pretrained", "none", "--device", "cpu", "--values-attn", VALUES,
+                "--resolution", 64, "--window", 48, "--stride", 32, "--index", "flat")  # fmt: skip
+    assert built.exit_code == 0, built.output
+    assert sorted(loads) == ["c_radio_v3_l", "dino_vitb8"]
+    assert len(ImageBank.open(tmp_path / "bank").manifest["values"]) == 2
