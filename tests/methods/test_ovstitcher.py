@@ -358,12 +358,12 @@ def test_stitch_needs_its_tap_and_form(dino_b16, image):
 
 def test_ovstitcher_protocol_follows_the_configs():
     protocol = PROTOCOLS.get("ovstitcher")
-    for dataset, (short, window, thd) in {
-        "voc21": (448, 336, 0.1), "context60": (448, 336, 0.1), "coco-object": (448, 336, 0.2), "voc20": (448, 336, 0.0),
-        "context59": (448, 336, 0.0), "ade20k": (448, 336, 0.0), "coco-stuff": (448, 336, 0.0), "cityscapes": (560, 224, 0.0),
-    }.items():  # fmt: skip
+    for dataset, (short, window, stride, thd) in {
+        "voc21": (448, 336, 112, 0.1), "context60": (448, 336, 112, 0.1), "coco-object": (448, 336, 112, 0.2), "voc20": (448, 336, 112, 0.0),
+        "context59": (448, 336, 112, 0.0), "ade20k": (448, 336, 112, 0.0), "coco-stuff": (448, 336, 224, 0.0), "cityscapes": (560, 224, 112, 0.0),
+    }.items():  # fmt: skip  (cfg_coco_stuff164k.py: slide_stride=224)
         s = protocol.settings(dataset)
-        assert (s.resolution, s.window, s.stride, s.bg_threshold, s.logit_scale) == (short, window, 112, thd, 40.0)
+        assert (s.resolution, s.window, s.stride, s.bg_threshold, s.logit_scale) == (short, window, stride, thd, 40.0)
         assert s.stages == ("regionvote",) and s.pos_interp == "scale"
     assert "stitch:56" in str(resolve_spec(protocol.attention)) and "in:mean@11-22" in str(resolve_spec("ovstitcher-l14"))
 
