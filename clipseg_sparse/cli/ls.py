@@ -34,6 +34,7 @@ class Listable(str, Enum):
     formats = "formats"
     pipelines = "pipelines"
     regions = "regions"
+    published = "published"
 
 
 # ls KIND -> (module, registry, first column's title, whether to show where each entry is defined)
@@ -50,6 +51,7 @@ REGISTRIES: dict[Listable, tuple[str, str, str, bool]] = {
     Listable.formats: ("clipseg_sparse.files.outputs", "MASK_FORMATS", "mask format", False),
     Listable.pipelines: ("clipseg_sparse.segment.pipelines", "PIPELINES", "pipeline", True),
     Listable.regions: ("clipseg_sparse.segment.regions", "REGION_SOURCES", "region source", True),
+    Listable.published: ("clipseg_sparse.evaluation.published", "PUBLISHED", "protocol", True),
 }
 
 
@@ -57,7 +59,8 @@ REGISTRIES: dict[Listable, tuple[str, str, str, bool]] = {
 @user_errors()
 def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
     """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages,
-    proxy backbones, score taps, spec options, mask formats."""
+    proxy backbones, score taps, spec options, mask formats, pipelines, region sources, and the papers' numbers
+    (`published`: what `report` puts beside a run of the protocol)."""
     out_console().print(TABLES[what]())
 
 

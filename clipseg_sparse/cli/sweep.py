@@ -3,6 +3,7 @@ of the published tables."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,6 +12,7 @@ import typer
 from . import analysis as cli_analysis
 from .common import PAMR_HELP, BankOpt, Device, DeviceOpt, Precision, check_out, fail, note_softmax_aliases, out_console, user_errors
 from .ls import Listable, registry_table
+from ..evaluation.published import TOLERANCE
 from ..runtime.progress import err_console
 
 app = typer.Typer()
@@ -147,43 +149,67 @@ def report(
     html: Annotated[Optional[Path], typer.Option("--html", help="Instead: an HTML gallery of the RESULTS folders (segment outputs or eval --save-pred; NAME=DIR names a column) in this file.")] = None,
     dataset: Annotated[Optional[str], typer.Option("--dataset", help="With --html: the dataset of --save-pred folders (images, labels, per-image mIoU).")] = None,
     root: Annotated[Optional[Path], typer.Option("--root", help="With --html --dataset: the dataset's folder.")] = None,
+    html_table: Annotated[Optional[Path], typer.Option("--html-table", help="Also write the tables as an HTML page to this file.")] = None,
+    leaderboard: Annotated[bool, typer.Option("--leaderboard", help="Instead of rows x cols: every paper's row beside this run's rows, one per normalizer, over the 8 benchmarks (the field's Table 1).")] = False,
+    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, help="Mark a difference from the paper's number beyond this many mIoU points.")] = TOLERANCE,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot/HTML files.")] = False,
 ) -> None:
     """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots.
 
+    Where a paper reports the run (the same protocol, CLIP, settings and preset up to its normalizer), a cell
+    also shows the paper's number and the difference, marked `!` beyond --tolerance (`ls published`).
     With --html: a static gallery page of prediction folders instead (images x specs, sortable by the
     difference in per-image mIoU between two specs)."""
     from ..sweeps.records import collect
 
     if html is not None:
         return cli_analysis.gallery(results, html, dataset, root, overwrite)
-    for path, option, folder in ((markdown, "--markdown", False), (csv, "--csv", False), (plots, "--plots", True), (diffusivity, "--diffusivity", True)):
+    outputs = ((markdown, "--markdown", False), (csv, "--csv", False), (html_table, "--html-table", False), (plots, "--plots", True), (diffusivity, "--diffusivity", True))
+    for path, option, folder in outputs:
         check_out(path, folder=folder, option=option)  # before reading any result: nothing is lost to a bad path
     records = collect(results)
-    _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite)
+    _render_report(records, rows, cols, metric, Outputs(markdown, csv, html_table, plots), overwrite, tolerance, leaderboard)
     if diffusivity is not None:
         cli_analysis.gain_report(records, results, diffusivity, metric, overwrite)
 
 
-def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite: bool) -> None:
-    """Tables to stdout, optional Markdown / CSV files and plots; raises ReportError on bad input."""
+@dataclass(frozen=True)
+class Outputs:
+    """Where a report is written besides the terminal (None: not written)."""
+
+    markdown: Path | None = None
+    csv: Path | None = None
+    html: Path | None = None
+    plots: Path | None = None
+
+    @classmethod
+    def folder(cls, out: Path, stem: str) -> "Outputs":
+        """`reproduce`'s files: OUT/STEM.md, .csv, .html and OUT/plots/."""
+        return cls(out / f"{stem}.md", out / f"{stem}.csv", out / f"{stem}.html", out / "plots")
+
+
+def _render_report(records, rows, cols, metric, outputs: Outputs, overwrite: bool, tolerance: float = TOLERANCE, board: bool = False) -> None:
+    """Tables (or the leaderboard) to stdout, optional Markdown / CSV / HTML files and plots; raises
+    ReportError on bad input."""
     from ..sweeps.plots import PLOT_FILES, write_plots
     from ..sweeps.records import ReportError, default_metric
-    from ..sweeps.report import pivot, to_csv, to_markdown, to_rich
+    from ..sweeps.report import leaderboard, pivot, to_csv, to_html, to_markdown, to_rich
 
-    for path in (markdown, csv, *(plots / n for n in PLOT_FILES if plots is not None)):
+    plots = None if board else outputs.plots  # the leaderboard has no plots
+    for path in (outputs.markdown, outputs.csv, outputs.html, *(plots / n for n in PLOT_FILES if plots is not None)):
         if path is not None and path.exists() and not overwrite:
             raise ReportError(f"{path} exists; pass --overwrite to replace it")
     metric = metric or (default_metric(records) if records else "mIoU")
-    tables = pivot(records, rows=rows, cols=cols, metric=metric)
+    tables = [leaderboard(records, tolerance)] if board else pivot(records, rows=rows, cols=cols, metric=metric, tolerance=tolerance)
     console = out_console()
     for table in tables:
         console.print(to_rich(table))
-    for path, text in ((markdown, to_markdown(tables) if markdown else ""), (csv, to_csv(tables) if csv else "")):
+    renders = ((outputs.markdown, to_markdown), (outputs.csv, to_csv), (outputs.html, to_html))
+    for path, render in renders:
         if path is None:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        path.write_text(render(tables), encoding="utf-8")
         err_console.print(f"wrote {path}", highlight=False)
     if plots is not None:
         for path in write_plots(records, metric, plots, overwrite=overwrite):
@@ -193,7 +219,7 @@ def _render_report(records, rows, cols, metric, markdown, csv, plots, overwrite:
 @app.command("reproduce")
 @user_errors()
 def reproduce(
-    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), or a TOML grid file with a \\[report] table (rows, cols, metric).")] = None,
+    table: Annotated[Optional[str], typer.Argument(help="Shipped grid name (see --list), `leaderboard` (every paper's preset and protocol, see `ls published`), or a TOML grid file with a \\[report] table (rows, cols, metric).")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the shipped grids and exit.")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results folder (default results/TABLE).")] = None,
     root: RootOpt = None,
@@ -204,10 +230,16 @@ def reproduce(
     pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Replace the grid's weights (tag, checkpoint or none).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N images / annotations per cell (smoke run).")] = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompt file (JSON: class name -> list of description sentences) for the eval cells, e.g. OV-Stitcher's class_biased_template.json.")] = None,
+    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, help="Mark a difference from the paper's number beyond this many mIoU points.")] = TOLERANCE,
+    only: Annotated[Optional[str], typer.Option("--only", help="With leaderboard: only these papers' protocols (comma-separated, see `ls published`).")] = None,
     device: DeviceOpt = Device.auto,
 ) -> None:
-    """Run a shipped grid (a published table) and render its report (OUT/report.md, report.csv, plots/)."""
-    from ..sweeps.grid import GRIDS, read_grid_file
+    """Run a shipped grid (a published table) and render its report (OUT/report.md, .csv, .html, plots/), the
+    papers' numbers beside every cell that has one.
+
+    `reproduce leaderboard` runs every paper's preset on the benchmarks it reports, softmax and entmax, each
+    into OUT/PROTOCOL/, and renders the field's Table 1 (OUT/leaderboard.md, .csv, .html)."""
+    from ..sweeps.grid import GRIDS, leaderboard_grids, read_grid_file
     from ..sweeps.records import ReportError, collect
     from ..sweeps.run import SweepPaths, parse_roots
 
@@ -216,6 +248,24 @@ def reproduce(
         return
     given = {"models": _split(models), "pretrained": pretrained, "limit": limit, "prompts": str(prompts) if prompts else None}
     given = {k: v for k, v in given.items() if v is not None}
+    if only is not None and table != "leaderboard":
+        fail("--only goes with `reproduce leaderboard`")
+    if table == "leaderboard":
+        out = out or Path("results") / "leaderboard"
+        check_out(out, folder=True)
+        roots, region_roots = parse_roots(root or []), parse_roots(regions or [])
+        results, failed, rank = [], 0, 0
+        grids = leaderboard_grids(given, _split(only))
+        for name, grid in grids.items():  # every grid is checked before the first runs
+            err_console.print(f"leaderboard: {name}", highlight=False)
+            summary, rank = _run_grid(grid, SweepPaths(out=out / name, roots=roots, images_root=images_root, regions=region_roots), device)
+            results += summary.results
+            failed += len(summary.failed)
+        if rank == 0:
+            _render_report(collect(results), "method", "dataset", "mIoU", Outputs.folder(out, "leaderboard"), True, tolerance, board=True)
+        if failed:
+            raise typer.Exit(1)
+        return
     grid_file = Path(table) if table.endswith(".toml") else GRIDS.get(table)
     grid_file_spec = read_grid_file(grid_file, overrides=given, benchmarks_dir=benchmarks)
     missing = [f for f in grid_file_spec.grid.fgovd if not Path(f).is_file()]
@@ -230,7 +280,7 @@ def reproduce(
     try:  # report files are derived from the results in OUT, so they are regenerated each time (by rank 0)
         if rank == 0:
             _render_report(collect(summary.results), report.get("rows", "source"), report.get("cols", "normalizer"),
-                           report.get("metric"), out / "report.md", out / "report.csv", out / "plots", overwrite=True)  # fmt: skip
+                           report.get("metric"), Outputs.folder(out, "report"), True, tolerance)  # fmt: skip
     except ReportError as e:
         fail(f"no report: {e}")
     if summary.failed:

@@ -16,6 +16,7 @@ import torch
 
 from ..attention.presets import register_entmax_variant, register_preset
 from ..evaluation.protocols import PROTOCOLS
+from ..evaluation.published import register_published
 from ..stages import register_plain_stage
 from . import clearclip
 
@@ -68,3 +69,13 @@ PROTOCOL = PROTOCOLS.register(
     ),
     help="CLIP Surgery (Pattern Recognition 2025), under ClearCLIP's protocol (its repository has no evaluation code)",
 )
+
+# CLIP Surgery's repository has no benchmark table; a later paper's Table 1 lists it (secondary). Not measured here.
+register_published(
+    PROTOCOL,
+    {"voc21": 59.0, "context60": 30.1, "coco-object": 30.2, "voc20": 80.1, "context59": 33.9, "coco-stuff": 22.1,
+     "cityscapes": 31.8, "ade20k": 15.8},
+    "arXiv 2512.07360 Table 1 (secondary: CLIP Surgery publishes no table)",
+    printed_average=37.9,
+    note="the table does not say under which protocol it ran CLIP Surgery; ResCLIP lists PC60 29.3, Stuff 21.9, City 31.4",
+)  # fmt: skip

@@ -24,6 +24,7 @@ from ..attention.grid import feature_cosine, region_support
 from ..attention.normalizers import Normalizer, normalize
 from ..attention.presets import register_entmax_variant, register_preset
 from ..evaluation.protocols import PROTOCOLS, register_weights_variant
+from ..evaluation.published import register_published
 from ..stages import register_plain_stage
 from . import proxyclip
 
@@ -122,3 +123,21 @@ METACLIP_L14 = PROTOCOLS.register(
     help="CorrCLIP (ICCV 2025) at L/14: ProxyCLIP's settings plus the map correction, preset corrclip-l14; CLIP "
     "ViT-L-14-quickgelu:metaclip_fullcc (CorrCLIPv1's L/14; README avg-8 53.6); needs --regions",
 )
+
+# CorrCLIPv1's README (MetaCLIP B/16, SAM2_32 masks) and, for OpenAI B/16, OV-Stitcher's Table 1. Not measured here.
+register_published(
+    PROTOCOL,
+    {"voc21": 72.2, "context60": 41.6, "coco-object": 40.7, "voc20": 88.7, "context59": 47.1, "coco-stuff": 30.7,
+     "cityscapes": 44.6, "ade20k": 23.7},
+    "atw617/OV-Stitcher@270b85a assets/quantitative.png (CorrCLIP, OpenAI B/16)",
+    printed_average=48.7,
+    note="with the map correction (regionvote) and SAM2 masks (--regions); 46.8 without the correction",
+)
+register_published(
+    METACLIP,
+    {"voc21": 74.8, "context60": 44.2, "coco-object": 43.7, "voc20": 88.8, "context59": 48.8, "coco-stuff": 31.6,
+     "cityscapes": 49.4, "ade20k": 26.9},
+    "zdk258/CorrCLIP@103bc18 CorrCLIPv1/README.md (MetaCLIP B/16, SAM2_32 masks)",
+    printed_average=51.0,
+    note="SAM2 masks as region input (--regions); the masks' generator changes the number (README: 50.3-52.4)",
+)  # fmt: skip

@@ -20,6 +20,7 @@ import torch
 from ..errors import UserValueError
 from ..attention.presets import register_entmax_variant, register_preset
 from ..evaluation.protocols import PROTOCOLS
+from ..evaluation.published import register_published
 from ..segment.bank import NUM_SUPPORT, SUPPORT_WEIGHT
 from ..stages import STAGES, Stage
 from . import corrclip
@@ -110,3 +111,14 @@ PROTOCOL = PROTOCOLS.register(
     ),
     help="CorrCLIPv2: CorrCLIP's settings with Cityscapes at short side 784 (224/112 windows); needs --regions and --bank",
 )
+
+# The README's table: CorrCLIPv2-B with the COCO bank (C-RADIOv3-L, EntitySeg masks, MetaCLIP B/16). Not measured here.
+register_published(
+    PROTOCOL,
+    {"voc21": 82.2, "context60": 50.8, "coco-object": 54.6, "voc20": 93.6, "context59": 56.3, "coco-stuff": 38.5,
+     "cityscapes": 58.7, "ade20k": 33.2},
+    "zdk258/CorrCLIP@103bc18 CorrCLIPv2/README.md (CorrCLIPv2-B, COCO bank)",
+    clip="ViT-B-16-quickgelu:metaclip_fullcc",
+    printed_average=58.5,
+    note="needs EntitySeg region masks (--regions) and a COCO train2017 bank (--bank); the README's own average is over 10 sets",
+)  # fmt: skip

@@ -34,6 +34,7 @@ from ..errors import UserValueError
 from ..attention.presets import register_preset
 from ..attention.terms import parse_number
 from ..evaluation.protocols import PROTOCOLS, Protocol
+from ..evaluation.published import register_published
 from ..stages import STAGES, Stage
 
 LP_PROXY = "dino_vitb16"  # `vit_arch: vit_base`, `vit_patch_size: 16`, `enc_type_feats: "v"`
@@ -308,3 +309,12 @@ def _protocol(name: str) -> Protocol:
 
 PROTOCOL = _protocol("lposs")
 PROTOCOL_PLUS = _protocol("lposs+")
+
+# LPOSS+ as PEARL's Table 1 reprints it (the LPOSS repository prints no table). Not measured here.
+register_published(
+    PROTOCOL_PLUS,
+    {"voc21": 61.1, "context60": 34.6, "coco-object": 33.4, "voc20": 78.8, "context59": 37.8, "coco-stuff": 25.9,
+     "cityscapes": 37.3, "ade20k": 21.8},
+    "PGSmall/PEARL@c26062b assets/results.png (LPOSS+ row)",
+    printed_average=41.3,
+)  # fmt: skip

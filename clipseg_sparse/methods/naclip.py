@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..attention.presets import register_entmax_variant, register_preset
 from ..evaluation.protocols import BG_DATASETS, PROTOCOLS, SCLIP_LINE, SCLIP_LINE_SIZES, Protocol
+from ..evaluation.published import register_published
 
 register_preset(
     "naclip",
@@ -46,7 +47,7 @@ PROTOCOL = PROTOCOLS.register(
     help="NACLIP (WACV 2025), current configs (v2): PAMR on",
 )
 
-PROTOCOLS.register(
+PROTOCOL_V1 = PROTOCOLS.register(
     "naclip-v1",
     Protocol(
         name="naclip-v1",
@@ -58,3 +59,21 @@ PROTOCOLS.register(
     ),
     help="NACLIP (WACV 2025) before v2, no PAMR",
 )
+
+# NACLIP's README "main results" (its repository's re-run, with PAMR: the v2 configs) and the paper's Table
+# (v1, no PAMR) as ResCLIP's and Trident's tables reprint it. Not measured here.
+register_published(
+    PROTOCOL,
+    {"voc21": 64.07, "context60": 34.99, "coco-object": 36.19, "voc20": 83.03, "context59": 38.35, "coco-stuff": 25.69,
+     "cityscapes": 38.27, "ade20k": 19.05},
+    "sinahmr/NACLIP README.md (main results, with PAMR)",
+    printed_average=42.46,
+)
+register_published(
+    PROTOCOL_V1,
+    {"voc21": 58.9, "context60": 32.2, "coco-object": 33.2, "voc20": 79.7, "context59": 35.2, "coco-stuff": 23.3,
+     "cityscapes": 35.5, "ade20k": 17.4},
+    "NACLIP paper Table 1 (no PAMR), reprinted in yvhangyang/ResCLIP figs/main_results_w.png + main_results_wo.png "
+    "and YuHengsss/Trident@a93b346 assets/data_result.png",
+    printed_average=39.4,
+)  # fmt: skip

@@ -21,6 +21,7 @@ from ..errors import UserValueError
 from ..attention.presets import register_entmax_variant, register_preset
 from ..attention.taps import TAPS, Tap
 from ..evaluation.protocols import PROTOCOLS, SCLIP_LINE, Protocol
+from ..evaluation.published import register_published
 from ..stages import STAGES, Stage
 
 PA_ALPHA_KK, PA_POLAR_ITERS = 0.08, 5
@@ -212,3 +213,12 @@ PROTOCOL = PROTOCOLS.register(
     ),
     help="PEARL (CVPR 2026)",
 )
+
+# The paper's Table 1 (OpenAI B/16) from the repository's results image. Not measured here.
+register_published(
+    PROTOCOL,
+    {"voc21": 64.1, "context60": 35.1, "coco-object": 37.3, "voc20": 86.9, "context59": 38.6, "coco-stuff": 26.3,
+     "cityscapes": 37.6, "ade20k": 19.4},
+    "PGSmall/PEARL@c26062b assets/results.png",
+    printed_average=43.2,
+)  # fmt: skip

@@ -39,6 +39,7 @@ from ..attention.presets import register_preset
 from ..attention.terms import parse_number
 from ..errors import UserValueError
 from ..evaluation.protocols import PROTOCOLS, Protocol, register_weights_variant
+from ..evaluation.published import register_published
 from ..models.backbones import Backbone, sam_scores
 from ..segment.maps import CosineMap, grid_cosine
 from ..segment.plan import FORWARDS, ImageRun, Plan
@@ -333,3 +334,27 @@ PROTOCOL = PROTOCOLS.register(
 # configs/base_config.py one, the code Trident builds on: Trident's own configs are not in the search index).
 METACLIP = register_weights_variant(PROTOCOL, "metaclip", "ViT-B-16-quickgelu", "metaclip_fullcc", "OV-Stitcher's Table 1: avg-8 47.4")
 LAION_H14 = register_weights_variant(PROTOCOL, "laion-h14", "ViT-H-14", "laion2b_s32b_b79k", "the paper's table: avg-8 48.6")
+
+# The paper's table (OpenAI B/16, OpenCLIP H/14) from the repository's image, and OV-Stitcher's (MetaCLIP B/16).
+register_published(
+    PROTOCOL,
+    {"voc21": 67.1, "context60": 38.6, "coco-object": 41.1, "voc20": 84.5, "context59": 42.2, "coco-stuff": 28.3,
+     "cityscapes": 42.9, "ade20k": 21.9},
+    "YuHengsss/Trident@a93b346 assets/data_result.png",
+    printed_average=45.8,
+    note="the README evaluates with --sam_refine; whether the table's row includes SAM refinement is not said",
+)
+register_published(
+    METACLIP,
+    {"voc21": 68.4, "context60": 39.9, "coco-object": 41.7, "voc20": 85.4, "context59": 46.1, "coco-stuff": 29.8,
+     "cityscapes": 43.6, "ade20k": 23.7},
+    "atw617/OV-Stitcher@270b85a assets/quantitative.png (Trident, MetaCLIP B/16)",
+    printed_average=47.4,
+)
+register_published(
+    LAION_H14,
+    {"voc21": 70.8, "context60": 40.1, "coco-object": 42.2, "voc20": 88.7, "context59": 44.3, "coco-stuff": 28.6,
+     "cityscapes": 47.6, "ade20k": 26.7},
+    "YuHengsss/Trident@a93b346 assets/data_result.png (OpenCLIP ViT-H/14)",
+    printed_average=48.6,
+)  # fmt: skip

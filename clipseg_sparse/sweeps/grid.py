@@ -12,7 +12,7 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..errors import UserError, UserValueError
 from ..files.results import config_hash
@@ -295,3 +295,32 @@ def read_grid_file(
 GRIDS: Registry[Path] = Registry("grid", help_column="what", describe=lambda path: {"cells": str(len(read_grid_file(path, benchmarks_dir=".").grid.cells()))})
 for _path in sorted(GRID_DIR.glob("*.toml")):
     GRIDS.register(_path.stem, _path, help=tomllib.loads(_path.read_text(encoding="utf-8")).get("description", ""))
+
+
+def leaderboard_grids(overrides: Mapping[str, Any] | None = None, only: Sequence[str] | None = None) -> dict[str, Grid]:
+    """`reproduce leaderboard`: one grid per paper's entry (evaluation.published) whose protocol runs a preset,
+    named by its protocol: the protocol's preset with softmax and, where it has a normalizer slot, entmax,
+    on the benchmarks the paper reports, with the CLIP it reports. `overrides`: grid keys given on the command
+    line (a smoke run's models, weights, limit); `only`: these entries (protocol names) alone."""
+    from ..attention import PRESETS
+    from ..attention.presets import ENTMAX_ALPHA
+    from ..evaluation.protocols import PROTOCOLS
+    from ..evaluation.published import EIGHT, PUBLISHED
+
+    grids = {}
+    for name in only if only is not None else PUBLISHED.names():
+        entry = PUBLISHED.get(name)  # an unknown name: "did you mean"
+        preset = PROTOCOLS.get(entry.protocol).attention
+        if preset not in PRESETS:  # a pipeline (sam3): `eval --protocol` runs it
+            if only is not None:
+                raise UserValueError(f"{name}: a pipeline's protocol; run it with `eval --protocol {name}`")
+            continue
+        slot = PRESETS.get(preset).spec.has_normalizer_slot
+        overrides = dict(overrides or {})
+        model = entry.model if "pretrained" in overrides else entry.clip  # --pretrained: the paper's model with those weights
+        data = {
+            "models": [model], "datasets": [d for d in EIGHT if d in entry.miou], "protocol": entry.protocol, "presets": [preset],
+            "normalizers": ["softmax", f"entmax:{ENTMAX_ALPHA:g}"] if slot else ["softmax"], **overrides,
+        }  # fmt: skip
+        grids[name] = Grid.from_dict(data)
+    return grids

@@ -266,3 +266,94 @@ def test_csv_header_has_the_delta_columns_of_every_table_it_heads(results):
     assert float(line["delta 448"]) == pytest.approx(47.5 - 41.0) and float(line["delta 336"]) == pytest.approx(45.0 - 40.0)
     soft = dict(zip(header, next(r for r in rows if r[:3] == ["softmax", "mIoU", "voc21"])))
     assert soft["delta 448"] == "" and float(soft["448"]) == 41.0
+
+
+def published_run(folder, protocol, dataset, miou, normalizer="softmax", **change):
+    """A result file of `protocol` run as published on `dataset` (its settings, spec, class names, the paper's
+    CLIP) with the given mIoU; `change` alters its config."""
+    import dataclasses
+
+    from clipseg_sparse.evaluation.protocols import PROTOCOLS
+    from clipseg_sparse.evaluation.published import PUBLISHED
+
+    p, entry = PROTOCOLS.get(protocol), PUBLISHED.get(protocol)
+    config = {**dataclasses.asdict(p.settings(dataset)), "protocol": protocol, "dataset": dataset, "model": entry.model, "pretrained": entry.pretrained,
+              "class_names": p.class_names, "attention": str(p.spec_for(dataset).replace(normalizer=normalizer)), **change}  # fmt: skip
+    write_result(folder / f"{protocol}-{dataset}-{normalizer}-{len(list(folder.glob('*.json')) if folder.exists() else [])}.json", "eval", config,
+                 {"mIoU": miou, "mAcc": 0.0, "aAcc": 0.0})  # fmt: skip
+
+
+def test_cells_get_the_papers_number_and_the_difference(tmp_path):
+    """SCLIP's paper prints VOC21 59.1: a softmax run at 60.0 is 0.9 over (marked beyond 0.5), entmax at 59.4 is
+    +0.3 (not marked); a run at another resolution gets no paper number."""
+    folder = tmp_path / "r"
+    published_run(folder, "sclip", "voc21", 60.0)
+    published_run(folder, "sclip", "voc21", 59.4, normalizer="entmax:1.5")
+    published_run(folder, "sclip", "voc21", 50.0, resolution=448)
+    [table448, table336] = sorted(pivot(collect([folder]), rows="source", cols="normalizer"), key=lambda t: t.title, reverse=True)
+    assert all(c.paper is None for c in table448.cells.values())
+    soft, ent = table336.cell("qq+kk", "softmax"), table336.cell("qq+kk", "entmax:1.5")
+    assert (soft.paper.published, soft.paper.beyond, ent.paper.beyond) == (59.1, True, False)
+    md = to_markdown([table336])
+    assert "60.00; paper 59.1 (+0.90)! | 59.40 (-0.60); paper 59.1 (+0.30) |" in md
+    assert "- sclip (ViT-B-16:openai): SCLIP paper Table 1" in md and "|D| > 0.5" in md
+    assert "|D| > 1" in to_markdown(pivot(collect([folder]), tolerance=1.0)) and "59.1 (+0.90)!" not in to_markdown(pivot(collect([folder]), tolerance=1.0))
+    rows = list(csv.reader(io.StringIO(to_csv([table336]))))
+    line = dict(zip(rows[0], rows[1]))
+    assert float(line["paper softmax"]) == 59.1 and float(line["vs paper entmax:1.5"]) == pytest.approx(0.3)
+    rich = render_rich(to_rich(table336))
+    assert "paper 59.1 (+0.90)!" in rich and "paper 59.1 (+0.30)" in rich
+
+
+def render_rich(table) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(table)
+    return console.export_text()
+
+
+def test_leaderboard_puts_each_paper_row_above_this_runs_rows(tmp_path):
+    from clipseg_sparse.evaluation.published import EIGHT, PUBLISHED
+    from clipseg_sparse.sweeps.report import leaderboard, to_html
+
+    folder = tmp_path / "r"
+    paper = PUBLISHED.get("trident").miou
+    for d in EIGHT:
+        published_run(folder, "trident", d, paper[d] + 1.0)  # every benchmark 1 point over the paper
+        published_run(folder, "trident", d, paper[d] - 2.0, normalizer="entmax:1.5")
+    published_run(folder, "trident", "voc21", 80.0, model="ViT-B-16-quickgelu", pretrained="metaclip_fullcc")  # trident-metaclip's row
+    board = leaderboard(collect([folder]))
+    rows = board.row_values
+    i = rows.index("trident (paper, ViT-B-16:openai)")
+    assert rows[i + 1 : i + 3] == ["trident (softmax)", "trident (entmax:1.5)"]
+    assert rows.index("ovstitcher (paper, ViT-B-16:openai)") < i < rows.index("sclip (paper, ViT-B-16:openai)")  # best published average first
+    assert board.cell(rows[i], "avg-8").value == pytest.approx(45.825) and board.cell(rows[i], "avg-8").paper is None
+    soft_avg = board.cell("trident (softmax)", "avg-8")
+    assert soft_avg.value == pytest.approx(46.825) and soft_avg.paper.delta == pytest.approx(1.0) and soft_avg.paper.beyond
+    assert board.cell("trident (entmax:1.5)", "ade20k").paper.delta == pytest.approx(-2.0)
+    assert board.cell("trident-metaclip (softmax)", "voc21").paper.published == 68.4
+    assert board.cell("trident-metaclip (softmax)", "avg-8") is None  # one benchmark ran: no average
+    html = to_html([board])
+    assert "<td>trident (softmax)</td>" in html and "class='paper beyond'>paper 45.825 (+1.00)!" in html
+    assert "YuHengsss/Trident@a93b346 assets/data_result.png" in html
+
+
+def test_report_cli_leaderboard_and_html_table(tmp_path):
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli.app import app
+
+    folder = tmp_path / "r"
+    published_run(folder, "pearl", "voc21", 63.0)
+    runner = CliRunner()
+    out = tmp_path / "o"
+    result = runner.invoke(app, ["report", str(folder), "--html-table", str(out / "t.html"), "--markdown", str(out / "t.md"), "--tolerance", "2"],
+                           env={"COLUMNS": "200"})  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "paper 64.1 (-1.10)" in result.stdout and "paper 64.1 (-1.10)!" not in (out / "t.md").read_text()
+    assert "<span class='paper'>paper 64.1 (-1.10)</span>" in (out / "t.html").read_text()
+    board = runner.invoke(app, ["report", str(folder), "--leaderboard", "--markdown", str(out / "b.md")], env={"COLUMNS": "250"})
+    assert board.exit_code == 0, board.output
+    assert "| pearl (softmax) | 63.00; paper 64.1 (-1.10)! |" in (out / "b.md").read_text()
+    assert runner.invoke(app, ["report", str(folder), "--tolerance", "-1"]).exit_code == 2

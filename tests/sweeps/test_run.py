@@ -215,7 +215,27 @@ def test_cli_sweep_report_and_reproduce(data_root, tmp_path):
     md = (tmp_path / "repro" / "report.md").read_text()
     assert "| source \\ normalizer | softmax | entmax:1.25 | entmax:1.5 | sparsemax |" in md
     assert sorted(p.name for p in (tmp_path / "repro" / "plots").iterdir()) == ["alpha.png", "datasets.png"]
-    assert (tmp_path / "repro" / "report.csv").is_file()
+    assert (tmp_path / "repro" / "report.csv").is_file() and "<table>" in (tmp_path / "repro" / "report.html").read_text()
+
+
+def test_reproduce_leaderboard_runs_the_papers_grids_and_renders_table_1(data_root, tmp_path):
+    """A smoke run (tiny random CLIP, one image): the cells run and the leaderboard is written with every
+    paper's row; random weights are not the paper's CLIP, so no run row is compared (tests/sweeps/test_report.py
+    covers the comparison)."""
+    runner = CliRunner()
+    out = tmp_path / "board"
+    args = ["reproduce", "leaderboard", "--only", "sclip", "--models", TINY_CONFIG, "--pretrained", "none", "--limit", "1",
+            "--root", str(data_root / "missing"), "--root", f"voc21={data_root / 'voc'}", "--out", str(out), "--device", "cpu"]  # fmt: skip
+    result = runner.invoke(app, args, env={"COLUMNS": "250"})
+    assert result.exit_code == 1, result.output  # the seven benchmarks without data failed; voc21 ran
+    assert "16 cells: 0 already done, 2 ran, 14 failed" in result.stderr
+    md = (out / "leaderboard.md").read_text()
+    assert "| sclip (paper, ViT-B-16:openai) | 59.10 | 30.40 |" in md and "| pearl (paper, ViT-B-16:openai) |" in md
+    assert len(list((out / "sclip").glob("*.json"))) >= 2 and (out / "leaderboard.html").is_file()
+    for bad, message in ((["--only", "nope"], "unknown published result 'nope'"), (["--only", "segearth-ov3"], "eval --protocol segearth-ov3")):
+        refused = runner.invoke(app, ["reproduce", "leaderboard", *bad, "--out", str(tmp_path / "x")])
+        assert refused.exit_code == 2 and message in refused.output
+    assert runner.invoke(app, ["reproduce", "sfp", "--only", "sfp"]).exit_code == 2
 
 
 def readme_demo_commands():
