@@ -86,24 +86,34 @@ class Published:
 
     def compare(self, config: Mapping[str, Any], value: float, tolerance: float = TOLERANCE) -> Comparison | None:
         """This entry's number beside a result's `value`, or None when the result is not comparable (another
-        protocol, CLIP, class names, settings or spec; a benchmark the paper does not report)."""
+        protocol, CLIP, class names, settings or spec; a benchmark the paper does not report). Only the run of
+        the paper's own normalizer on a whole split is marked beyond `tolerance`: another normalizer's
+        difference is its gain, a `--limit` run scored a subset."""
         if self.differences(config):
             return None
-        published = self.miou[config["dataset"]]
-        limited = config.get("limit") is not None
-        return Comparison(published, value - published, not limited and abs(value - published) > tolerance, limited, self)
+        dataset = config["dataset"]
+        published = self.miou[dataset]
+        attention = config.get("attention")
+        as_published = attention is None or _canonical(attention) == _canonical(_published_attention(PROTOCOLS.get(self.protocol), dataset))
+        return Comparison.of(published, value, as_published, config.get("limit") is not None, self, tolerance)
 
 
 @dataclass(frozen=True)
 class Comparison:
     """A result beside its paper's number: `delta` = this run minus the paper; `beyond` = |delta| over the
-    tolerance on a whole split (a `--limit` run is never marked: it scored a subset)."""
+    tolerance for the paper's own run (`as_published`: its normalizer too) on a whole split (not `limited`)."""
 
     published: float
     delta: float
     beyond: bool
+    as_published: bool
     limited: bool
     entry: Published
+
+    @classmethod
+    def of(cls, published: float, value: float, as_published: bool, limited: bool, entry: Published, tolerance: float) -> Comparison:
+        delta = value - published
+        return cls(published, delta, as_published and not limited and abs(delta) > tolerance, as_published, limited, entry)
 
 
 def _family(protocol: Protocol) -> Protocol:
@@ -118,6 +128,13 @@ def _published_attention(protocol: Protocol, dataset: str) -> str:
     if find_pipeline(protocol.attention) is not None:
         return protocol.pipeline_text(dataset)
     return str(protocol.spec_for(dataset))
+
+
+def _canonical(text: str) -> str:
+    """A spec's canonical text (a pipeline's as written)."""
+    from ..segment.pipelines import find_pipeline
+
+    return text if find_pipeline(text) is not None else str(AttentionSpec.parse(text))
 
 
 def _up_to_normalizer(text: str) -> str:

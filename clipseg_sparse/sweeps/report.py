@@ -105,9 +105,9 @@ def _average(cells: dict[str, TableCell], entry: Published, tolerance: float) ->
     mean = sum(cells[d].value for d in EIGHT) / len(EIGHT)
     if all(cells[d].paper is None for d in EIGHT):  # the paper's own row
         return {"avg-8": TableCell(mean, None, None)}
-    limited = any(cells[d].paper.limited for d in EIGHT)
-    delta = mean - entry.average
-    return {"avg-8": TableCell(mean, None, None, Comparison(entry.average, delta, not limited and abs(delta) > tolerance, limited, entry))}
+    papers = [cells[d].paper for d in EIGHT]
+    paper = Comparison.of(entry.average, mean, all(p.as_published for p in papers), any(p.limited for p in papers), entry, tolerance)
+    return {"avg-8": TableCell(mean, None, None, paper)}
 
 
 def format_cell(cell: TableCell | None, digits: int = 2) -> str:
@@ -121,7 +121,7 @@ def format_cell(cell: TableCell | None, digits: int = 2) -> str:
 
 
 def format_paper(paper: Comparison, digits: int = 2) -> str:
-    return f"paper {paper.published:g} ({paper.delta:+.{digits}f}){'!' if paper.beyond else ''}"
+    return f"paper {round(paper.published, digits):g} ({paper.delta:+.{digits}f}){'!' if paper.beyond else ''}"
 
 
 def papers_of(tables: Sequence[Pivot]) -> list[Comparison]:
