@@ -18,6 +18,7 @@ from .common import (
     check_out,
     fail,
     load_model,
+    note,
     open_resources,
     out_console,
     user_errors,
@@ -48,7 +49,8 @@ def build(
 ) -> None:
     """Build an image bank: per region of every image a key (region mean of --keys' whole-image features)
     and a value per CLIP (L2 region mean of its pixel features). Resumable: run the same command again
-    after a stop (a kill loses at most the image in flight). Several processes:
+    after a stop (a kill loses at most the image in flight); an image that cannot be read is skipped with a
+    note, listed in the manifest and tried again by a re-run. Several processes:
     `torchrun --nproc-per-node N -m clipseg_sparse bank build ...` shards the images."""
     from ..attention import resolve_spec
     from ..files.inputs import discover_images
@@ -86,7 +88,7 @@ def build(
             v.backbones.get(name, v.clip.device)
     key_backbones = values[0].backbones
     key_backbone = key_backbones.get(keys, clips[0].device)
-    manifest = build_bank(jobs, out, values, key_backbone, key_backbones.config([keys])[keys], source, _source_text(source, regions), index, progress=True)
+    manifest = build_bank(jobs, out, values, key_backbone, key_backbones.config([keys])[keys], source, _source_text(source, regions), index, progress=True, note=note)
     _print_manifest(out, manifest)
 
 
@@ -117,6 +119,9 @@ def _print_manifest(path: Path, manifest: dict) -> None:
     table = Table("field", "value", title=f"bank {path}")
     table.add_row("content hash", manifest["hash"])
     table.add_row("images", str(len(manifest["images"])))
+    if manifest.get("skipped"):
+        skipped = manifest["skipped"]
+        table.add_row("skipped (unreadable)", f"{len(skipped)}: {', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}")
     table.add_row("regions (rows)", str(manifest["rows"]))
     table.add_row("keys", f"{keys['backbone']} ({keys.get('timm')}, weights {keys.get('weights')}, {keys.get('precision')})")
     for store in manifest["values"]:

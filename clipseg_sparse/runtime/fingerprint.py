@@ -4,6 +4,9 @@ A result records what it was computed from; for a file named by path (a checkpoi
 FG-OVD benchmark JSON) the path alone says nothing once the file is rewritten in place. The first 12 hex
 digits of the content's SHA-256 do, and stay the same for a copy or a file merely touched. Hashed once
 per path, size and modification time in a process (a ViT-L checkpoint is read once, in chunks).
+
+A folder of stores (an image bank) records a stamp of each file (size, modification time, digest) and checks
+it cheaply later: a file of the recorded size and time is not read again, any other is digested.
 """
 
 from __future__ import annotations
@@ -36,3 +39,19 @@ def file_id(path: str | Path) -> str:
     so another file of the same name is never mistaken for it."""
     path = Path(path)
     return f"{path.name}@{file_digest(path) if path.is_file() else 'missing'}"
+
+
+def file_stamp(path: str | Path) -> dict:
+    """{"bytes", "mtime_ns", "sha256"} of a file (sha256: `file_digest`), recorded to check it later (`stamp_matches`)."""
+    st = Path(path).stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_digest(path)}
+
+
+def stamp_matches(path: str | Path, stamp: dict) -> bool:
+    """Whether the file is the one `stamp` recorded: the same size and, unless it also has the recorded
+    modification time (then it is not read), the same digest (a copy matches, a rewrite does not)."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return False
+    return st.st_size == stamp.get("bytes") and (st.st_mtime_ns == stamp.get("mtime_ns") or file_digest(path) == stamp.get("sha256"))

@@ -8,13 +8,18 @@ and one **value** per CLIP named, the L2-normalised region mean of that CLIP's d
 windows' unnormalised projected features, averaged and resized bilinearly to the image's size, as the
 published `generate_clip_embeddings.py`). Layout:
 
-    BANK/manifest.json   models, weights tags and settings of keys and values, row count, content hash
+    BANK/manifest.json   models, weights tags and settings of keys and values, row count, images skipped as
+                         unreadable, a stamp (size, modification time, digest) of every file below and every
+                         part, and the content hash of all that (opening a bank checks both: a file replaced
+                         or a manifest edited since the build is refused by name)
     BANK/keys.npy        rows x C float16 (raw region means, as the published store)
     BANK/values-I.npy    rows x D float16, one per CLIP (row r of every store is the same region)
     BANK/rows.npy        rows x 2 int64: (image index in the manifest's list, region id)
     BANK/index.faiss     inner-product index over the L2-normalised keys; row ids are store rows
     BANK/parts/          one .npz per image while building (written atomically; a kill loses at most the
-                         image in flight), merged into the files above at the end
+                         image in flight), merged into the files above at the end; a re-run redoes the
+                         merge when a file does not match the manifest, and the images whose part does not
+                         match its stamp
 
 The stores are opened memory-mapped (`np.load(mmap_mode="r")`, nothing loaded into RAM); retrieval reads only
 the rows it needs, with pread (`read_rows`), so the process's resident set does not grow with the store.
@@ -42,11 +47,12 @@ import torch.nn.functional as F
 
 from ..errors import UserValueError
 from ..runtime.atomic import atomic_path, write_json_atomic
+from ..runtime.fingerprint import file_stamp, stamp_matches
 from .plan import ImageRun, Plan
 from .preprocess import input_regions
 from .windows import dense_cosine
 
-BANK_FORMAT = 1
+BANK_FORMAT = 2  # 2: file stamps in the manifest, its hash over them
 MANIFEST = "manifest.json"
 KEYS = "keys.npy"
 ROWS = "rows.npy"
@@ -75,6 +81,25 @@ def values_file(i: int) -> str:
 def clip_id(clip) -> str:
     """`MODEL:WEIGHTS` naming a loaded DenseCLIP in a bank's manifest."""
     return f"{clip.model_name}:{clip.pretrained}"
+
+
+def content_hash(manifest: dict) -> str:
+    """The first 16 hex digits of the SHA-256 of the manifest's fields, the stores' sizes and digests among
+    them; not of the stamps' times (a copied bank keeps its hash) nor of the parts' stamps (a part's .npz
+    holds the time it was written, so a resumed build would hash otherwise than an uninterrupted one)."""
+    fields = {k: v for k, v in manifest.items() if k not in ("hash", "parts")}
+    fields["files"] = {name: {k: v for k, v in stamp.items() if k != "mtime_ns"} for name, stamp in (manifest.get("files") or {}).items()}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def mismatch(path: Path, manifest: dict) -> str | None:
+    """Why a bank's files do not match its manifest (one line naming the file), or None."""
+    if manifest.get("hash") != content_hash(manifest):
+        return f"{path / MANIFEST}: its fields do not match its content hash (edited since the build)"
+    for name, stamp in manifest["files"].items():
+        if not stamp_matches(path / name, stamp):
+            return f"{path / name}: does not match the bank's manifest (replaced or changed since the build)"
+    return None
 
 
 def _faiss():
@@ -148,7 +173,11 @@ class ImageBank:
             raise BankError(f"{manifest_path}: not a readable bank manifest ({type(e).__name__}: {e})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != BANK_FORMAT:
             found = manifest.get("format") if isinstance(manifest, dict) else None
-            raise BankError(f"{path}: bank format {found!r}, this version reads {BANK_FORMAT}")
+            older = f"; run `bank build` again with --out {path} to update it" if isinstance(found, int) and found < BANK_FORMAT else ""
+            raise BankError(f"{path}: bank format {found!r}, this version reads {BANK_FORMAT}{older}")
+        problem = mismatch(path, manifest)
+        if problem:
+            raise BankError(f"{problem}; run `bank build` again with --out {path} to rebuild it")
         try:
             keys = np.load(path / KEYS, mmap_mode="r")
             values = {store["clip"]: np.load(path / values_file(i), mmap_mode="r") for i, store in enumerate(manifest["values"])}
@@ -341,13 +370,14 @@ def claim_manifest(bank: Path, settings: dict) -> None:
 
 
 def finish_bank(bank: Path, settings: dict, images: Sequence[str], index_kind: str = "auto") -> dict:
-    """Merge the parts (image order, then region id) into the memory-mapped stores, build the index, hash
-    the contents and write the manifest last (a bank without one is unfinished). Returns the manifest."""
-    parts = [np.load(part_path(bank, i)) for i in range(len(images))]
+    """Merge the parts (image order, then region id) into the memory-mapped stores, build the index, stamp
+    the files and hash the manifest, written last (a bank without one is unfinished). Images without a part
+    (unreadable) are listed as skipped. Returns the manifest."""
+    kept = [i for i in range(len(images)) if part_path(bank, i).is_file()]
+    parts = [np.load(part_path(bank, i)) for i in kept]
     n = sum(len(p["ids"]) for p in parts)
     if n == 0:
         raise BankError(f"{bank}: the images hold no regions; nothing to store")
-    digest = hashlib.sha256()
     arrays = {KEYS: "keys", **{values_file(i): f"values{i}" for i in range(len(settings["values"]))}}
     for name, key in arrays.items():
         width = parts[0][key].shape[1]
@@ -358,26 +388,31 @@ def finish_bank(bank: Path, settings: dict, images: Sequence[str], index_kind: s
                 out[row : row + len(p["ids"])] = p[key]
                 row += len(p["ids"])
             out.flush()
-            digest.update(name.encode())
-            digest.update(np.ascontiguousarray(out).tobytes())
             del out
-    rows = np.concatenate([np.stack([np.full(len(p["ids"]), i), p["ids"]], 1) for i, p in enumerate(parts)]).astype(np.int64)
+    rows = np.concatenate([np.stack([np.full(len(p["ids"]), i), p["ids"]], 1) for i, p in zip(kept, parts)]).astype(np.int64)
     with atomic_path(bank / ROWS) as tmp:
         with open(tmp, "wb") as f:
             np.save(f, rows)
-    digest.update(rows.tobytes())
     index = build_index(np.load(bank / KEYS, mmap_mode="r"), index_kind)
     with atomic_path(bank / INDEX) as tmp:
         _faiss().write_index(index, str(tmp))
-    digest.update(json.dumps(settings, sort_keys=True).encode())
-    manifest = {"format": BANK_FORMAT, **settings, "images": list(images), "rows": n, "index": type(_faiss().downcast_index(index.index)).__name__, "hash": digest.hexdigest()[:16]}
+    manifest = {
+        "format": BANK_FORMAT, **settings, "images": list(images), "skipped": [images[i] for i in range(len(images)) if i not in kept],
+        "rows": n, "index": type(_faiss().downcast_index(index.index)).__name__,
+        "files": {name: file_stamp(bank / name) for name in (*arrays, ROWS, INDEX)},
+        "parts": {part_path(bank, i).name: file_stamp(part_path(bank, i)) for i in kept},
+    }  # fmt: skip
+    manifest["hash"] = content_hash(manifest)
     write_json_atomic(bank / MANIFEST, manifest)
     return manifest
 
 
-def pending(bank: Path, order: Iterable[int]) -> list[int]:
-    """Image indices (in `order`) without a finished part."""
-    return [i for i in order if not part_path(bank, i).is_file()]
+def pending(bank: Path, order: Iterable[int], parts: dict | None = None) -> list[int]:
+    """Image indices (in `order`) without a finished part, or whose part does not match its stamp in
+    `parts` (a finished bank's manifest)."""
+    parts = parts or {}
+    paths = {i: part_path(bank, i) for i in order}
+    return [i for i, p in paths.items() if not p.is_file() or (p.name in parts and not stamp_matches(p, parts[p.name]))]
 
 
 def build_bank(
@@ -390,14 +425,18 @@ def build_bank(
     region_source: str,
     index_kind: str = "auto",
     progress: bool = False,
+    note: Callable[[str], None] | None = None,
 ) -> dict:
     """Build (or finish) a bank from `jobs` ((image file, name) pairs, in a fixed order) into `out`.
     Resumable: each image's rows go to their own part, written atomically, and finished parts are skipped;
-    under torchrun each rank takes every world-th image and rank 0 merges. A bank or an unfinished build
-    with other settings in `out` is refused by name. Returns the manifest."""
+    under torchrun each rank takes every world-th image and rank 0 merges. A finished bank is returned as
+    it is unless its files do not match its manifest (then the parts that do not match are redone and the
+    bank merged again) or it skipped images (then they are tried again). An image that cannot be read is
+    skipped (`note` says why) and listed in the manifest. A bank or an unfinished build with other settings
+    in `out` is refused by name. Returns the manifest."""
     from ..runtime.distributed import barrier, rank_and_world
     from ..runtime.progress import progress_bar
-    from .images import load_image
+    from .images import ImageReadError, load_image
 
     if index_kind not in INDEX_KINDS:
         raise BankError(f"index kind must be one of {', '.join(INDEX_KINDS)} (got {index_kind!r})")
@@ -405,19 +444,19 @@ def build_bank(
     names = [name for _, name in jobs]
     settings = {"keys": {"backbone": key_backbone.info.name, **key_record}, "values": [m.record() for m in models], "regions": region_source, "index_kind": index_kind}
     wanted = json.loads(json.dumps({**settings, "images": names}, default=str))
-    if (out / MANIFEST).is_file():
-        done = json.loads((out / MANIFEST).read_text())
-        if {k: done.get(k) for k in wanted} == wanted:
-            return done
+    done = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).is_file() else {}
+    if done and {k: done.get(k) for k in wanted} != wanted:
         changed = sorted(k for k in wanted if done.get(k) != wanted[k])
         raise BankError(f"{out}: a bank built with other settings ({', '.join(changed)}) is there; choose another --out")
+    if done and not done.get("skipped") and mismatch(out, done) is None:
+        return done
     rank, world = rank_and_world()
     if rank == 0:
         claim_manifest(out, wanted)
     barrier()
     if rank:
         claim_manifest(out, wanted)
-    todo = pending(out, range(rank, len(jobs), world))
+    todo = pending(out, range(rank, len(jobs), world), done.get("parts"))
     bar = progress_bar("images") if progress and rank == 0 else None
     task = bar.add_task("bank build", total=len(todo)) if bar else None
     if bar:
@@ -425,12 +464,17 @@ def build_bank(
     try:
         for i in todo:
             path, name = jobs[i]
-            rgb = load_image(path)
-            region_map = np.asarray(regions(rgb, name))
-            if region_map.shape != rgb.shape[:2]:
-                raise BankError(f"{name}: region map {region_map.shape} differs from the image {rgb.shape[:2]}")
-            key_map = key_backbone.image_feature_map(torch.from_numpy(np.array(rgb)))
-            write_part(out, i, image_part(rgb, region_map, key_map, models))
+            try:
+                rgb = load_image(path)
+            except (ImageReadError, OSError) as e:  # as segment does: the others go on, a re-run tries it again
+                if note:
+                    note(f"skipping an image that cannot be read ({e}); the bank's manifest lists it")
+            else:
+                region_map = np.asarray(regions(rgb, name))
+                if region_map.shape != rgb.shape[:2]:
+                    raise BankError(f"{name}: region map {region_map.shape} differs from the image {rgb.shape[:2]}")
+                key_map = key_backbone.image_feature_map(torch.from_numpy(np.array(rgb)))
+                write_part(out, i, image_part(rgb, region_map, key_map, models))
             if bar:
                 bar.advance(task)
     finally:

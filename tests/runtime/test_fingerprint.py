@@ -177,3 +177,19 @@ def test_dna_stats_records_the_weights_and_the_adapter(tiny_clip, ckpt, tmp_path
     record = json.loads(out.read_text())
     assert record["model"]["pretrained_sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest()[:12]
     assert record["adapter_sha256"] == hashlib.sha256(adapter.read_bytes()).hexdigest()[:12]
+
+
+def test_a_stamp_matches_a_copy_and_not_a_rewrite_of_the_same_size(tmp_path):
+    from clipseg_sparse.runtime.fingerprint import file_stamp, stamp_matches
+
+    path = tmp_path / "store.npy"
+    path.write_bytes(b"a" * 64)
+    stamp = file_stamp(path)
+    assert stamp == {"bytes": 64, "mtime_ns": path.stat().st_mtime_ns, "sha256": hashlib.sha256(b"a" * 64).hexdigest()[:12]}
+    touch(path)  # same content, another time: digested, still the same
+    assert stamp_matches(path, stamp)
+    path.write_bytes(b"b" * 64)
+    touch(path)
+    assert not stamp_matches(path, stamp) and not stamp_matches(tmp_path / "missing.npy", stamp)
+    path.write_bytes(b"a" * 65)
+    assert not stamp_matches(path, stamp)

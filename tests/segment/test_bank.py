@@ -456,3 +456,56 @@ def test_bank_build_with_a_second_clip_loads_each_backbone_once(models, tmp_path
     assert built.exit_code == 0, built.output
     assert sorted(loads) == ["c_radio_v3_l", "dino_vitb8"]
     assert len(ImageBank.open(tmp_path / "bank").manifest["values"]) == 2
+
+
+def bank_build_cli(images: Path, out: Path, masks: Path):
+    from conftest import TINY_CONFIG
+
+    return cli("bank", "build", images, "--out", out, "--regions", masks, "--model", TINY_CONFIG, "--pretrained", "none", "--device", "cpu",
+               "--values-attn", VALUES, "--resolution", 64, "--window", 48, "--stride", 32, "--index", "flat")  # fmt: skip
+
+
+def test_a_bank_whose_files_do_not_match_its_manifest_is_refused_and_a_rerun_rebuilds_it(models, tmp_path):
+    """A store replaced, a part replaced, the hash or the row count edited in manifest.json: opening the bank
+    (`bank info`, a run with --bank) is refused in one line naming the file; a re-run of the build redoes the
+    part that does not match and merges again, giving the bank built first."""
+    clip, _, radio = models
+    jobs, regions = write_images(tmp_path / "images", 3)
+    bank = tmp_path / "bank"
+    first = build(bank, jobs, regions, [clip], radio)
+    stores = {name: (bank / name).read_bytes() for name in (banks.KEYS, banks.values_file(0), banks.ROWS)}
+    np.save(bank / banks.values_file(0), np.zeros_like(np.load(bank / banks.values_file(0))))
+    built = (bank / banks.values_file(0)).stat().st_mtime_ns
+    os.utime(bank / banks.values_file(0), ns=(built, built + 2 * 10**9))  # a later time even on coarse file-system clocks
+    (bank / banks.PARTS / "00000001.npz").write_bytes((bank / banks.PARTS / "00000000.npz").read_bytes())
+    with pytest.raises(BankError, match=r"values-0\.npy: does not match the bank's manifest"):
+        ImageBank.open(bank)
+    info = cli("bank", "info", bank)
+    assert info.exit_code == 2 and "values-0.npy: does not match" in info.output and len(info.output.strip().splitlines()) == 1, info.output
+    again = build(bank, jobs, regions, [clip], radio)
+    assert again["hash"] == first["hash"] and ImageBank.open(bank).rows == first["rows"]
+    assert all((bank / name).read_bytes() == data for name, data in stores.items())
+    manifest = json.loads((bank / banks.MANIFEST).read_text())
+    for field, value in (("hash", "0" * 16), ("rows", manifest["rows"] - 1)):
+        (bank / banks.MANIFEST).write_text(json.dumps({**manifest, field: value}))
+        with pytest.raises(BankError, match=r"manifest\.json: its fields do not match its content hash"):
+            ImageBank.open(bank)
+
+
+def test_bank_build_skips_an_unreadable_image_lists_it_and_tries_it_again(models, tmp_path):
+    clip, _, radio = models
+    jobs, regions = write_images(tmp_path / "images", 3)
+    write_masks(tmp_path / "masks", regions)
+    good = (tmp_path / "images" / "img01.png").read_bytes()
+    (tmp_path / "images" / "img01.png").write_bytes(good[: len(good) // 3])  # truncated
+    built = bank_build_cli(tmp_path / "images", tmp_path / "bank", tmp_path / "masks")
+    assert built.exit_code == 0, built.output
+    assert "skipping an image that cannot be read" in built.output and "img01.png" in built.output
+    bank = ImageBank.open(tmp_path / "bank")
+    assert bank.manifest["skipped"] == ["img01"] and sorted(set(np.load(tmp_path / "bank" / banks.ROWS)[:, 0])) == [0, 2]
+    info = cli("bank", "info", tmp_path / "bank")
+    assert info.exit_code == 0 and "skipped (unreadable)" in info.output and "img01" in info.output
+    (tmp_path / "images" / "img01.png").write_bytes(good)
+    again = bank_build_cli(tmp_path / "images", tmp_path / "bank", tmp_path / "masks")
+    assert again.exit_code == 0, again.output
+    assert ImageBank.open(tmp_path / "bank").manifest["skipped"] == [] and sorted(set(np.load(tmp_path / "bank" / banks.ROWS)[:, 0])) == [0, 1, 2]
