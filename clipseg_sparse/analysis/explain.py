@@ -164,6 +164,51 @@ def explain(
     return views
 
 
+def explain_pipeline(segmenter, image, point: tuple[int, int], head: int | None = None, name: str | None = None) -> ExplainView:
+    """The view of a pipeline whose decoder attends from object queries to the image (SAM 3: a segmenter with
+    `query_attention`): the label at `point` = (x, y) is the argmax of the class scores there; the view shows
+    the image attention (the last decoder layer's, head mean unless `head`) of the query behind it, the
+    instance with the highest object score among the kept instances of that class's names (their best query
+    when none is kept), on the detector's token grid over the image (which SAM 3 squashes to a square)."""
+    rgb = load_image(image)
+    height, width = rgb.shape[:2]
+    x, y = point
+    if not (0 <= x < width and 0 <= y < height):
+        raise UserValueError(f"point ({x}, {y}) is outside the {width} x {height} image")
+    scores = segmenter.scores(rgb)
+    labels = segmenter.predict_labels(rgb, name)
+    winner = int(scores[:, y, x].argmax())
+    att = segmenter.query_attention(rgb)
+    names = [i for i, c in enumerate(att.name_class) if c == winner]
+    candidates = [(float(att.scores[i, q]), i, q) for i in names for q in range(att.scores.shape[1]) if att.kept[i, q]]
+    if not candidates:
+        candidates = [(float(att.scores[i].max()), i, int(att.scores[i].argmax())) for i in names]
+    _, i, q = max(candidates)
+    rows = att.rows[i][:, q]  # heads x (h * w)
+    if head is not None and not 0 <= head < rows.shape[0]:
+        raise UserValueError(f"head {head} does not exist: the decoder has {rows.shape[0]} heads (0..{rows.shape[0] - 1})")
+    rows = normalize_rows(rows[head : head + 1] if head is not None else rows)
+    entropy = row_entropy(rows)
+    gh, gw = att.grid
+    counts = np.bincount(labels.ravel(), minlength=len(segmenter.class_names))
+    return ExplainView(
+        spec=f"{segmenter.config()['attention']} (query {q} of {segmenter.vocabulary.flat_names[i]!r}, score {float(att.scores[i, q]):.2f})",
+        attention=rows.mean(0).reshape(gh, gw).cpu().numpy(),
+        labels=labels,
+        class_names=segmenter.class_names,
+        present={segmenter.class_names[c]: counts[c] / counts.sum() for c in np.argsort(-counts, kind="stable") if counts[c]},
+        query=(min(int(y * gh / height), gh - 1), min(int(x * gw / width), gw - 1)),
+        scale=(height / gh, width / gw),
+        entropy=float(entropy.mean()),
+        support=float(entropy.exp().mean()),
+        nonzero=float((rows > 0).sum(-1).double().mean()),
+        tokens=int(rows.shape[-1]),
+        heads=f"head {head}" if head is not None else f"mean of {att.rows.shape[1]} heads",
+        rgb=rgb,
+        point=tuple(point),
+    )
+
+
 def attention_image(view: ExplainView, colormap: str = "inferno") -> np.ndarray:
     """H x W x 3 uint8: the image in grey where the attention is exactly 0, coloured by sqrt(attention /
     max) elsewhere (the square root shows the tail next to the usually dominant query patch) (each grid cell a block, no smoothing, so the support stays exact); the query point ringed."""

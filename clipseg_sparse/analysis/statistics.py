@@ -40,6 +40,7 @@ from ..datasets.classnames import DATA_DIR
 from ..datasets.labels import IGNORE_INDEX, patch_labels
 from ..errors import UserValueError
 from ..models.clip import DenseCLIP
+from ..segment.pipelines import QueryAttention, find_pipeline
 from ..segment.plan import AttentionWindow, ImageRun, Plan
 from ..segment.resources import Resources
 
@@ -90,13 +91,21 @@ def attention_statistics(
     stuff: bool mask over class indices (True = background / stuff); None gives stuff_mass NaN.
     Returns ({stat: H x Q float64}, Q query classes) for the Q patches with a known class.
     """
-    maps = normalize_rows(maps)
     offset = 1 if has_cls else 0
     labels = labels.to(maps.device)
     query = (labels >= 0).nonzero().squeeze(1)
-    rows = maps[:, query + offset]  # H x Q x N
-    patches = rows[..., offset:]  # H x Q x P
     q_labels = labels[query]
+    return row_statistics(maps[:, query + offset], q_labels, labels, stuff, has_cls), q_labels
+
+
+def row_statistics(rows: torch.Tensor, q_labels: torch.Tensor, labels: torch.Tensor, stuff: torch.Tensor | None, has_cls: bool) -> dict[str, torch.Tensor]:
+    """{stat: H x Q float64} of H x Q x N attention rows whose queries have the classes `q_labels`, over keys
+    with the classes `labels` (P; -1 = unknown) after the CLS key when `has_cls`."""
+    rows = normalize_rows(rows)
+    offset = 1 if has_cls else 0
+    labels = labels.to(rows.device)
+    q_labels = q_labels.to(rows.device)
+    patches = rows[..., offset:]  # H x Q x P
     entropy = row_entropy(rows)
     own = (patches * (labels[None, :] == q_labels[:, None])).sum(-1)
     if stuff is None:
@@ -106,7 +115,7 @@ def attention_statistics(
         known = labels >= 0
         key_stuff[known] = stuff.to(labels.device)[labels[known]]
         stuff_mass = (patches * key_stuff).sum(-1)
-    stats = {
+    return {
         "entropy": entropy,
         "support": entropy.exp(),
         "nonzero": (rows > 0).sum(-1).double(),
@@ -115,7 +124,6 @@ def attention_statistics(
         "cls_mass": rows[..., 0] if has_cls else torch.zeros_like(own),
         "diffusivity": 1.0 - own,
     }
-    return stats, q_labels
 
 
 def stuff_mask(indices: Sequence[int] | None, num_classes: int) -> torch.Tensor | None:
@@ -226,6 +234,31 @@ def image_statistics(run: ImageRun, labels: np.ndarray, stuff: torch.Tensor | No
     return total
 
 
+EMPTY_SUMS = {"patches": 0, "sums": {k: 0.0 for k in STATS}, "classes": {}}  # an image with nothing to measure
+QUERY_CELL = 4  # label pixels per detector token side when the labels are reduced to its grid
+
+
+def query_statistics(attention: QueryAttention, labels: np.ndarray, stuff: torch.Tensor | None, per_head: bool = False) -> dict | None:
+    """The summed statistics of one labelled image over a detector's query rows (a pipeline's
+    `query_attention`): for every prompt name whose class is in the image, the rows of the instances the
+    pipeline keeps (its best query when it keeps none), the query's class being the name's; the keys are the
+    image tokens, labelled by majority (the labels resized to the detector's square input, as the image is).
+    None when no prompted class is in the image."""
+    gh, gw = attention.grid
+    keys = patch_labels(nearest_labels(labels, (gh * QUERY_CELL, gw * QUERY_CELL)), QUERY_CELL)
+    present = set(keys[keys >= 0].tolist())
+    total = None
+    for i, c in enumerate(attention.name_class):
+        if c not in present:
+            continue
+        kept = attention.kept[i].nonzero().squeeze(1)
+        queries = kept if kept.numel() else attention.scores[i].argmax().reshape(1)
+        q_labels = torch.full((queries.numel(),), c, dtype=torch.int64)
+        stats = row_statistics(attention.rows[i][:, queries], q_labels, keys, stuff, has_cls=False)
+        total = add_sums(total, image_sums(stats, q_labels, per_head))
+    return total
+
+
 # -- a dataset ---------------------------------------------------------------------------------------
 def analysis_plan(spec: AttentionSpec | str | None, protocol: str, dataset: str, overrides: Mapping[str, Any] | None = None, clip=None) -> Plan:
     """The plan whose attention `analyze` measures: the protocol's settings for the dataset with `overrides`
@@ -241,7 +274,7 @@ def analysis_plan(spec: AttentionSpec | str | None, protocol: str, dataset: str,
 
 
 def analyze(
-    clip: DenseCLIP,
+    clip: DenseCLIP | Any,
     dataset_name: str,
     root: str | Path,
     spec: AttentionSpec | str | None = "sclip",
@@ -271,56 +304,74 @@ def analyze(
     called with the sample id) of specs whose attention reads region maps (CorrCLIP, CorrCLIPv2; required by
     them, ignored otherwise); the rows of specs on an external backbone's finer grid are measured on that grid.
     resources: the run's inputs (`segment.Resources`: region source, backbones' weights) in place of `regions`.
+    A pipeline (`sam3[:CONFIDENCE][/NORMALIZER]`, segment/pipelines.py), `clip` being its loaded model, is
+    measured on its detector's query rows instead (`query_statistics`: the rows of the instances it keeps for
+    each prompted class in the image, over the image tokens), under the protocol's constants for the dataset.
     out: result JSON, resumable through `<out>.progress.jsonl` exactly as `evaluate` (see results.py);
     a finished result of the same configuration is returned, not recomputed, unless `overwrite`.
     Raises DatasetError, ConfigMismatchError or UserValueError as `evaluate` does.
     """
     from ..segment.images import load_image
-    from ..runtime.progress import progress_bar
-    from ..files.results import logged_or_computed, open_run, result_record
-    from ..runtime.atomic import write_json_atomic
 
     bench = DATASETS.get(dataset_name)
-    spec = resolve_spec(spec)
     if limit is not None and limit < 1:
         raise UserValueError(f"limit must be >= 1 (got {limit})")
-    plan = analysis_plan(spec, protocol, bench.name, overrides, clip)
-    settings = plan.settings
-    if resources is not None and regions is not None:
-        raise UserValueError("give regions either as a keyword or in resources=, not both")
-    resources = (resources or Resources.open(plan, regions=regions, attention=True)).bind(plan, clip, attention=True)
     stuff = tuple(sorted(set(stuff))) if stuff is not None else stuff_classes(bench.name)
     if stuff is not None and any(not 0 <= c < bench.num_classes for c in stuff):
         raise UserValueError(f"stuff class indices must be in 0..{bench.num_classes - 1} for {bench.name}")
     every_sample = bench.samples(root)
     samples = every_sample[:limit]
+    mask = stuff_mask(stuff, bench.num_classes)
+    common = {
+        "dataset": bench.name, "root": str(Path(root).resolve()),
+        "data": bench.fingerprint(every_sample),  # edited or added files make a stored result stale, as in eval
+        "protocol": protocol, "per_head": per_head, "stuff_classes": list(stuff) if stuff is not None else None,
+    }  # fmt: skip
+    if find_pipeline(spec) is not None:
+        segmenter, config = _pipeline_segmenter(clip, bench, spec, protocol)
+        config = {**config, **common, "query_rows": "last decoder layer's image cross-attention; kept instances (else the best query) of each prompted class in the image", "limit": limit}
+        compute = lambda sample: _sample_query_statistics(segmenter, bench, sample, mask, per_head, load_image)  # noqa: E731
+        return _collect(config, bench, samples, compute, out, overwrite, resume, progress)
+    spec = resolve_spec(spec)
+    plan = analysis_plan(spec, protocol, bench.name, overrides, clip)
+    settings = plan.settings
+    if resources is not None and regions is not None:
+        raise UserValueError("give regions either as a keyword or in resources=, not both")
+    resources = (resources or Resources.open(plan, regions=regions, attention=True)).bind(plan, clip, attention=True)
     config = {
         **clip.config(),
         "attention": str(spec),
         **resources.record(plan),  # the external backbones the attention reads, their weights; the region source
-        "dataset": bench.name,
-        "root": str(Path(root).resolve()),
-        "data": bench.fingerprint(every_sample),  # edited or added files make a stored result stale, as in eval
-        "protocol": protocol,
+        **{k: v for k, v in common.items() if k not in ("per_head", "stuff_classes")},
         **{k: getattr(settings, k) for k in ANALYSIS_SETTINGS},
         # the preprocessing eval uses (recorded since analyze follows it: older results, made without it,
         # are refused as of another configuration instead of being shown as finished)
         "preprocess": {k: getattr(settings, k) for k in PREPROCESS_SETTINGS},
         "per_head": per_head,
-        "stuff_classes": list(stuff) if stuff is not None else None,
+        "stuff_classes": common["stuff_classes"],
         "patch_labels": "majority over each patch's pixels (nearest-resized labels); void-majority patches skipped",
         "limit": limit,
     }
+    compute = lambda sample: _sample_statistics(clip, bench, sample, plan, resources, mask, per_head, load_image)  # noqa: E731
+    return _collect(config, bench, samples, compute, out, overwrite, resume, progress)
+
+
+def _collect(config: dict, bench: Benchmark, samples: Sequence[Sample], compute: Callable[[Sample], dict], out: Path | None,
+             overwrite: bool, resume: bool, progress: bool) -> dict:  # fmt: skip
+    """Per-image statistics of `samples` (`compute`), resumable through the item log of `out`, summed into the
+    result record (kind "analysis"); a finished result of the same `config` is returned as it is."""
+    from ..files.results import logged_or_computed, open_run, result_record
+    from ..runtime.atomic import write_json_atomic
+    from ..runtime.progress import progress_bar
+
     finished, log = open_run(out, config, overwrite=overwrite, resume=resume)
     if finished is not None:
         return finished
-    mask = stuff_mask(stuff, bench.num_classes)
     images, seconds, reused = {}, 0.0, 0
     with progress_bar("images") if progress else nullcontext() as bar:
         task = bar.add_task(f"analyze {bench.name}", total=len(samples)) if bar else None
         for sample in samples:
-            compute = lambda s=sample: _sample_statistics(clip, bench, s, plan, resources, mask, per_head, load_image)  # noqa: E731
-            rec, was_logged = logged_or_computed(log, sample.id, compute)
+            rec, was_logged = logged_or_computed(log, sample.id, lambda s=sample: compute(s))
             images[sample.id] = {k: v for k, v in rec.items() if k not in ("id", "seconds")}
             seconds += float(rec["seconds"])
             reused += was_logged
@@ -338,6 +389,32 @@ def analyze(
     if out is not None:
         write_json_atomic(out, record)
     return record
+
+
+def _pipeline_segmenter(model, bench: Benchmark, spec: str, protocol: str):
+    """The segmenter a pipeline builds on its loaded `model` for the dataset, as `eval` builds it (the protocol's
+    settings, name set and per-dataset constants), and the config of the analysis of it."""
+    from ..datasets import class_vocabulary
+    from ..evaluation.protocols import PROTOCOLS
+
+    proto = PROTOCOLS.get(protocol)
+    pipeline = find_pipeline(proto.pipeline_text(bench.name, spec))
+    vocabulary, version = class_vocabulary(bench.name, proto.class_names)
+    segmenter = pipeline.build(model, vocabulary, proto.settings(bench.name))
+    if not hasattr(segmenter, "query_attention"):
+        raise UserValueError(f"{pipeline.name}: this pipeline shows no attention to analyze")
+    config = {k: v for k, v in segmenter.config().items() if k != "classes"}
+    return segmenter, {**config, "class_names": proto.class_names, "class_names_version": version}
+
+
+def _sample_query_statistics(segmenter, bench: Benchmark, sample: Sample, mask, per_head: bool, load_image: Callable) -> dict:
+    from ..datasets import DatasetError
+
+    labels = bench.load_label(sample.label)
+    rgb = load_image(sample.image)
+    if rgb.shape[:2] != labels.shape:
+        raise DatasetError(f"{bench.name}: image {sample.image} is {rgb.shape[:2]} but label {sample.label} is {labels.shape}")
+    return query_statistics(segmenter.query_attention(rgb), labels, mask, per_head) or EMPTY_SUMS
 
 
 def _sample_statistics(clip, bench: Benchmark, sample: Sample, plan: Plan, resources: Resources, mask, per_head: bool, load_image: Callable) -> dict:

@@ -26,13 +26,14 @@ from .common import (
     check_out,
     fail,
     load_model,
+    load_pipeline,
     open_resources,
     out_console,
     user_errors,
 )
 from ..runtime.progress import err_console
 
-PresetsOpt = Annotated[Optional[list[str]], typer.Option("--preset", help="Attention preset (repeat to compare several; see `ls presets`).")]
+PresetsOpt = Annotated[Optional[list[str]], typer.Option("--preset", help="Attention preset (repeat to compare several; see `ls presets`), or SAM 3 pipelines (`sam3`, `sam3-entmax`: its detector's query rows; `ls pipelines`).")]
 AttnsOpt = Annotated[Optional[list[str]], typer.Option("--attn", help="Attention spec such as qq/entmax:1.5/nores/noffn (repeatable).")]
 
 app = typer.Typer()
@@ -48,6 +49,19 @@ def resolve_specs(presets: list[str] | None, attns: list[str] | None, default: s
     texts = [*(presets or []), *(attns or [])] or [default]
     specs = [AttentionSpec.parse(t) for t in texts]
     return list(dict.fromkeys(specs))
+
+
+def resolve_pipelines(presets: list[str] | None, attns: list[str] | None) -> list | None:
+    """The pipelines the --preset values name (SAM 3: its detector's attention), or None when they name
+    attention presets; a mix, or --attn with a pipeline, is refused in one line."""
+    from ..segment.pipelines import find_pipeline
+
+    found = [find_pipeline(p) for p in presets or []]
+    if not any(found):
+        return None
+    if not all(found) or attns:
+        fail("--preset: give SAM 3 pipelines or attention presets / --attn specs, not both (each reads another model)")
+    return list({p.name: p for p in found}.values())
 
 
 def analysis_file(out: Path, dataset: str, spec, config_key: str) -> Path:
@@ -68,7 +82,7 @@ def analyze(
     pretrained: ProtocolPretrainedOpt = None,
     device: DeviceOpt = Device.auto,
     precision: PrecisionOpt = Precision.fp32,
-    protocol: Annotated[str, typer.Option("--protocol", help="Gives resolution and windows per dataset, and the CLIP weights unless given (see `ls protocols`).")] = "sclip",
+    protocol: Annotated[Optional[str], typer.Option("--protocol", help="Gives resolution and windows per dataset, and the CLIP weights unless given (see `ls protocols`; default sclip, and a pipeline's own protocol for it: sam3).")] = None,
     resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
     window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window size in pixels (0 = whole image).")] = None,
     stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride in pixels.")] = None,
@@ -85,7 +99,8 @@ def analyze(
     Per query patch of the last edited block (labels reduced to the patch grid by majority; void patches
     skipped), averaged over heads, then per image, per class and over the dataset. Default spec: sclip.
     Presets whose attention reads region masks (corrclip, corrclipv2) take --regions; no --bank: retrieval
-    acts after the attention.
+    acts after the attention. SAM 3 pipelines (`--preset sam3`, `sam3-entmax`) are measured on their detector:
+    the last decoder layer's image cross-attention of the instances kept for each prompted class in the image.
     """
     from ..analysis.statistics import analysis_plan, analyze as run_analysis
     from ..datasets import DATASETS
@@ -93,7 +108,7 @@ def analyze(
     from ..files.results import config_hash
 
     check_out(out, folder=True)
-    bench, proto = DATASETS.get(dataset), PROTOCOLS.get(protocol)
+    bench = DATASETS.get(dataset)
     samples = bench.samples(root)  # a missing dataset fails before the model loads
     stuff_ids = None
     if stuff is not None:
@@ -102,6 +117,11 @@ def analyze(
         if missing:
             fail(f"--stuff: {', '.join(missing)} not among the {bench.name} classes (e.g. {', '.join(bench.classes[:5])}, ...)")
         stuff_ids = [bench.classes.index(n) for n in names]
+    pipelines = resolve_pipelines(preset, attn)
+    if pipelines is not None:
+        return analyze_pipelines(pipelines, bench, root, out, protocol, pretrained, device, precision, limit, per_head, stuff_ids, overwrite, proxy_weights)
+    protocol = protocol or "sclip"
+    proto = PROTOCOLS.get(protocol)
     specs = resolve_specs(preset, attn, default="sclip")
     overrides = dict(resolution=resolution, window=window, stride=stride, batch_size=batch_size)
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -119,6 +139,31 @@ def analyze(
                            "per_head": per_head, "stuff": stuff_ids, **({"regions": used.regions.source()} if used.regions else {})})[:8]  # fmt: skip
         path = analysis_file(out, bench.name, spec, key) if out is not None else None
         records.append(run_analysis(clip, bench.name, root, spec, protocol, overrides, limit, path, per_head, stuff_ids, overwrite=overwrite, resources=inputs))
+        if path is not None:
+            err_console.print(f"result: {path}", highlight=False)
+    out_console().print(analysis_table(records))
+
+
+def analyze_pipelines(pipelines, bench, root: Path, out: Path | None, protocol: str | None, pretrained, device, precision, limit, per_head: bool,
+                      stuff_ids, overwrite: bool, proxy_weights: str) -> None:  # fmt: skip
+    """`analyze --preset sam3[...]`: the detector's query rows of each pipeline on one loaded model."""
+    from ..analysis.statistics import analyze as run_analysis
+    from ..evaluation.protocols import PROTOCOLS
+    from ..files.results import config_hash
+
+    from ..segment.pipelines import split_pipeline
+
+    if protocol is None:  # the pipeline's own: `sam3` and `sam3-entmax` run the `sam3` protocol
+        protocol = split_pipeline(pipelines[0].name)[0].removesuffix("-entmax")
+        if protocol not in PROTOCOLS:
+            fail(f"--preset {pipelines[0].name}: no protocol of that name; give --protocol (`ls protocols`)")
+    PROTOCOLS.get(protocol)
+    model = load_pipeline(pipelines[0], proxy_weights, pretrained or "hub", device, precision)
+    records = []
+    for pipeline in pipelines:
+        key = config_hash({"model": model.config(), "root": str(root.resolve()), "protocol": protocol, "limit": limit, "per_head": per_head, "stuff": stuff_ids})[:8]
+        path = analysis_file(out, bench.name, pipeline.name, key) if out is not None else None
+        records.append(run_analysis(model, bench.name, root, pipeline.name, protocol, None, limit, path, per_head, stuff_ids, overwrite=overwrite))
         if path is not None:
             err_console.print(f"result: {path}", highlight=False)
     out_console().print(analysis_table(records))
@@ -161,7 +206,9 @@ def explain(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
 ) -> None:
     """One PNG: per spec, the attention of the patch under --point over the image (entmax's exact zeros
-    in grey) beside the segmentation overlay, titled with the row's entropy and support size."""
+    in grey) beside the segmentation overlay, titled with the row's entropy and support size. With SAM 3
+    pipelines (`--preset sam3`, `sam3-entmax`): the image attention of the detector's query behind the label
+    at --point (the top-scoring kept instance of that class)."""
     from ..analysis.explain import explain as run_explain, write_explain
     from ..segment.plan import Plan
     from ..segment.settings import InferenceSettings
@@ -179,9 +226,12 @@ def explain(
         fail(f"--point {point!r}: expected X,Y in pixels, e.g. 120,80")
     if not image.is_file():
         fail(f"{image}: image not found")
-    specs = resolve_specs(preset, attn, default="sclip")
     vocabulary = Vocabulary.parse(classes)
     vocabulary.check_unique()  # as segment: a repeated name could never win
+    pipelines = resolve_pipelines(preset, attn)
+    if pipelines is not None:
+        return explain_pipelines(pipelines, image, vocabulary, (x, y), out, head, pretrained, device, precision, proxy_weights)
+    specs = resolve_specs(preset, attn, default="sclip")
     settings = InferenceSettings().replace(resolution=resolution)
     plans = [Plan.of(spec, settings) for spec in specs]
     inputs = open_resources(plans, device, [image.name], regions=regions, bank=bank, proxy_weights=proxy_weights)
@@ -194,6 +244,21 @@ def explain(
     write_explain(views, out, caption=f"{image.name}, point ({x}, {y}), {clip.model_name} ({clip.pretrained}){note}")
     for view in views:
         out_console().print(view.title.replace("\n", ": "), highlight=False, markup=False)  # a spec's [options] are not markup
+    err_console.print(f"wrote {out}", highlight=False)
+
+
+def explain_pipelines(pipelines, image: Path, vocabulary, point: tuple[int, int], out: Path, head, pretrained, device, precision, proxy_weights) -> None:
+    """`explain --preset sam3[...]`: one view per pipeline on one loaded model."""
+    from ..analysis.explain import explain_pipeline, write_explain
+    from ..segment.settings import InferenceSettings
+
+    model = load_pipeline(pipelines[0], proxy_weights, pretrained, device, precision)
+    views = [explain_pipeline(p.build(model, vocabulary, InferenceSettings()), image, point, head, image.name) for p in pipelines]
+    config = model.config()
+    note = " - RANDOM WEIGHTS: the maps show the mechanics only" if config["pretrained"] == "none" else ""
+    write_explain(views, out, caption=f"{image.name}, point {point}, SAM 3 ({config['pretrained']}){note}")
+    for view in views:
+        out_console().print(view.title.replace("\n", ": "), highlight=False, markup=False)
     err_console.print(f"wrote {out}", highlight=False)
 
 

@@ -46,8 +46,9 @@ from ..errors import UserValueError
 from ..evaluation.protocols import PROTOCOLS, Protocol
 from ..evaluation.published import register_published
 from ..models.sam3 import load_sam3
+from ..models.sam3.attention import DEFAULT_SITES
 from ..segment.images import load_image
-from ..segment.pipelines import PIPELINES, Pipeline
+from ..segment.pipelines import PIPELINES, Pipeline, QueryAttention
 from ..segment.settings import InferenceSettings
 from ..segment.vocabulary import Vocabulary
 
@@ -105,6 +106,26 @@ class Sam3Segmenter:
         index = torch.tensor(self.vocabulary.name_to_class)
         names = torch.stack(per_name)
         return torch.stack([names[index == c].amax(0) for c in range(len(self.vocabulary))])
+
+    @torch.inference_mode()
+    def query_attention(self, rgb: np.ndarray) -> QueryAttention:
+        """The last decoder layer's cross-attention of every object query to the image tokens, per name (the
+        presence token's row dropped), with the queries' object scores and the instances `scores` keeps: what
+        `analyze` and `explain` read (`segment.pipelines.QueryAttention`). Recorded under this segmenter's
+        normalizer; a softmax run records through the exact softmax in the decoder's image attention only (SDPA
+        returns no weights), so its answers equal SDPA's to float rounding."""
+        state = self.prompter.set_image(rgb)
+        sites = ("decoder-image",) if self.normalizer is None else DEFAULT_SITES
+        names, outputs = self.vocabulary.flat_names, []
+        with self.prompter.normalized(self.normalizer or "softmax", sites), self.prompter.attention(("decoder-image",)) as recorded:
+            for start in range(0, len(names), self.prompter.bucket):
+                outputs.append(self.prompter.run(state, names[start : start + self.prompter.bucket], with_masks=False))
+        last = list(recorded)[-1]  # the layers in order: the last decoder layer's image cross-attention
+        rows = torch.cat(recorded[last], 0)[:, :, 1:].float()  # names x heads x Q x (h * w); row 0 is the presence token's
+        presence = torch.cat([o["presence_logits"] for o in outputs]).float().sigmoid()
+        scores = torch.cat([o["logits"] for o in outputs]).float().sigmoid() * presence[:, None]
+        grid = tuple(state["vision"].fpn_hidden_states[-2].shape[-2:])  # the level the detector attends to
+        return QueryAttention(rows, scores, scores > self.confidence, grid, tuple(self.vocabulary.name_to_class))
 
     def predict_labels(self, image, name: str | None = None) -> np.ndarray:
         """H x W int64 labels: argmax of `scores`, class 0 where the top score is below bg_threshold."""

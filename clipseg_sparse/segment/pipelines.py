@@ -7,7 +7,9 @@ method's room (`methods/`), parses the text after NAME into a `Pipeline`: the ba
 (`ls backbones`; weights by `--proxy-weights NAME=W`), `load(weights, device, precision)`, and
 `build(model, vocabulary, settings)`, which returns an
 object with the calls `eval` makes on a `Segmenter`: `predict_labels(rgb, name)`, `config()` (with the
-`attention`, `model` and `pretrained` keys of result tables) and `class_names`.
+`attention`, `model` and `pretrained` keys of result tables) and `class_names`. A segmenter whose decoder
+attends from object queries to the image may also give `query_attention(rgb) -> QueryAttention`, which
+`analyze` and `explain` read as they read CLIP's last-block rows.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import torch
 
 from ..registry import ENTRY_POINT_GROUP, Registry
 from .settings import InferenceSettings
@@ -29,6 +33,20 @@ class Pipeline:
     backbone: str  # BACKBONES entry whose weights it loads
     load: Callable[[str, str, str], Any]  # (weights: hub | none | a file or folder, device, precision) -> the loaded model
     build: Callable[[Any, Vocabulary, InferenceSettings], Any]  # (model, vocabulary, settings) -> a segmenter
+
+
+@dataclass(frozen=True)
+class QueryAttention:
+    """A detector's attention on one image: per prompt name, every object query's row over the image tokens
+    (the last decoder layer's cross-attention, each row summing to 1), the queries' object scores, and which of
+    them the segmenter keeps as instances. The image tokens are a `grid` over the model's input, which is the
+    whole image resized to it (SAM 3 squashes it to a square)."""
+
+    rows: torch.Tensor  # names x heads x Q x (h * w)
+    scores: torch.Tensor  # names x Q
+    kept: torch.Tensor  # names x Q bool: the instances the segmenter keeps (its confidence)
+    grid: tuple[int, int]  # (h, w)
+    name_class: tuple[int, ...]  # the class index of each name
 
 
 PIPELINES: Registry[Callable[[str], Pipeline]] = Registry(

@@ -299,3 +299,48 @@ def test_an_analysis_made_before_analyze_followed_the_protocols_preprocessing_is
         analyze(tiny_clip, "ade20k", ADE_ROOT, "sclip", overrides=FAST, out=out, progress=False)
     again = analyze(tiny_clip, "ade20k", ADE_ROOT, "sclip", overrides=FAST, out=out, progress=False, overwrite=True)
     assert again["metrics"] == pytest.approx(record["metrics"])
+
+
+def test_query_statistics_of_a_detector_equal_a_plain_loop():
+    """Hand-built query rows on a 2 x 3 token grid: names whose class is in the image contribute their kept
+    queries (the best one when none is kept); keys are labelled by the majority of their cell."""
+    import math
+
+    from clipseg_sparse.analysis.statistics import query_statistics, stuff_mask
+    from clipseg_sparse.segment.pipelines import QueryAttention
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.rand(3, 2, 4, 6, generator=g) ** 3
+    rows = rows / rows.sum(-1, keepdim=True)
+    rows[1, :, 2, :3] = 0  # exact zeros count for nonzero
+    rows[1, :, 2] /= rows[1, :, 2].sum(-1, keepdim=True)
+    scores = torch.tensor([[0.9, 0.2, 0.6, 0.1], [0.1, 0.2, 0.8, 0.3], [0.4, 0.9, 0.1, 0.2]])
+    att = QueryAttention(rows, scores, scores > 0.5, (2, 3), (1, 2, 3))  # class 3 is not in the image
+    key_labels = [1, 1, 2, 2, 0, 1]  # row-major cells
+    labels = np.kron(np.array(key_labels).reshape(2, 3), np.ones((5, 7), dtype=np.int64))  # 10 x 21 px
+    stuff = stuff_mask((0,), 4)
+    got = query_statistics(att, labels, stuff)
+    want = {"entropy": 0.0, "own_mass": 0.0, "stuff_mass": 0.0, "nonzero": 0.0}
+    count, per_class = 0, {}
+    for name, c, queries in ((0, 1, [0, 2]), (1, 2, [2])):  # name 1 keeps no query but 2 (0.8); name 0 keeps 0 and 2
+        for q in queries:
+            heads = []
+            for h in range(2):
+                p = rows[name, h, q].double().tolist()
+                heads.append({
+                    "entropy": -sum(v * math.log(v) for v in p if v > 0),
+                    "own_mass": sum(v for v, k in zip(p, key_labels) if k == c),
+                    "stuff_mass": sum(v for v, k in zip(p, key_labels) if k == 0),
+                    "nonzero": sum(v > 0 for v in p),
+                })  # fmt: skip
+            for k in want:
+                want[k] += sum(hd[k] for hd in heads) / 2
+            count += 1
+            per_class[str(c)] = per_class.get(str(c), 0) + 1
+    assert got["patches"] == count == 3 and {c: n for c, (n, _) in got["classes"].items()} == per_class
+    for k, v in want.items():
+        assert got["sums"][k] == pytest.approx(v, abs=1e-6), k  # float32 rows renormalised in float64
+    assert got["sums"]["cls_mass"] == 0 and got["sums"]["diffusivity"] == pytest.approx(3 - want["own_mass"])
+    none_kept = QueryAttention(rows, scores, torch.zeros_like(scores, dtype=torch.bool), (2, 3), (1, 2, 3))
+    assert query_statistics(none_kept, labels, stuff)["patches"] == 2  # each present name's best query
+    assert query_statistics(att, np.full((10, 21), 5), stuff) is None  # no prompted class in the image

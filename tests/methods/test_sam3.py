@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from typer.testing import CliRunner
 
 from clipseg_sparse.cli.app import app
@@ -427,3 +428,49 @@ def test_missing_weights_are_one_line(tmp_path):
                                    "--proxy-weights", f"sam3={tmp_path / 'none-here'}"])  # fmt: skip
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1 and "no such folder" in lines[0], res.stderr
+
+
+# -- analyze / explain: the detector's query rows ---------------------------------------------------------------
+def test_query_attention_is_the_decoders_image_rows_with_the_prompts_scores(hf_prompter):
+    """Per name: the last decoder layer's image rows of the 10 queries (presence token dropped), each a
+    distribution over the 8 x 8 tokens, with the object scores `prompts` gives; sparsemax rows have zeros."""
+    vocab = Vocabulary.parse("cat|kitten,sky,road")
+    rgb = np.random.default_rng(5).integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    att = Sam3Segmenter(hf_prompter, vocab, confidence=0.3).query_attention(rgb)
+    assert att.rows.shape == (4, 2, 10, 64) and att.grid == (8, 8) and att.name_class == (0, 0, 1, 2)
+    torch.testing.assert_close(att.rows.sum(-1), torch.ones(4, 2, 10), atol=1e-5, rtol=0)
+    answers = hf_prompter.prompts(hf_prompter.set_image(rgb), vocab.flat_names, 0.0)
+    for k, answer in enumerate(answers):
+        torch.testing.assert_close(att.scores[k], answer.scores, atol=1e-6, rtol=0)
+    assert torch.equal(att.kept, att.scores > 0.3)
+    with hf_prompter.normalized("softmax", ("decoder-image",)), hf_prompter.attention(("decoder-image",)) as rows:
+        hf_prompter.run(hf_prompter.set_image(rgb), ["sky"], with_masks=False)
+    (direct,) = [w for calls in rows.values() for w in calls]
+    torch.testing.assert_close(att.rows[2], direct[0, :, 1:], atol=1e-6, rtol=0)  # a name's rows do not depend on its bucket
+    sparse = Sam3Segmenter(hf_prompter, vocab, confidence=0.3, normalizer="sparsemax").query_attention(rgb)
+    assert bool((sparse.rows == 0).any()) and not bool((att.rows == 0).any())
+
+
+def test_analyze_and_explain_a_sam3_pipeline_from_the_command_line(hf_prompter, tmp_path, monkeypatch):
+    import clipseg_sparse.methods.sam3 as sam3_module
+
+    monkeypatch.setattr(sam3_module, "load_sam3", lambda weights, device, precision: hf_prompter)  # the tiny model for sam3=none
+    make_benchmark("voc21", tmp_path / "d", n=2, size=(40, 52))
+    args = ["analyze", "--dataset", "voc21", "--root", str(tmp_path / "d"), "--preset", "sam3", "--preset", "sam3-entmax",
+            "--pretrained", "none", "--out", str(tmp_path / "a"), "--device", "cpu"]  # fmt: skip
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    records = {json.loads(p.read_text())["config"]["attention"]: json.loads(p.read_text()) for p in (tmp_path / "a").glob("*.json")}
+    assert set(records) == {"sam3:0.5", "sam3:0.5/entmax:1.5"}  # the sam3 protocol's VOC21 confidence
+    soft, ent = records["sam3:0.5"]["metrics"], records["sam3:0.5/entmax:1.5"]["metrics"]
+    assert soft["nonzero"] == 64 and ent["nonzero"] < 64 and ent["entropy"] < soft["entropy"]
+    assert records["sam3:0.5"]["patches"] > 0 and records["sam3:0.5"]["config"]["protocol"] == "sam3"
+    mixed = CliRunner().invoke(app, [*args[:7], "--preset", "sclip", "--out", str(tmp_path / "b")])
+    assert mixed.exit_code == 2 and "not both" in mixed.stderr
+    image = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(6).integers(0, 256, (20, 28, 3), dtype=np.uint8)).save(image)
+    res = CliRunner().invoke(app, ["explain", str(image), "--point", "5,7", "--classes", "cat,sky,road", "--preset", "sam3-entmax",
+                                   "--pretrained", "none", "--out", str(tmp_path / "e.png"), "--device", "cpu"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "sam3:0.5/entmax:1.5 (query" in res.stdout and "non-zero" in res.stdout
+    assert Image.open(tmp_path / "e.png").size[0] > 300
