@@ -137,7 +137,11 @@ class AttentionSpec:
         for name in ("aggregate_in", "aggregate_out"):
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, str(Term.parse(value)))
+                term = Term.parse(value)
+                if term.ref.tap.projections:  # computed outside the block's attention: it has no q/k/v
+                    option = "aggin" if name == "aggregate_in" else "aggout"
+                    raise UserValueError(f"{option}:{value}: {term.ref.kind} reads the edited block's own q/k/v, which the aggregation outside its attention has not; use a tap shared by all heads, e.g. x@L")
+                object.__setattr__(self, name, str(term))
         object.__setattr__(self, "inputs", tuple(str(BlockInput.parse(i)) for i in self.inputs))
         if self.inputs and (self.parallel or self.layers != 1):
             raise UserValueError("extra block inputs (in:...) need one edited block in replace mode (layers:1, no parallel)")

@@ -71,7 +71,9 @@ class Tap:
     hidden states / CLIP attention maps (1-based block indices) the tap reads, kept while CLIP runs. grid(arg,
     pixels, clip_grid): the token grid the tap's features live on for a crop of `pixels` (H, W) whose CLIP
     patch grid is `clip_grid` (None: CLIP's). needs(arg): what running it takes besides CLIP (`stages.Needs`:
-    the external backbones it runs, whole-image features it reads), which a plan reads once per run."""
+    the external backbones it runs, whole-image features it reads), which a plan reads once per run.
+    projections: True for the taps of the edited block's own q/k/v, which only its attention has (not the
+    aggregations before and after it)."""
 
     features: Features | None = None
     maps: Maps | None = None
@@ -81,6 +83,7 @@ class Tap:
     blocks: Callable[[str], set[int]] = lambda arg: set()
     grid: Callable[[str, tuple[int, int], tuple[int, int]], tuple[int, int]] | None = None
     needs: Callable[[str], Needs] = lambda arg: Needs()
+    projections: bool = False
 
 
 class TapRef(NamedTuple):
@@ -152,7 +155,7 @@ def _span(arg: str) -> range:
 for _pair in ("qk", "qq", "kk", "vv"):
     TAPS.register(
         _pair,
-        Tap(features=lambda ctx, arg, p=_pair: (getattr(ctx, p[0]), getattr(ctx, p[1])), check=_no_arg(_pair)),
+        Tap(features=lambda ctx, arg, p=_pair: (getattr(ctx, p[0]), getattr(ctx, p[1])), check=_no_arg(_pair), projections=True),
         help=_pair,
     )
 TAPS.register(

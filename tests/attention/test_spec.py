@@ -1,8 +1,11 @@
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from conftest import block_and_tokens
 from clipseg_sparse.attention import AttentionSpec, PRESETS, edited_block_forward, list_presets
+from clipseg_sparse.errors import UserValueError
 
 REQUIRED = ["qk/softmax", "qq/entmax:1.5", "qq+kk/softmax", "kk/sparsemax", "vv/entmax:1.25"]
 
@@ -72,3 +75,22 @@ def test_negative_branch_adds_weighted_softmin(tiny_clip, normalizer):
         softmin = torch.softmax(-(q @ q.transpose(-1, -2)) * (C // H) ** -0.5, dim=-1)
         extra = (0.3 * softmin @ v).transpose(1, 2).reshape(B, N, C) @ blk.attn.out_proj.weight.T
         assert torch.allclose(with_neg - without, extra, atol=1e-5)
+
+
+@pytest.mark.parametrize("text", ["qq/softmax/aggout:kk", "qq/softmax/aggin:qq[cos,thresh:0.4]", "kk/softmax/aggout:vv"])
+def test_an_aggregation_term_on_the_blocks_own_projections_is_refused(text):
+    """aggin / aggout run outside the block's attention, where its q/k/v do not exist (a crash before)."""
+    with pytest.raises(UserValueError, match="reads the edited block's own q/k/v"):
+        AttentionSpec.parse(text)
+    assert AttentionSpec.parse("qq/softmax/aggout:x@4[cos,thresh:0.4]").aggregate_out == "x@4[cos,thresh:0.4]"
+
+
+def test_an_aggregation_term_on_the_blocks_projections_is_one_line_at_the_command_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli.app import app
+
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((20, 20, 3), dtype=np.uint8)).save(image)
+    res = CliRunner().invoke(app, ["segment", str(image), "--classes", "a,b", "--attn", "qq/softmax/aggout:kk", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and res.stderr.strip().count("\n") == 0 and "aggout:kk" in res.stderr
