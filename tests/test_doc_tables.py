@@ -1,6 +1,6 @@
-"""The hand-written tables of README.md, datasets.md and methods/README.md against the registries: every
-preset, protocol, dataset, grid and method module a table names exists, and every registered one is in a
-table, so a renamed, added or removed entry fails here until its documentation follows."""
+"""The hand-written tables of the docs (docs/methods/*.md, docs/datasets.md, docs/sweeps.md) and methods/README.md
+against the registries: every preset, protocol, dataset, grid and method module a table names exists, and every
+registered one is in a table, so a renamed, added or removed entry fails here until its documentation follows."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from clipseg_sparse.evaluation.protocols import PROTOCOLS
 from clipseg_sparse.sweeps.grid import GRIDS
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-DATASETS_MD = ROOT / "datasets.md"
+DOCS = ROOT / "docs"
+PRESET_PAGES = sorted((DOCS / "methods").glob("*.md"))  # the preset tables: index, proxy, regions
+DATASETS_MD = DOCS / "datasets.md"
+SWEEPS_MD = DOCS / "sweeps.md"
 METHODS_MD = ROOT / "clipseg_sparse" / "methods" / "README.md"
 TESTS = ROOT / "tests"
 
@@ -50,17 +52,19 @@ def cells(line: str) -> list[str]:
     return [*parts, current.strip()]
 
 
-def named(path: Path, header: str, column: int = 0) -> list[str]:
-    """The backticked names in `column` of every table of `path` whose first header cell is `header`, before
+def named(paths: Path | list[Path], header: str, column: int = 0) -> list[str]:
+    """The backticked names in `column` of every table of `paths` whose first header cell is `header`, before
     the cell's first parenthesis (what follows it is a note: a source, a commit, a config path)."""
+    paths = [paths] if isinstance(paths, Path) else paths
     found = [
         name
+        for path in paths
         for head, rows in tables(path)
         if head[0] == header
         for row in rows
         for name in re.findall(r"`([^`]+)`", row[column].split(" (")[0])
     ]
-    assert found, f"no table headed {header!r} in {path.name}"
+    assert found, f"no table headed {header!r} in {', '.join(p.name for p in paths)}"
     return found
 
 
@@ -71,13 +75,13 @@ def test_the_parser_reads_cells_and_skips_prose(tmp_path):
     assert named(page, "a") == ["x|y"] and named(page, "a", 1) == ["z"]
 
 
-def test_readme_preset_tables_name_every_preset_and_only_presets():
-    names = named(README, "preset")
+def test_docs_preset_tables_name_every_preset_and_only_presets():
+    names = named(PRESET_PAGES, "preset")
     listed = {name for name in names if "*" not in name}
-    assert "*-entmax" in names, "the README's `*-entmax` rows cover the entmax variants"
+    assert "*-entmax" in names, "the `*-entmax` rows cover the entmax variants"
     assert sorted(listed - set(PRESETS.names())) == []
     missing = [p for p in PRESETS.names() if p not in listed and p.removesuffix("-entmax") not in listed]
-    assert missing == [], "presets the README's preset tables do not list"
+    assert missing == [], "presets the preset tables of docs/methods/ do not list"
 
 
 def test_datasets_md_protocol_tables_name_every_protocol_and_only_protocols():
@@ -90,8 +94,8 @@ def test_datasets_md_dataset_table_is_the_dataset_registry():
     assert sorted(named(DATASETS_MD, "`--dataset`")) == sorted(DATASETS.names())
 
 
-def test_readme_grid_table_is_the_grid_registry():
-    assert sorted(named(README, "grid")) == sorted(GRIDS.names())
+def test_sweeps_grid_table_is_the_grid_registry():
+    assert sorted(named(SWEEPS_MD, "grid")) == sorted(GRIDS.names())
 
 
 def test_methods_readme_table_is_the_method_modules_their_protocols_and_grids():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = sorted(p for p in [ROOT / "README.md", ROOT / "datasets.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("benchmarks/*.md"),
+PAGES = sorted(p for p in [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("benchmarks/*.md"),
                            *ROOT.glob("clipseg_sparse/**/*.md")] if p.is_file())  # fmt: skip
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 

@@ -1,4 +1,5 @@
-"""The README's "Segment your images" section must match the CLI (typer's tests/test_tutorial idea)."""
+"""The README's first command and its main job, and the docs' "Segment your images" page (docs/segment.md), must
+match the CLI (typer's tests/test_tutorial idea)."""
 
 import re
 import shlex
@@ -11,13 +12,15 @@ from typer.testing import CliRunner
 from clipseg_sparse.cli.app import app
 from conftest import TINY_CONFIG
 
-README = Path(__file__).parent.parent / "README.md"
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.md"
+SEGMENT_MD = ROOT / "docs" / "segment.md"
 runner = CliRunner()
 
 
 def segment_section() -> str:
-    text = README.read_text(encoding="utf-8")
-    return text.split("## Segment your images", 1)[1].split("\n## ", 1)[0]
+    """docs/segment.md up to its next section (the library quick start)."""
+    return SEGMENT_MD.read_text(encoding="utf-8").split("\n## ", 1)[0]
 
 
 def documented_command() -> list[str]:
@@ -87,8 +90,9 @@ def test_first_command_segments_the_shipped_examples(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.glob("*.overlay.png")) == sorted(n.replace(".jpg", ".overlay.png") for n in shipped)
 
 
-def test_readme_never_reads_region_masks_from_a_folder_it_writes_label_maps_to():
-    commands = " ".join(re.findall(r"```bash\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S))
+def test_docs_never_read_region_masks_from_a_folder_they_write_label_maps_to():
+    pages = [README, *(ROOT / "docs").glob("**/*.md")]
+    commands = " ".join(re.findall(r"```bash\n(.*?)```", "".join(p.read_text(encoding="utf-8") for p in pages), flags=re.S))
     written = set(re.findall(r"--out (\S+)", commands))
     regions = set(re.findall(r"--regions (\S+)", commands)) - {"sam2", "sam3"}
     assert regions and not regions & written, regions & written

@@ -1,5 +1,5 @@
 """Helpers for named specs. The presets themselves live with their methods (`clipseg_sparse.methods`, one
-module each: the paper, the published code's quirks copied and fixed in `Preset.notes`, also in datasets.md);
+module each: the paper, the published code's quirks copied and fixed in `Preset.notes`, also in docs/datasets.md);
 `PRESETS` lives with the spec (`attention/spec.py`)."""
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def analysis_file(out: Path, dataset: str, spec, config_key: str) -> Path:
 @user_errors()
 def analyze(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Labelled benchmark (see `ls datasets`).")],
-    root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
+    root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see docs/datasets.md).")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for one result JSON per spec (resumable); none: print only.")] = None,
     preset: PresetsOpt = None,
     attn: AttnsOpt = None,

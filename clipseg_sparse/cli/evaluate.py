@@ -46,7 +46,7 @@ app = typer.Typer()
 @user_errors()
 def eval_cmd(
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="Benchmark: voc21, voc20, context60, context59, ade20k, coco-stuff, coco-object, cityscapes (see `ls datasets`).")],
-    root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see datasets.md).")],
+    root: Annotated[Path, typer.Option("--root", help="Folder holding the dataset in its mmseg layout (see docs/datasets.md).")],
     model: ProtocolModelOpt = None,
     pretrained: ProtocolPretrainedOpt = None,
     device: DeviceOpt = Device.auto,
@@ -210,7 +210,7 @@ def fgovd(
         err_console.print(f"result: {out}", highlight=False)
 
 
-convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (see datasets.md).", no_args_is_help=True)
+convert_app = typer.Typer(help="Convert datasets into the layouts `eval` reads (see docs/datasets.md).", no_args_is_help=True)
 
 
 def _convert(kind: str, root: Path, split: str, out: Path | None, overwrite: bool, instances: Path | None = None) -> None:
@@ -253,7 +253,7 @@ def convert_coco_object(
     split: SplitOpt = "val2017",
     out: ConvertOutOpt = None,
     overwrite: ConvertOverwriteOpt = False,
-    instances: Annotated[Optional[Path], typer.Option("--instances", help="Rasterise this COCO instances JSON with pycocotools instead (approximate; see datasets.md).")] = None,
+    instances: Annotated[Optional[Path], typer.Option("--instances", help="Rasterise this COCO instances JSON with pycocotools instead (approximate; see docs/datasets.md).")] = None,
 ) -> None:
     """COCO-Object labels (*_instanceTrainIds.png, 0 background, 1..80 things), as SCLIP's cvt_coco_object.py."""
     _convert("coco-object", root, split, out, overwrite, instances)

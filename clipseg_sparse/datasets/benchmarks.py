@@ -3,7 +3,7 @@
 Each benchmark is data: where its images and labels live under `--root`, the file suffixes, the split
 file, and how label values decode (mmseg's `reduce_zero_label`: 0 -> 255 ignored, k -> k - 1; 255 stays
 ignored). After decoding, labels are 0..C-1 with 255 = ignore, and class 0 is a scored background on
-VOC21, Context60 and COCO-Object. datasets.md describes each layout and how to obtain it.
+VOC21, Context60 and COCO-Object. docs/datasets.md describes each layout and how to obtain it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from ..errors import UserValueError
 
-DOCS = "datasets.md"
+DOCS = "docs/datasets.md"
 
 
 class DatasetError(UserValueError):

@@ -64,7 +64,7 @@ def evaluate(
     bank=None,
     resources: Resources | None = None,
 ) -> dict:
-    """Evaluate `clip` with `spec` on a benchmark and return the result record (see README, schema 1).
+    """Evaluate `clip` with `spec` on a benchmark and return the result record (docs/evaluation.md; schema 1).
 
     spec / class_names None take the protocol's pairing (its attention preset, its class-name set); the
     protocol's own preset takes the dataset's published constants (`Protocol.spec_for`). A spec that names

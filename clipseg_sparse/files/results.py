@@ -145,7 +145,7 @@ def load_finished(out: Path, config: dict) -> dict:
     return record
 
 
-#: configuration keys that identify the data a result was computed on (see README, "stale results")
+#: configuration keys that identify the data a result was computed on (docs/evaluation.md)
 DATA_KEYS = ("root", "data", "images_root", "benchmark_files")
 
 

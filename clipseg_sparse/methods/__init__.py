@@ -1,4 +1,4 @@
-"""Published methods, one room each: presets, stages, protocol, constants and notes (see README.md).
+"""Published methods, one room each: presets, stages, protocol, constants and notes (see methods/README.md).
 
 This package is the catalog: `PRESETS`, `STAGES`, `PROTOCOLS`, `PIPELINES`, `REGION_SOURCES` and `FORWARDS`
 name it in their `locations`, so their first lookup imports it, and it imports every method module of the

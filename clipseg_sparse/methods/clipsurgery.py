@@ -3,7 +3,7 @@
 Read from xmed-lab/CLIP_Surgery@d4696d4 (`clip/clip_surgery_model.py`, `clip/clip.py`
 `clip_feature_surgery`). The spec: v-v self-attention on a parallel path over the last 6 blocks (residual
 kept, no FFN, CLS from the original path); feature surgery on the text side is the match stage `surgery`
-below. Quirks copied, fixed and not copied: `CLIPSURGERY_NOTES` (datasets.md, Presets). CLIP Surgery's repository has a
+below. Quirks copied, fixed and not copied: `CLIPSURGERY_NOTES` (docs/datasets.md, Presets). CLIP Surgery's repository has a
 demo and no evaluation ("will be released later"), so its protocol is ClearCLIP's (`clearclip.PROTOCOL`).
 Grid: `sweeps/grids/clipsurgery.toml`.
 """

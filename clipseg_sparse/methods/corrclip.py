@@ -10,7 +10,7 @@ branch passes ln_post on its own). The map correction is the `regionvote` labels
 `corrclip` protocol turns on. Region maps come from a folder or SAM2 (`segment/regions.py`); the region
 scope and merging are engine maths (`attention/grid.py`). `corrclip_attention` is the whole published map in
 one function (the engine's reference in the tests). Quirks copied, fixed and not copied: `CORRCLIP_NOTES`
-(datasets.md, Presets). Protocols `corrclip-metaclip` and `corrclip-l14-metaclip` load the paper's own CLIP
+(docs/datasets.md, Presets). Protocols `corrclip-metaclip` and `corrclip-l14-metaclip` load the paper's own CLIP
 (MetaCLIP fullcc, quickgelu, B/16 and L/14). Grids: `sweeps/grids/corrclip.toml` (ViT-B/16), `corrclip-l14.toml`.
 """
 

@@ -17,7 +17,7 @@ one (fix: take the one), `prompts/` and `eval.py` are not in the repository (SCL
 evaluation, which its configs follow), `demo.py` imports a renamed module. What is implemented is what the code
 means with those fixed. Normalizer slots: softmax(mid) and softmax(kk) of the last block (main and branch);
 `dihclip-entmax` puts entmax:1.5 there. SHA_9's two softmaxes build block 9's features (a feature tap has no
-normalizer slot) and stay softmax. Quirks copied and fixed: `DIHCLIP_NOTES` (datasets.md, Presets). Grid:
+normalizer slot) and stay softmax. Quirks copied and fixed: `DIHCLIP_NOTES` (docs/datasets.md, Presets). Grid:
 `sweeps/grids/dihclip.toml`.
 """
 

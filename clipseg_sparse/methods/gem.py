@@ -3,7 +3,7 @@
 Read from WalBouss/GEM@5fa677c (`gem/gem_utils.py`: `SelfSelfAttention`, `GEMResidualBlock`). The spec:
 self-self attention of L2-normalised v, k and q with the adaptive temperature and one clustering step, the
 mean of the three, on a parallel path over the last 6 blocks (residual kept, no FFN). Quirks copied: `GEM_NOTES`
-(datasets.md, Presets). GEM publishes no evaluation code (WalBouss/GEM#5): its numbers on these benchmarks
+(docs/datasets.md, Presets). GEM publishes no evaluation code (WalBouss/GEM#5): its numbers on these benchmarks
 come from ClearCLIP's re-implementation, so its protocol is ClearCLIP's (`clearclip.PROTOCOL`). Grid:
 `sweeps/grids/gem.toml`.
 """

@@ -5,7 +5,7 @@ Read from mc-lan/ProxyCLIP@05c3c18 (`open_clip/transformer.py` `custom_attn`, `p
 tokens, `models/proxies.py`), the cos metric, `shift:1.2,scale:3,pos`, any normalizer, and CLIP's values
 resized to the proxy grid (`attention.grid.values_to_grid`). Presets: `proxyclip` (DINO ViT-B/8) and its
 `-dinov2` / `-sam` proxy options, each with an `-entmax` variant (entmax:1.5 in the normalizer slot, the
-positive support kept). Quirks copied, fixed and not copied: `PROXYCLIP_NOTES` (datasets.md, Presets). CorrCLIP
+positive support kept). Quirks copied, fixed and not copied: `PROXYCLIP_NOTES` (docs/datasets.md, Presets). CorrCLIP
 reuses this protocol (`methods/corrclip.py`). Protocols `proxyclip-metaclip` (MetaCLIP fullcc B/16) and
 `proxyclip-laion-h14` (OpenCLIP ViT-H/14) name the other CLIPs the published tables report. Grid:
 `sweeps/grids/proxyclip.toml` (OpenAI and MetaCLIP B/16 rows).
@@ -44,7 +44,7 @@ for _name, _backbone, _what in (
     register_entmax_variant(_name)
 
 # ProxyCLIP ships `; `-separated class files whose VOC21 / COCO-Object person and tvmonitor lines are single
-# names (SCLIP's list several); the SCLIP set is the closest shipped here (datasets.md, Protocols).
+# names (SCLIP's list several); the SCLIP set is the closest shipped here (docs/datasets.md, Protocols).
 PROTOCOL = PROTOCOLS.register(
     "proxyclip",
     Protocol(

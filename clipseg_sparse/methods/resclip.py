@@ -5,7 +5,7 @@ engine's axes: RCS is the map tap `attn@6-9` (CLIP's mean attention of blocks 6.
 softmax); SFR is the score tap `feedback:THD` (a first pass's patch labels mixed into the k-k scores), which
 stays in `attention/feedback.py` because it is an axis of the engine; `resclip_text` writes one config's
 constants as a spec, and the protocol gives each dataset its config's (`RESCLIP_CONSTANTS`). Quirks copied,
-fixed and not copied: `RESCLIP_NOTES` (datasets.md, Presets). Grid: `sweeps/grids/resclip.toml`.
+fixed and not copied: `RESCLIP_NOTES` (docs/datasets.md, Presets). Grid: `sweeps/grids/resclip.toml`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Read from SuleBai/SC-CLIP@0417ba9 (`clip/model.py`: `lof_pytorch`, `mean_interpo
 forward; `scclip_segmentor.py`, `configs/cfg_*.py`); ViT-L/14 layer indices from the authors
 (SuleBai/SC-CLIP#5). The spec's axes: the mid map `x@9[cos,shift:1,scale:3,pos]` averaged with softmax(kk),
 input and output aggregation (`aggin:` / `aggout:`), the multi-level input sum (`in:sum@4-10`), residual
-0.3 x CLS; the outlier repair is the token stage `lof` below. Quirks copied and fixed: `SCCLIP_NOTES` (datasets.md,
+0.3 x CLS; the outlier repair is the token stage `lof` below. Quirks copied and fixed: `SCCLIP_NOTES` (docs/datasets.md,
 Presets). Grids: `sweeps/grids/scclip.toml` (ViT-B/16), `scclip-l14.toml`.
 """
 

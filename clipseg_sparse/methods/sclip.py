@@ -5,7 +5,7 @@ Copied: the sum of the two normalised maps, residual and FFN kept; the protocol'
 configs (`evaluation.protocols.SCLIP_LINE`: OpenCV resize, positional embedding by (n + 0.1) / native,
 window sides that are not whole patches cut) and its area threshold (`area_thd`, VOC21), which zeroes the
 dropped classes in the saved probabilities too. Not copied: fp16 on GPU (`--precision fp16`). Quirks of
-the protocol: datasets.md, Protocols. Grids: `sweeps/grids/resolution.toml` and `fgovd.toml` (with ClearCLIP
+the protocol: docs/datasets.md, Protocols. Grids: `sweeps/grids/resolution.toml` and `fgovd.toml` (with ClearCLIP
 and NACLIP); `sources-normalizers.toml` runs every source under this protocol.
 """
 

@@ -16,7 +16,7 @@ Read from Kimsure/SFP@2804f5b (`SFP_ICCV/clip/model.py`: `VisionTransformer.forw
   which has no Sinkhorn in it).
 
 Four normalizer slots (kk, qq, mid, and mid in the branch): `sfp-entmax` puts entmax:1.5 in each. Quirks copied
-and fixed: `SFP_NOTES` (datasets.md, Presets). Grid: `sweeps/grids/sfp.toml`.
+and fixed: `SFP_NOTES` (docs/datasets.md, Presets). Grid: `sweeps/grids/sfp.toml`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ transcription of them against this module. Steps and where they live:
    published README's evaluation command): the refine stage `samrefine[:COARSE[:IOU]]`
    (`methods/trident_refine.py`, segment_anything's prompt encoder and mask decoder; `--protocol
    trident-samrefine` adds it with the per-dataset coarse_thresh).
-Quirks copied and fixed: `TRIDENT_NOTES` (datasets.md, Presets). Protocols `trident-metaclip` (MetaCLIP fullcc B/16)
+Quirks copied and fixed: `TRIDENT_NOTES` (docs/datasets.md, Presets). Protocols `trident-metaclip` (MetaCLIP fullcc B/16)
 and `trident-laion-h14` (OpenCLIP ViT-H/14) name the other CLIPs of the published tables. Grid:
 `sweeps/grids/trident.toml`.
 """

@@ -22,7 +22,7 @@ from clipseg_sparse.attention import PRESETS, precision
 from clipseg_sparse.models.backbones import BACKBONES, Backbone
 from clipseg_sparse.segment.settings import InferenceSettings
 
-# documented in README ("Speed") and in --precision's help: bf16 features vs fp32 on random weights
+# documented in docs/speed.md and in --precision's help: bf16 features vs fp32 on random weights
 MEAN_COSINE = 0.999
 MIN_COSINE = 0.98
 # ResCLIP's feedback map is built from the first pass's labels (argmax over the text): where bf16 flips a

@@ -80,7 +80,7 @@ def test_voc_palette_png_with_void_and_background(tmp_path):
 
 def test_missing_and_malformed_datasets_name_the_path(tmp_path):
     bench = DATASETS.get("voc21")
-    with pytest.raises(DatasetError, match=r"VOCdevkit/VOC2012/JPEGImages not found; see datasets.md"):
+    with pytest.raises(DatasetError, match=r"VOCdevkit/VOC2012/JPEGImages not found; see docs/datasets.md"):
         bench.samples(tmp_path)
     make_benchmark("voc21", tmp_path, n=2)
     (tmp_path / "VOCdevkit/VOC2012/SegmentationClass/2007_000001.png").unlink()

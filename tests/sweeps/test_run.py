@@ -239,16 +239,16 @@ def test_reproduce_leaderboard_runs_the_papers_grids_and_renders_table_1(data_ro
 
 
 def readme_demo_commands():
-    """The shell commands of the README's runnable sweep example, continuation lines joined."""
+    """The shell commands of the docs' runnable sweep example (docs/sweeps.md), continuation lines joined."""
     from pathlib import Path
 
-    text = (Path(__file__).parents[2] / "README.md").read_text()
-    block = text.split("### A sweep you can run without downloads", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    text = (Path(__file__).parents[2] / "docs" / "sweeps.md").read_text()
+    block = text.split("## A sweep you can run without downloads", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.replace("\\\n", "").splitlines() if line.strip()]
 
 
-def test_readme_sweep_example_runs(tmp_path, monkeypatch):
-    """The README's demo, run as written except for fewer images (--limit 1) at 64 px, for speed."""
+def test_docs_sweep_example_runs(tmp_path, monkeypatch):
+    """The docs' demo, run as written except for fewer images (--limit 1) at 64 px, for speed."""
     import shlex
     import subprocess
     import sys
@@ -272,10 +272,10 @@ def test_readme_sweep_example_runs(tmp_path, monkeypatch):
     report = runner.invoke(app, shlex.split(report_cmd)[1:], env={"COLUMNS": "200"})
     assert report.exit_code == 0, report.output
     md = (tmp_path / "demo/report.md").read_text()
-    readme = (tests_dir.parent / "README.md").read_text()
+    page = (tests_dir.parent / "docs" / "sweeps.md").read_text()
     for line in md.splitlines():
         if line.startswith("**") or line.startswith("| source"):
-            assert line in readme  # the README shows this report's titles and header rows
+            assert line in page  # the page shows this report's titles and header rows
     assert sorted(p.name for p in (tmp_path / "demo/plots").iterdir()) == ["alpha.png", "datasets.png"]
 
 

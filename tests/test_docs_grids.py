@@ -1,16 +1,16 @@
-"""The README's table of `reproduce` grids lists exactly the shipped grids with their true cell counts."""
+"""The docs' table of `reproduce` grids (docs/sweeps.md) lists exactly the shipped grids with their true cell counts."""
 
 import re
 from pathlib import Path
 
 from clipseg_sparse.sweeps.grid import GRID_DIR, GRIDS, read_grid_file
 
-README = Path(__file__).parent.parent / "README.md"
+SWEEPS_MD = Path(__file__).parent.parent / "docs" / "sweeps.md"
 
 
-def readme_grids() -> dict[str, int]:
+def docs_grids() -> dict[str, int]:
     """grid -> cells, from the rows of the `| grid | cells | what |` table (up to the first non-table line)."""
-    lines = README.read_text(encoding="utf-8").split("| grid | cells | what |\n", 1)[1].splitlines()
+    lines = SWEEPS_MD.read_text(encoding="utf-8").split("| grid | cells | what |\n", 1)[1].splitlines()
     assert lines[0].startswith("|---")
     rows = {}
     for line in lines[1:]:
@@ -22,8 +22,8 @@ def readme_grids() -> dict[str, int]:
     return rows
 
 
-def test_readme_lists_every_shipped_grid_with_its_cell_count():
+def test_docs_list_every_shipped_grid_with_its_cell_count():
     shipped = sorted(p.stem for p in GRID_DIR.glob("*.toml"))
     assert sorted(GRIDS.names()) == shipped and len(shipped) > 3
     counted = {name: len(read_grid_file(GRIDS.get(name), benchmarks_dir=".").grid.cells()) for name in shipped}
-    assert readme_grids() == counted
+    assert docs_grids() == counted
