@@ -18,7 +18,7 @@ def bench(
     device: DeviceOpt = Device.cpu,
     precision: PrecisionOpt = Precision.fp32,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Benchmark only this model (name or config JSON).")] = None,
-    suites: Annotated[str, typer.Option("--suites", help="Comma-separated: normalizer, forward, segment, ttfm (time to first mask: 150 new classes x 80 templates, cold cache, vs open_clip's encode_text), windows (vs the published one-window-per-forward loop), bf16.")] = "normalizer,forward,segment,ttfm,windows,bf16",
+    suites: Annotated[str, typer.Option("--suites", help="Comma-separated: normalizer, forward, segment, ttfm (time to first mask), windows (the published window loop), bf16 (benchmarks/README.md).")] = "normalizer,forward,segment,ttfm,windows,bf16",
 ) -> None:
     """Time fast entmax vs the entmax package vs softmax, the patched forward, segmentation overhead, time to first mask, the published window loop and bf16."""
     from ..bench.run import run_all, rich_tables

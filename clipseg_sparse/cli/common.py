@@ -50,7 +50,7 @@ class Precision(str, Enum):
     bf16 = "bf16"
 
 
-PAMR_HELP = "PAMR refinement of the cosine maps at the original image size (10 iterations, dilations 8,16; NACLIP's post stage; runs on the whole image, not row-tiled, so it needs about (names + 20) x H x W floats)."
+PAMR_HELP = "PAMR refinement of the cosine maps at the original size (NACLIP's post stage; about (names + 20) x H x W floats of memory)."
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="open_clip model name (ViT-B-16, ViT-L-14, ...) or a model-config JSON.")]
 PretrainedOpt = Annotated[
@@ -64,13 +64,10 @@ ProtocolPretrainedOpt = Annotated[
     Optional[str], typer.Option("--pretrained", help="open_clip tag, a checkpoint file, or 'none' (random weights); default: the protocol's, else openai.", show_default=False)
 ]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run; auto picks cuda, then mps, then cpu.")]
+# the measurements behind bf16 (speed-ups, agreement with fp32) live in docs/speed.md and benchmarks/README.md
 PRECISION_HELP = (
-    "Model precision. bf16 runs the trunk's matrix products in bfloat16 (GPUs, and CPUs with AVX512-BF16 or "
-    "AMX-BF16: forwards 2.7-3.4x faster than fp32 at 448 px on a CPU whose bf16 products are 4.3x its fp32 ones, "
-    "see benchmarks/README.md); kept in fp32: the edited block's attention scores and normalizer (softmax, "
-    "entmax threshold), ln_post, the projection, the cosine with the text and the logits. bf16 is opt-in, not "
-    "the CPU default: labels from class prototypes agreed with fp32 on 98.98-99.87 % of patches (every family "
-    "measured; the condition is 99.9 %), measured on random weights only, and entmax specs gain least. fp16: GPUs (refused on CPUs without AMX-FP16, where its products are emulated)."
+    "fp32 (default); bf16: faster on GPUs and on CPUs with AVX512-BF16 or AMX-BF16, opt-in (measured on random "
+    "weights only: docs/speed.md); fp16: GPUs and CPUs with AMX-FP16."
 )
 PrecisionOpt = Annotated[Precision, typer.Option("--precision", help=PRECISION_HELP)]
 PresetOpt = Annotated[
@@ -83,12 +80,12 @@ AttnOpt = Annotated[
 
 ProxyWeightsOpt = Annotated[
     str,
-    typer.Option("--proxy-weights", help="Weights of the external backbones of proxy presets (proxyclip, trident, `ls backbones`): hub, a checkpoint file, none, or auto (none when --pretrained none, else hub); per backbone NAME=W,NAME=W (e.g. dino_vitb16=dino.pth,sam_vitb=sam_vit_b_01ec64.pth)."),
+    typer.Option("--proxy-weights", help="Weights of the proxy presets' backbones (`ls backbones`): hub, a checkpoint file, none, or auto (none with --pretrained none, else hub); per backbone NAME=W,NAME=W."),
 ]
 
 RegionsOpt = Annotated[
     Optional[str],
-    typer.Option("--regions", help="Region masks for CorrCLIP (corrclip presets, stage regionvote): a folder with one png/npy/npz per image, named like it, sam2 (SAM2 automatic masks, extra .\\[proxy]) or sam3 (SAM 3 instance masks for the vocabulary's names, extra .\\[sam3], CUDA); masks cached."),
+    typer.Option("--regions", help="Region masks for the presets that read them (corrclip, ovstitcher, corrclipv2; `ls regions`): a folder of png/npy/npz named like the images, sam2 (extra .\\[proxy]) or sam3 (extra .\\[sam3]); cached."),
 ]
 
 PromptsOpt = Annotated[
