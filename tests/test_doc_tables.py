@@ -21,6 +21,7 @@ DOCS = ROOT / "docs"
 PRESET_PAGES = sorted((DOCS / "methods").glob("*.md"))  # the preset tables: index, proxy, regions
 DATASETS_MD = DOCS / "datasets.md"
 SWEEPS_MD = DOCS / "sweeps.md"
+PRESETS_MD = DOCS / "presets.md"  # the preset guide: its table is `ls presets --markdown`
 METHODS_MD = ROOT / "clipseg_sparse" / "methods" / "README.md"
 TESTS = ROOT / "tests"
 
@@ -113,3 +114,15 @@ def test_methods_readme_table_is_the_method_modules_their_protocols_and_grids():
 @pytest.mark.parametrize("module", sorted(m.name for m in pkgutil.iter_modules(methods.__path__)))
 def test_every_method_module_has_its_test_file(module):
     assert (TESTS / "methods" / f"test_{module}.py").is_file(), f"tests/methods/test_{module}.py"
+
+
+def test_the_preset_guide_table_is_ls_presets_markdown():
+    from typer.testing import CliRunner
+
+    from clipseg_sparse.cli.app import app
+
+    text = PRESETS_MD.read_text(encoding="utf-8")
+    table = text.split("<!-- clipseg-sparse ls presets --markdown -->\n", 1)[1].split("<!-- end -->", 1)[0]
+    out = CliRunner().invoke(app, ["ls", "presets", "--markdown"])
+    assert out.exit_code == 0
+    assert table == out.stdout, "regenerate the table in docs/presets.md with `clipseg-sparse ls presets --markdown`"

@@ -94,6 +94,12 @@ def _token_stage(hook: Callable, state: EncoderState, grid: tuple[int, int], blo
     return hook(state.x, grid, state.main) if getattr(hook, "taps", False) else hook(state.x, grid)
 
 
+def min_depth(spec: AttentionSpec) -> int:
+    """The fewest blocks a tower needs to run `spec`: its edited blocks after every block a tap or input reads
+    (`ls presets` shows it where the default ViT-B/16 has fewer)."""
+    return spec.layers + max(set().union(*_tap_needs(spec)), default=0)
+
+
 def check_depth(spec: AttentionSpec, depth: int) -> None:
     """UserValueError when a spec needs more blocks than a tower of `depth` blocks has: it edits more than
     `depth`, or a tap or input reads a block that is edited or past the last (a ViT-L spec on a ViT-B).

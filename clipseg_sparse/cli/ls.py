@@ -2,8 +2,10 @@
 
 Every kind but `models` is a registry of the package (defined next to its entries' type, `registry.py`);
 a row is the entry's own description plus its help, and for the plug-in kinds (presets, stages, taps, spec
-options) a "defined in" column names the module that registered each entry. `models` lists open_clip's
-configurations, each with the family of the registry `models.tower.FAMILIES` it belongs to.
+options) a "defined in" column names the module that registered each entry. Presets also say what a run of
+them needs besides CLIP (`preset_needs`, read off the run's plan). `models` lists open_clip's configurations,
+each with the family of the registry `models.tower.FAMILIES` it belongs to. `--markdown` prints a registry's
+table as markdown (the docs' preset guide is that output, tests/cli/test_ls.py checks it).
 """
 
 from __future__ import annotations
@@ -57,52 +59,112 @@ REGISTRIES: dict[Listable, tuple[str, str, str, bool]] = {
 
 @app.command("ls")
 @user_errors()
-def ls(what: Annotated[Listable, typer.Argument(help="What to list.")]) -> None:
-    """List registered names: attention presets, normalizers, CLIP models, datasets, protocols, sweep grids, stages,
-    proxy backbones, score taps, spec options, mask formats, pipelines, region sources, and the papers' numbers
-    (`published`: what `report` puts beside a run of the protocol)."""
-    out_console().print(TABLES[what]())
+def ls(
+    what: Annotated[Listable, typer.Argument(help="What to list.")],
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print a markdown table instead (the docs' tables).")] = False,
+) -> None:
+    """List registered names: attention presets (with what each needs), normalizers, CLIP models, datasets,
+    protocols, sweep grids, stages, proxy backbones, score taps, spec options, mask formats, pipelines, region
+    sources, and the papers' numbers (`published`: what `report` puts beside a run of the protocol)."""
+    if markdown:
+        typer.echo(markdown_table(*registry_rows(what)) if what in REGISTRIES else markdown_table(*models_rows()), nl=False)
+    else:
+        out_console().print(TABLES[what]())
+
+
+def preset_needs(name: str) -> str:
+    """What a run of preset `name` needs besides CLIP, read off its plan (`Plan.of`: the backbones its taps and
+    stages run, region maps, an image bank) and its spec's depth (more blocks than the default ViT-B/16 has)."""
+    import open_clip
+
+    from ..attention.blocks import min_depth
+    from ..attention.spec import PRESETS
+    from ..models.clip import DEFAULT_MODEL
+    from ..segment.plan import Plan
+
+    plan = Plan.of(PRESETS.get(name).spec)
+    needs = list(plan.needs.backbones)
+    needs += ["--regions"] * bool(plan.needs.regions) + ["--bank"] * bool(plan.needs.bank)
+    depth, default = min_depth(plan.spec), open_clip.get_model_config(DEFAULT_MODEL)["vision_cfg"]["layers"]
+    if depth > default:
+        needs.insert(0, f"a CLIP of {depth}+ blocks ({DEFAULT_MODEL} has {default})")
+    return ", ".join(needs) or "CLIP only"
+
+
+# ls KIND -> columns added after "defined in": name -> {column: text}
+EXTRA_COLUMNS: dict[Listable, Callable[[str], dict[str, str]]] = {Listable.presets: lambda name: {"needs": preset_needs(name)}}
+
+
+def registry_rows(what: Listable) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of one registry: a row per entry (`Registry.describe`), for plug-in kinds the module that
+    defined it (`Registry.where`: `methods.<name>`, or a plug-in's), and the kind's `EXTRA_COLUMNS`."""
+    module, attr, title, show_where = REGISTRIES[what]
+    registry = getattr(importlib.import_module(module), attr)
+    extra = EXTRA_COLUMNS.get(what, lambda name: {})
+    rows = {name: {**({"defined in": registry.where(name).removeprefix("clipseg_sparse.")} if show_where else {}), **extra(name),
+                   **registry.describe(name)} for name in registry}  # fmt: skip
+    columns = [c for c in dict.fromkeys(k for row in rows.values() for k in row) if any(row.get(c) for row in rows.values())]
+    return [title, *columns], [[name, *(row.get(c, "") for c in columns)] for name, row in rows.items()]
 
 
 def registry_table(what: Listable):
-    """The table of one registry: a row per entry (`Registry.describe`), and for plug-in kinds the module
-    that defined it (`Registry.where`: `methods.<name>`, or a plug-in's)."""
+    """`registry_rows` as a rich table: names and modules stay whole, a spec too long for its column folds
+    (it has no spaces to wrap at), the other columns wrap."""
     from rich.markup import escape
     from rich.table import Table
 
-    module, attr, title, show_where = REGISTRIES[what]
-    registry = getattr(importlib.import_module(module), attr)
-    rows = {name: registry.describe(name) for name in registry}
-    where = {name: registry.where(name).removeprefix("clipseg_sparse.") for name in registry}
-    columns = [c for c in dict.fromkeys(k for row in rows.values() for k in row) if any(row.get(c) for row in rows.values())]
+    header, rows = registry_rows(what)
     table = Table()
-    table.add_column(title, no_wrap=True, min_width=max(map(len, rows), default=0))  # names stay whole beside long specs
-    if show_where:
-        table.add_column("defined in", no_wrap=True, min_width=max(map(len, where.values()), default=0))
-    for column in columns:
-        table.add_column(column, no_wrap=column == "spec")
-    for name, row in rows.items():
-        cells = [name] + ([where[name]] if show_where else []) + [row.get(c, "") for c in columns]
-        table.add_row(*(escape(c) for c in cells))  # spec text such as [cos] is not markup
+    for i, column in enumerate(header):
+        whole = i == 0 or column == "defined in"
+        table.add_column(column, no_wrap=whole, min_width=max((len(r[i]) for r in rows), default=0) if whole else None,
+                         overflow="fold" if column == "spec" else "ellipsis")  # fmt: skip
+    for row in rows:
+        table.add_row(*(escape(c) for c in row))  # spec text such as [cos] is not markup
     return table
 
 
-def models_table():
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: the first column, modules and specs as code, other text with `|` and the characters
+    markdown reads as links or emphasis escaped, line breaks as <br>."""
+    import re
+
+    def cell(text: str, column: str) -> str:
+        if column == header[0] or column in ("defined in", "spec"):
+            return f"`{text}`" if text else ""
+        escaped = re.sub(r"([\[\]*|])", r"\\\1", text)
+        return escaped.replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(text, column) for text, column in zip(row, header)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def models_rows() -> tuple[list[str], list[list[str]]]:
     """`ls models`: every open_clip configuration with its family (the first of the registered families,
     `models.tower.FAMILIES`, that matches it), whether dense inference runs on it (and why not where it does
     not), and its pretrained tags."""
     import open_clip
-    from rich.table import Table
 
     from ..models.tower import model_family
 
-    table = Table("model", "family", "dense", "pretrained tags / why not")
+    rows = []
     for name in open_clip.list_models():
         family = model_family(name, open_clip.get_model_config(name))
         if family.reason is None:
-            table.add_row(name, family.name, "yes", ", ".join(open_clip.list_pretrained_tags_by_model(name)))
+            rows.append([name, family.name, "yes", ", ".join(open_clip.list_pretrained_tags_by_model(name))])
         else:
-            table.add_row(name, family.name, "no", family.reason)
+            rows.append([name, family.name, "no", family.reason])
+    return ["model", "family", "dense", "pretrained tags / why not"], rows
+
+
+def models_table():
+    from rich.table import Table
+
+    header, rows = models_rows()
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
     return table
 
 

@@ -230,7 +230,7 @@ def test_ls_presets_shows_the_new_presets_with_their_papers():
 
     from clipseg_sparse.cli.app import app
 
-    result = CliRunner().invoke(app, ["ls", "presets"], env={"COLUMNS": "400"})
+    result = CliRunner().invoke(app, ["ls", "presets"], env={"COLUMNS": "1000"})  # wide enough that no spec folds
     assert result.exit_code == 0
     assert str(PRESETS.get("scclip").spec) in result.output  # [..] modifiers are printed, not read as markup
     for name, paper in [("scclip", "SC-CLIP (Bai et al."), ("scclip-l14", "ViT-L/14"), ("gem", "GEM (Bousselham"),

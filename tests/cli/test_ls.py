@@ -36,3 +36,33 @@ def test_ls_presets_names_each_method_module_and_normalizers_come_from_one_list(
     with pytest.raises(ValueError, match="choose softmax, entmax:ALPHA, sparsemax, randmask:ALPHA"):
         Normalizer.parse("softermax")
     assert set(Listable) == set(REGISTRIES) | {Listable.models}
+
+
+def test_ls_presets_says_what_each_preset_needs_from_its_plan(monkeypatch):
+    """The needs column is read off the run's plan: backbones of taps and stages, region maps, a bank, a deeper CLIP."""
+    from clipseg_sparse.cli.ls import preset_needs
+
+    assert preset_needs("sclip") == preset_needs("sclip-entmax") == "CLIP only"
+    assert preset_needs("trident") == "dino_vitb16, sam_vitb"  # the DINO tap and the SAM stage
+    assert preset_needs("corrclip") == "dino_vitb8, --regions"
+    assert preset_needs("corrclipv2") == "c_radio_v3_l, --regions, --bank"
+    assert preset_needs("lposs+") == "dino_vitb16"  # the lp:patch windows stage's backbone
+    # its multi-level sum reads blocks 9..19 and it edits one block after them: 20; ViT-B/16 has 12 (open_clip's config)
+    assert preset_needs("scclip-l14") == "a CLIP of 20+ blocks (ViT-B-16 has 12)"
+    monkeypatch.setenv("COLUMNS", "400")
+    row = next(line for line in CliRunner().invoke(app, ["ls", "presets"]).stdout.splitlines() if line.startswith("│ corrclip "))
+    assert "dino_vitb8, --regions" in row
+
+
+def test_ls_markdown_prints_the_registry_as_a_markdown_table():
+    from clipseg_sparse.cli.ls import markdown_table, registry_rows
+
+    out = CliRunner().invoke(app, ["ls", "stages", "--markdown"]).stdout
+    header, rows = registry_rows(Listable.stages)
+    lines = out.splitlines()
+    assert lines[0] == "| stage | defined in | kind and meaning |" == "| " + " | ".join(header) + " |"
+    assert lines[1] == "|---|---|---|" and len(lines) == 2 + len(rows)
+    assert lines[2].startswith(f"| `{rows[0][0]}` | `{rows[0][1]}` | ")
+    assert markdown_table(["preset", "spec", "follows"], [["a", "x[cos]", "b | c [d] *e*\nf"]]) == (
+        "| preset | spec | follows |\n|---|---|---|\n| `a` | `x[cos]` | b \\| c \\[d\\] \\*e\\*<br>f |\n"
+    )
