@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-import re
 
 from mkdocs.structure.files import File
+
+from clipseg_sparse.cli.ls import markdown_table, markdown_text
 
 REFERENCE = "methods/reference"
 NAV_TITLE = "One page per method"
@@ -39,33 +40,19 @@ def method_modules() -> list[str]:
     return [m for m in methods.METHODS if m in found] + sorted(found - set(methods.METHODS))
 
 
-def plain(text: str) -> str:
-    """Docstring or registry text as markdown: code spans kept, and outside them the characters markdown
-    would read as links, emphasis or HTML (`sam3[:CONFIDENCE][/NORMALIZER]`, `W * S`, `<name>`) escaped."""
-    parts = re.split(r"(`[^`]*`)", text)
-    escape = str.maketrans({"[": "\\[", "]": "\\]", "*": "\\*", "<": "&lt;"})
-    return "".join(p if p.startswith("`") else p.translate(escape) for p in parts)
-
-
-def cell(text: str) -> str:
-    """Registry text as one markdown table cell: escaped, line breaks kept, pipes escaped."""
-    return plain(text).replace("|", "&#124;").replace("\n", "<br>")
-
-
 def table(registry, names: list[str], title: str) -> list[str]:
+    """The section of one registry's entries: the rows `clipseg-sparse ls` prints, as markdown."""
     rows = {name: registry.describe(name) for name in names}
     columns = [c for c in dict.fromkeys(k for row in rows.values() for k in row) if any(row.get(c) for row in rows.values())]
-    lines = [f"## {title}", "", "| name | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for name, row in rows.items():
-        lines.append(f"| `{name}` | " + " | ".join(cell(row.get(c, "")) for c in columns) + " |")
-    return [*lines, ""]
+    body = [[name, *(row.get(c, "") for c in columns)] for name, row in rows.items()]
+    return [f"## {title}", "", markdown_table(["name", *columns], body)]
 
 
 def method_page(module: str) -> str:
     """The reference page of `clipseg_sparse.methods.<module>`."""
     qualified = f"clipseg_sparse.methods.{module}"
     doc = (importlib.import_module(qualified).__doc__ or "").strip()
-    lines = [f"# {module}", "", f"`{qualified}`", "", plain(doc), ""]
+    lines = [f"# {module}", "", f"`{qualified}`", "", markdown_text(doc), ""]
     for registry_module, attr, title in REGISTRIES:
         registry = getattr(importlib.import_module(registry_module), attr)
         names = [n for n in registry.names() if registry.where(n) == qualified]
@@ -78,7 +65,7 @@ def method_page(module: str) -> str:
             notes.setdefault(presets.get(name).notes, []).append(name)
     if notes:
         lines += ["## Quirks of the published code", ""]
-        lines += [f"- {', '.join(f'`{n}`' for n in names)}: {plain(text)}" for text, names in notes.items()]
+        lines += [f"- {', '.join(f'`{n}`' for n in names)}: {markdown_text(text)}" for text, names in notes.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -95,7 +82,7 @@ def index_page(modules: list[str]) -> str:
     ]
     for module in modules:
         doc = (importlib.import_module(f"clipseg_sparse.methods.{module}").__doc__ or "").strip()
-        lines.append(f"| [{module}]({module}.md) | {cell(doc.splitlines()[0] if doc else '')} |")
+        lines.append(f"| [{module}]({module}.md) | {markdown_text(doc.splitlines()[0] if doc else '')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -124,16 +124,23 @@ def registry_table(what: Listable):
     return table
 
 
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table: the first column, modules and specs as code, other text with `|` and the characters
-    markdown reads as links or emphasis escaped, line breaks as <br>."""
+def markdown_text(text: str) -> str:
+    """Plain text as markdown: code spans kept, and outside them the characters markdown would read as links,
+    emphasis, HTML or a table's cell border (`sam3[:CONFIDENCE][/NORMALIZER]`, `W * S`, `<name>`, `a|b`) escaped."""
     import re
+
+    parts = re.split(r"(`[^`]*`)", text)
+    return "".join(p if p.startswith("`") else re.sub(r"([\[\]*|])", r"\\\1", p).replace("<", "&lt;") for p in parts)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: the first column, modules and specs as code, other text through `markdown_text`, line
+    breaks as <br>."""
 
     def cell(text: str, column: str) -> str:
         if column == header[0] or column in ("defined in", "spec"):
             return f"`{text}`" if text else ""
-        escaped = re.sub(r"([\[\]*|])", r"\\\1", text)
-        return escaped.replace("\n", "<br>")
+        return markdown_text(text).replace("\n", "<br>")
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(text, column) for text, column in zip(row, header)) + " |" for row in rows]
