@@ -126,3 +126,23 @@ def test_the_preset_guide_table_is_ls_presets_markdown():
     out = CliRunner().invoke(app, ["ls", "presets", "--markdown"])
     assert out.exit_code == 0
     assert table == out.stdout, "regenerate the table in docs/presets.md with `clipseg-sparse ls presets --markdown`"
+
+
+def test_the_preset_guide_names_the_best_published_averages():
+    """'Which preset' states the registry's leaders: a paper's number registered later that beats one fails here
+    until the page says so."""
+    from clipseg_sparse.cli.ls import preset_needs
+    from clipseg_sparse.evaluation.published import PUBLISHED, published_for_preset
+
+    text = PRESETS_MD.read_text(encoding="utf-8")
+    best = text.split("## Best accuracy", 1)[1].split("\n## ", 1)[0]
+    clip_only = text.split("## Best without extra models", 1)[1].split("\n## ", 1)[0]
+    overall = max((e for e in map(PUBLISHED.get, PUBLISHED.names()) if e.average is not None), key=lambda e: e.average)
+    assert f"{overall.average:.1f}" in best and overall.source.split(" ")[0] in best
+    rows = [(e.average, p, e.clip) for p in PRESETS.names() if not p.endswith("-entmax") for e in published_for_preset(p) if e.average is not None]
+    average, preset, _ = max(rows)
+    assert f"`{preset}`: {average:.1f}" in best
+    average, preset, _ = max(r for r in rows if r[2] == "ViT-B-16:openai")
+    assert f"`{preset}`: {average:.1f}" in best
+    average, preset, _ = max(r for r in rows if preset_needs(r[1]) == "CLIP only")
+    assert f"`{preset}`: {average:.1f}" in clip_only

@@ -3,7 +3,8 @@
 Every kind but `models` is a registry of the package (defined next to its entries' type, `registry.py`);
 a row is the entry's own description plus its help, and for the plug-in kinds (presets, stages, taps, spec
 options) a "defined in" column names the module that registered each entry. Presets also say what a run of
-them needs besides CLIP (`preset_needs`, read off the run's plan). `models` lists open_clip's configurations,
+them needs besides CLIP (`preset_needs`, read off the run's plan) and what their papers report
+(`preset_published`, from `evaluation.published`). `models` lists open_clip's configurations,
 each with the family of the registry `models.tower.FAMILIES` it belongs to. `--markdown` prints a registry's
 table as markdown (the docs' preset guide is that output, tests/cli/test_ls.py checks it).
 """
@@ -63,7 +64,7 @@ def ls(
     what: Annotated[Listable, typer.Argument(help="What to list.")],
     markdown: Annotated[bool, typer.Option("--markdown", help="Print a markdown table instead (the docs' tables).")] = False,
 ) -> None:
-    """List registered names: attention presets (with what each needs), normalizers, CLIP models, datasets,
+    """List registered names: attention presets (with what each needs and its papers' avg-8), normalizers, CLIP models, datasets,
     protocols, sweep grids, stages, proxy backbones, score taps, spec options, mask formats, pipelines, region
     sources, and the papers' numbers (`published`: what `report` puts beside a run of the protocol)."""
     if markdown:
@@ -91,8 +92,21 @@ def preset_needs(name: str) -> str:
     return ", ".join(needs) or "CLIP only"
 
 
+def preset_published(name: str) -> str:
+    """The avg-8 mIoU each paper reports for preset `name`, with the CLIP it was measured on
+    (`evaluation.published`); empty for an `-entmax` twin (no paper reports it) and where no paper does."""
+    from ..evaluation.published import published_for_preset
+
+    if name.endswith("-entmax"):
+        return ""
+    entries = published_for_preset(name)
+    return ", ".join(f"{e.average:.1f} ({e.clip})" if e.average is not None else f"{len(e.miou)} of 8 ({e.clip})" for e in entries)
+
+
 # ls KIND -> columns added after "defined in": name -> {column: text}
-EXTRA_COLUMNS: dict[Listable, Callable[[str], dict[str, str]]] = {Listable.presets: lambda name: {"needs": preset_needs(name)}}
+EXTRA_COLUMNS: dict[Listable, Callable[[str], dict[str, str]]] = {
+    Listable.presets: lambda name: {"needs": preset_needs(name), "published avg-8 (CLIP)": preset_published(name)},
+}
 
 
 def registry_rows(what: Listable) -> tuple[list[str], list[list[str]]]:
