@@ -66,8 +66,8 @@ ProtocolPretrainedOpt = Annotated[
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run; auto picks cuda, then mps, then cpu.")]
 # the measurements behind bf16 (speed-ups, agreement with fp32) live in docs/speed.md and benchmarks/README.md
 PRECISION_HELP = (
-    "fp32 (default); bf16: faster on GPUs and on CPUs with AVX512-BF16 or AMX-BF16, opt-in (measured on random "
-    "weights only: docs/speed.md); fp16: GPUs and CPUs with AMX-FP16."
+    "bf16: faster on GPUs and on CPUs with AVX512-BF16 or AMX-BF16, opt-in (its agreement with fp32 measured on "
+    "random weights only: docs/speed.md); fp16: GPUs and CPUs with AMX-FP16."
 )
 PrecisionOpt = Annotated[Precision, typer.Option("--precision", help=PRECISION_HELP)]
 PresetOpt = Annotated[
