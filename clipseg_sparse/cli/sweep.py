@@ -12,10 +12,11 @@ import typer
 from . import analysis as cli_analysis
 from .common import PAMR_HELP, BankOpt, Device, DeviceOpt, Precision, check_out, fail, note_softmax_aliases, out_console, user_errors
 from .ls import Listable, registry_table
-from ..evaluation.published import TOLERANCE
 from ..runtime.progress import err_console
 
 app = typer.Typer()
+# its default is evaluation.published.TOLERANCE, read when a report renders (importing it here would load torch for --help)
+TolOpt = Annotated[Optional[float], typer.Option("--tolerance", min=0.0, help="Mark a difference from the paper's number beyond this many mIoU points (default 0.5).")]
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -151,7 +152,7 @@ def report(
     root: Annotated[Optional[Path], typer.Option("--root", help="With --html --dataset: the dataset's folder.")] = None,
     html_table: Annotated[Optional[Path], typer.Option("--html-table", help="Also write the tables as an HTML page to this file.")] = None,
     leaderboard: Annotated[bool, typer.Option("--leaderboard", help="Instead of rows x cols: every paper's row beside this run's rows, one per normalizer, over the 8 benchmarks (the field's Table 1).")] = False,
-    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, help="Mark a difference from the paper's number beyond this many mIoU points.")] = TOLERANCE,
+    tolerance: TolOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing Markdown/CSV/plot/HTML files.")] = False,
 ) -> None:
     """Tables of result files (rows x cols of one metric, delta vs softmax of the same source) and plots.
@@ -188,9 +189,11 @@ class Outputs:
         return cls(out / f"{stem}.md", out / f"{stem}.csv", out / f"{stem}.html", out / "plots")
 
 
-def _render_report(records, rows, cols, metric, outputs: Outputs, overwrite: bool, tolerance: float = TOLERANCE, board: bool = False) -> None:
+def _render_report(records, rows, cols, metric, outputs: Outputs, overwrite: bool, tolerance: float | None = None, board: bool = False) -> None:
     """Tables (or the leaderboard) to stdout, optional Markdown / CSV / HTML files and plots; raises
-    ReportError on bad input."""
+    ReportError on bad input. tolerance None: `evaluation.published.TOLERANCE`."""
+    from ..evaluation.published import TOLERANCE
+
     from ..sweeps.plots import PLOT_FILES, write_plots
     from ..sweeps.records import ReportError, default_metric
     from ..sweeps.report import leaderboard, pivot, to_csv, to_html, to_markdown, to_rich
@@ -200,6 +203,7 @@ def _render_report(records, rows, cols, metric, outputs: Outputs, overwrite: boo
         if path is not None and path.exists() and not overwrite:
             raise ReportError(f"{path} exists; pass --overwrite to replace it")
     metric = metric or (default_metric(records) if records else "mIoU")
+    tolerance = TOLERANCE if tolerance is None else tolerance
     tables = [leaderboard(records, tolerance)] if board else pivot(records, rows=rows, cols=cols, metric=metric, tolerance=tolerance)
     console = out_console()
     for table in tables:
@@ -230,7 +234,7 @@ def reproduce(
     pretrained: Annotated[Optional[str], typer.Option("--pretrained", help="Replace the grid's weights (tag, checkpoint or none).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N images / annotations per cell (smoke run).")] = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompt file (JSON: class name -> list of description sentences) for the eval cells, e.g. OV-Stitcher's class_biased_template.json.")] = None,
-    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, help="Mark a difference from the paper's number beyond this many mIoU points.")] = TOLERANCE,
+    tolerance: TolOpt = None,
     only: Annotated[Optional[str], typer.Option("--only", help="With leaderboard: only these papers' protocols (comma-separated, see `ls published`).")] = None,
     device: DeviceOpt = Device.auto,
 ) -> None:

@@ -40,7 +40,7 @@ class Published:
     pretrained: str  # ... and tag
     miou: Mapping[str, float]  # benchmark -> mIoU in percent, as printed
     source: str  # the paper's table and the repository file (owner/repo@commit path) it was read from
-    note: str = ""  # known gaps between this tool's run and the paper's (datasets.md's documented differences)
+    note: str = ""  # known gaps between this tool's run and the paper's (docs/datasets.md: the documented differences)
     printed_average: float | None = None  # the avg-8 as the table prints it (a check on the typed cells)
 
     @property

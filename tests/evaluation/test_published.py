@@ -102,3 +102,10 @@ def test_presets_find_their_papers():
     assert [e.protocol for e in published_for_preset("sclip-entmax")] == ["sclip"]
     assert published_for_preset("clip") == []
     assert set(EIGHT) <= set(DATASETS.names())
+
+
+def test_the_tolerance_options_help_states_the_default_reports_use():
+    from clipseg_sparse.cli.sweep import TolOpt
+    from clipseg_sparse.evaluation.published import TOLERANCE
+
+    assert f"(default {TOLERANCE:g})" in TolOpt.__metadata__[0].help
