@@ -110,6 +110,8 @@ def eval_cmd(
         fail(f"--{'regions' if regions is not None else 'bank'}: {pipeline.name} reads no {'region masks' if regions is not None else 'image bank'}")
     else:
         spec = preset
+        if pipeline.check is not None:
+            pipeline.check(vocabulary)  # e.g. ActiveSAM's WordNet lookups, before the model loads
     rank, _ = init_from_env()  # torchrun: join the group; auto device is then this rank's GPU
     model, pretrained = proto.clip_weights(model, pretrained)  # command line > protocol > library default
     if pipeline is None:

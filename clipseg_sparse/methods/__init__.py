@@ -31,6 +31,7 @@ METHODS = (
     "lposs",  # LPOSS / LPOSS+ (CVPR 2025): the lp stages (joint patch graph over windows, Lab pixel graph)
     "pearl",  # PEARL (CVPR 2026): Procrustes-aligned attention taps pa / pakk, the tlp post stage
     "sam3",  # SAM 3 zero-shot (SegEarth-OV3): the sam3 pipeline and protocol, not a CLIP spec
+    "activesam",  # ActiveSAM on the sam3 pipeline: context tokens, presence preview, MABC background
 )
 
 

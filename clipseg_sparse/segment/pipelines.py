@@ -5,11 +5,12 @@ A pipeline is written `NAME[:ARGS][/NORMALIZER]` (`--preset sam3`, `--preset sam
 a normalizer inside the pipeline's own attention, where it has a slot). Its factory, registered in its
 method's room (`methods/`), parses the text after NAME into a `Pipeline`: the backbone whose weights it loads
 (`ls backbones`; weights by `--proxy-weights NAME=W`), `load(weights, device, precision)`, and
-`build(model, vocabulary, settings)`, which returns an
-object with the calls `eval` makes on a `Segmenter`: `predict_labels(rgb, name)`, `config()` (with the
-`attention`, `model` and `pretrained` keys of result tables) and `class_names`. A segmenter whose decoder
-attends from object queries to the image may also give `query_attention(rgb) -> QueryAttention`, which
-`analyze` and `explain` read as they read CLIP's last-block rows.
+`build(model, vocabulary, settings)`, which returns an object with the calls `eval` makes on a `Segmenter`:
+`predict_labels(rgb, name)`, `config()` (with the `attention`, `model` and `pretrained` keys of result tables)
+and `class_names`. A segmenter whose decoder attends from object queries to the image may also give
+`query_attention(rgb) -> QueryAttention`, which `analyze` and `explain` read as they read CLIP's last-block
+rows. A pipeline may give `check(vocabulary)`, which `eval` calls before the model loads (a vocabulary it
+cannot run fails in one line, early).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Pipeline:
     backbone: str  # BACKBONES entry whose weights it loads
     load: Callable[[str, str, str], Any]  # (weights: hub | none | a file or folder, device, precision) -> the loaded model
     build: Callable[[Any, Vocabulary, InferenceSettings], Any]  # (model, vocabulary, settings) -> a segmenter
+    check: Callable[[Vocabulary], None] | None = None  # refuses a vocabulary it cannot run, before the model loads
 
 
 @dataclass(frozen=True)

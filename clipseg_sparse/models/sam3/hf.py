@@ -21,6 +21,7 @@ small encoder runs in fp32 outside autocast (its only box is masked).
 from __future__ import annotations
 
 import contextlib
+import copy
 import gzip
 import os
 from typing import Iterator, Sequence
@@ -68,11 +69,14 @@ class TransformersPrompter:
         return torch.autocast(device_type=self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
     @torch.inference_mode()
-    def set_image(self, rgb: np.ndarray) -> dict:
-        """The image's encoding (the vision encoder's features, reused by every prompt) and its size."""
+    def set_image(self, rgb: np.ndarray, size: int | None = None) -> dict:
+        """The image's encoding (the vision encoder's features, reused by every prompt) and its size. `size`:
+        encode the image squashed to size x size px instead of the processor's own (ActiveSAM's 672-px
+        presence preview); the ViT's global layers then get RoPE positions for that grid (`vit_grid`)."""
         rgb = np.ascontiguousarray(rgb)
-        pixels = self.processor(images=rgb, return_tensors="pt").pixel_values.to(self.device)
-        with self._autocast():
+        resize = {} if size is None else {"size": {"height": size, "width": size}}
+        pixels = self.processor(images=rgb, return_tensors="pt", **resize).pixel_values.to(self.device)
+        with self._autocast(), vit_grid(self.model, pixels.shape[-1]):
             vision = self.model.get_vision_features(pixel_values=pixels.to(next(self.model.parameters()).dtype))
         return {"vision": vision, "size": tuple(rgb.shape[:2])}
 
@@ -82,11 +86,12 @@ class TransformersPrompter:
         return tok.input_ids.to(self.device), tok.attention_mask.to(self.device)
 
     @torch.inference_mode()
-    def run(self, state: dict, names: Sequence[str], with_masks: bool = True) -> dict:
-        """The raw outputs of one bucket of prompts on the image of `state` (`run_prompts`)."""
+    def run(self, state: dict, names: Sequence[str], with_masks: bool = True, extra=None) -> dict:
+        """The raw outputs of one bucket of prompts on the image of `state` (`run_prompts`; `extra`: context
+        tokens appended to each prompt's text, see `prompt_features`)."""
         ids, mask = self.tokens(names)
         with self._autocast():
-            return run_prompts(self.model, state["vision"], ids, mask, with_masks=with_masks)
+            return run_prompts(self.model, state["vision"], ids, mask, with_masks=with_masks, extra=extra)
 
     def prompts(self, state: dict, names: Sequence[str], confidence: float) -> list[Sam3Prompt]:
         """Each name's answer (`models.sam3.Sam3Prompt`, at the image's size), `bucket` names per pass."""
@@ -133,6 +138,30 @@ def _fp32(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         module.to(dtype)
+
+
+@contextlib.contextmanager
+def vit_grid(model, pixels: int) -> Iterator[None]:
+    """The ViT's global-attention layers with RoPE positions for a `pixels`-px square input (a no-op at the
+    configured size). transformers precomputes them for config.image_size only (another grid fails on a shape
+    mismatch); `Sam3ViTLayer.precompute_positions` for the new grid scales them by window / side, which is
+    ActiveSAM's `rope_patch` (sam3's `compute_axial_cis` with scale_pos = rope_pt_size / side, rope_pt_size
+    being the window): the same rotation angles."""
+    config = model.vision_encoder.backbone.config
+    if pixels == config.image_size:
+        yield
+        return
+    grid = copy.copy(config)
+    grid.image_size = pixels
+    layers = [layer for layer in model.vision_encoder.backbone.layers if layer.window_size == 0]
+    saved = [layer.position_ids for layer in layers]
+    for layer in layers:
+        layer.position_ids = layer.precompute_positions(grid, 0).to(layer.position_ids.device)
+    try:
+        yield
+    finally:
+        for layer, ids in zip(layers, saved):
+            layer.position_ids = ids
 
 
 def prompt_features(model, vision, input_ids: torch.Tensor, attention_mask: torch.Tensor, extra=None):
