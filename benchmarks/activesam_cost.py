@@ -1,0 +1,83 @@
+"""ActiveSAM against the sam3 pipeline (SegEarth-OV3's): cost per image on this machine, at 21 and 150 names.
+
+Random weights (none can be downloaded here), one random 480 x 640 image, fp32 on the CPU.
+
+- default: the full-size `Sam3Model` (840 M parameters, transformers' default config). One image at 150 names
+  takes half an hour here, so its parts are timed once each and the per-image cost is composed from them: the
+  1008-px and 672-px image encodings, `--bucket` prompts decoded at 1008 px (masks, ActiveSAM's 4 context
+  tokens) and `--bucket` presence-only prompts at 672 px, each divided by the bucket. sam3 at N names = encode
+  + N decoded prompts; activesam = the same up to 40 names; above, preview (672-px encoding + N presence-only
+  prompts) + encode + the kept prompts (the 0.8 quantile keeps N / 5: 30 of 150). Peak RSS is the process's.
+With random weights few instances pass the confidence, so the per-instance work (masks resized to the image) is
+left out; it is the same in both pipelines for the names both decode. The tests' tiny model is no cost model:
+its time goes to image-size operations, not the network.
+
+    python benchmarks/activesam_cost.py [--threads 2] [--bucket 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = ROOT / "clipseg_sparse" / "data" / "class_names"
+
+
+def vocabularies():
+    from clipseg_sparse.segment.vocabulary import Vocabulary
+
+    return {21: Vocabulary.from_file(NAMES / "segearth" / "voc21.txt"), 150: Vocabulary.from_file(NAMES / "sclip" / "ade20k.txt")}
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def full(bucket: int) -> None:
+    from transformers import Sam3Config, Sam3Model
+
+    from clipseg_sparse.methods.activesam import PREVIEW, ActiveSamSegmenter
+    from clipseg_sparse.models.sam3 import TransformersPrompter
+    from clipseg_sparse.models.sam3.hf import offline_processor
+
+    torch.manual_seed(0)
+    prompter = TransformersPrompter(Sam3Model(Sam3Config()).eval(), offline_processor())
+    rgb = np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8)
+    seg = ActiveSamSegmenter(prompter, vocabularies()[150])
+    names, (tokens, valid) = seg.names[:bucket], seg.context
+    with torch.inference_mode():
+        parts = {"encode 1008": timed(lambda: prompter.set_image(rgb)), "encode 672": timed(lambda: prompter.set_image(rgb, size=PREVIEW))}
+        full_state, preview_state = prompter.set_image(rgb), prompter.set_image(rgb, size=PREVIEW)
+        parts["prompt decoded 1008"] = timed(lambda: prompter.run(full_state, names, extra=(tokens[:bucket], valid[:bucket]))) / bucket
+        parts["prompt presence 672"] = timed(lambda: prompter.run(preview_state, names, with_masks=False)) / bucket
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"parts (s; a prompt: its share of a bucket of {bucket}): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + f"; peak RSS {peak:.0f} MiB")
+    e, e6, p, q = parts["encode 1008"], parts["encode 672"], parts["prompt decoded 1008"], parts["prompt presence 672"]
+    rows = [("sam3", 21, e + 21 * p), ("activesam", 21, e + 21 * p), ("sam3", 150, e + 150 * p),
+            ("activesam", 150, e6 + 150 * q + e + 30 * p), ("activesam, no preview", 150, e + 150 * p)]  # fmt: skip
+    print("| pipeline | names | s per image (composed) | ratio to sam3 |")
+    print("|---|---|---|---|")
+    for name, n, seconds in rows:
+        print(f"| {name} | {n} | {seconds:.0f} | {seconds / (e + n * p):.2f} |")
+    print(f"preview at 150 names: {e6 + 150 * q:.0f} s spent, {120 * p:.0f} s of decoding saved (120 of 150 prompts)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bucket", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    full(args.bucket)
+
+
+if __name__ == "__main__":
+    main()
