@@ -170,6 +170,8 @@ def explain_pipeline(segmenter, image, point: tuple[int, int], head: int | None 
     the image attention (the last decoder layer's, head mean unless `head`) of the query behind it, the
     instance with the highest object score among the kept instances of that class's names (their best query
     when none is kept), on the detector's token grid over the image (which SAM 3 squashes to a square)."""
+    if not hasattr(segmenter, "query_attention"):
+        raise UserValueError(f"{segmenter.config()['attention']}: this pipeline shows no attention to explain")
     rgb = load_image(image)
     height, width = rgb.shape[:2]
     x, y = point

@@ -420,6 +420,23 @@ def test_other_bad_input_is_one_line(tmp_path):
         activesam.check_vocabulary(Vocabulary.parse("cat"))
 
 
+def test_analyze_and_explain_refuse_it_in_one_line(prompter, tmp_path, monkeypatch):
+    """ActiveSAM's segmenter records no detector rows (`query_attention`): both commands say so in one line."""
+    from PIL import Image
+
+    monkeypatch.setattr(activesam, "load", lambda weights, device, precision: prompter)
+    Image.fromarray(image(8)).save(image_file := tmp_path / "img.png")
+    res = CliRunner().invoke(app, ["explain", str(image_file), "--point", "5,7", "--classes", "cat,sky,road", "--preset", "activesam",
+                                   "--pretrained", "none", "--out", str(tmp_path / "e.png"), "--device", "cpu"])  # fmt: skip
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and "activesam: this pipeline shows no attention to explain" in lines[0], res.output
+    make_benchmark("voc21", tmp_path / "d", n=1)
+    res = CliRunner().invoke(app, ["analyze", "--dataset", "voc21", "--root", str(tmp_path / "d"), "--preset", "activesam", "--pretrained", "none",
+                                   "--out", str(tmp_path / "a"), "--device", "cpu"])  # fmt: skip
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and "shows no attention to analyze" in lines[0], res.output
+
+
 # -- the WordNet table -------------------------------------------------------------------------------------------
 def test_hand_checked_table_entries():
     """WordNet 3.0, read by hand: first noun sense, its first two hypernyms' first lemmas."""
