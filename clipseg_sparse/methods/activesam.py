@@ -40,7 +40,8 @@ passes stop before the mask decoder), the mmseg / PIL image loading (the pixels 
 `models/sam3/hf.py::vit_grid`), bf16 presences on CUDA (here sigmoid of the logits in fp32, as the `sam3`
 pipeline). ActiveSAM edits no attention normalizer: `activesam/NORMALIZER` and `activesam-entmax` are this
 project's, the `sam3` pipeline's slot (the detector's image and the fusion encoder's prompt cross-attention,
-`models/sam3/attention.py`) in every pass, the preview's included. Runs on the transformers backend only
+`models/sam3/attention.py`) in every pass, the preview's included; `analyze` and `explain` read its detector
+as the `sam3` pipeline's (`query_attention`, with the context tokens). Runs on the transformers backend only
 (the context tokens enter `run_prompts` as `extra`). The later release (`@f662551`: Exclusive Concept Decoding,
 class signatures from unlabeled images, a `calibrate` step) is not built here. No accuracy has been measured
 here (no weights).
@@ -48,6 +49,7 @@ here (no weights).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -66,9 +68,10 @@ from ..evaluation.published import register_published
 from ..models.sam3 import backend_of, load_sam3
 from ..models.sam3.hf import answers
 from ..segment.images import load_image
-from ..segment.pipelines import PIPELINES, Pipeline
+from ..segment.pipelines import PIPELINES, Pipeline, QueryAttention
 from ..segment.settings import InferenceSettings
 from ..segment.vocabulary import Vocabulary
+from . import sam3
 from .sam3 import fuse_prompt
 
 SOURCE = "VILA-Lab/ActiveSAM@41cad43 activesam/model/segmentor.py, pruning/pruner.py, background/mabc.py, prompt_expansion/, configs/"
@@ -291,6 +294,19 @@ class ActiveSamSegmenter:
         state = self.prompter.set_image(rgb, size=self.preview)
         runs = [self.prompter.run(state, self.names[s : s + BUCKET], with_masks=False) for s in range(0, len(self.names), BUCKET)]
         return decide(torch.cat([out["presence_logits"].float().sigmoid() for out in runs]))
+
+    def query_attention(self, rgb: np.ndarray) -> QueryAttention:
+        """The detector's rows per name as `Sam3Segmenter.query_attention` gives them (what `analyze` and `explain`
+        read), each prompt with its context tokens; a name the preview drops keeps no instance."""
+        tokens, valid = self.context
+        starts = range(0, len(self.names), BUCKET)
+        buckets = [(self.names[s : s + BUCKET], (tokens[s : s + BUCKET], valid[s : s + BUCKET])) for s in starts]
+        with self.prompter.normalized(self.normalizer):
+            active = self.active(rgb)
+        got = sam3.query_attention(self.prompter, self.prompter.set_image(rgb), buckets, self.normalizer, CONFIDENCE, self.vocabulary.name_to_class)
+        decoded = torch.zeros(len(self.names), 1, dtype=torch.bool, device=got.kept.device)
+        decoded[active] = True
+        return dataclasses.replace(got, kept=got.kept & decoded)
 
     @torch.inference_mode()
     def scores(self, rgb: np.ndarray) -> torch.Tensor:

@@ -65,6 +65,23 @@ def fuse_prompt(masks: torch.Tensor, scores: torch.Tensor, semantic: torch.Tenso
     return torch.maximum(fused, semantic) * presence
 
 
+def query_attention(prompter, state: dict, buckets, normalizer: str | None, confidence: float, name_class) -> QueryAttention:
+    """The detector's rows on the image of `state` for prompts given as (names, extra context tokens or None)
+    buckets, recorded under `normalizer` (None: the exact softmax in the decoder's image attention only), with
+    the queries' object scores and those above `confidence` (see `Sam3Segmenter.query_attention`)."""
+    sites = ("decoder-image",) if normalizer is None else DEFAULT_SITES
+    outputs = []
+    with prompter.normalized(normalizer or "softmax", sites), prompter.attention(("decoder-image",)) as recorded:
+        for names, extra in buckets:
+            outputs.append(prompter.run(state, names, with_masks=False, extra=extra))
+    last = list(recorded)[-1]  # the layers in order: the last decoder layer's image cross-attention
+    rows = torch.cat(recorded[last], 0)[:, :, 1:].float()  # names x heads x Q x (h * w); row 0 is the presence token's
+    presence = torch.cat([o["presence_logits"] for o in outputs]).float().sigmoid()
+    scores = torch.cat([o["logits"] for o in outputs]).float().sigmoid() * presence[:, None]
+    grid = tuple(state["vision"].fpn_hidden_states[-2].shape[-2:])  # the level the detector attends to
+    return QueryAttention(rows, scores, scores > confidence, grid, tuple(name_class))
+
+
 class Sam3Segmenter:
     """SegEarth-OV3's segmenter on a loaded SAM 3 prompter (`models.sam3`: `set_image`, `prompts`, `normalized`,
     `config`): `scores(rgb)` (C x H x W), `predict_labels(image)` (what eval scores). normalizer: in the
@@ -114,18 +131,9 @@ class Sam3Segmenter:
         `analyze` and `explain` read (`segment.pipelines.QueryAttention`). Recorded under this segmenter's
         normalizer; a softmax run records through the exact softmax in the decoder's image attention only (SDPA
         returns no weights), so its answers equal SDPA's to float rounding."""
-        state = self.prompter.set_image(rgb)
-        sites = ("decoder-image",) if self.normalizer is None else DEFAULT_SITES
-        names, outputs = self.vocabulary.flat_names, []
-        with self.prompter.normalized(self.normalizer or "softmax", sites), self.prompter.attention(("decoder-image",)) as recorded:
-            for start in range(0, len(names), self.prompter.bucket):
-                outputs.append(self.prompter.run(state, names[start : start + self.prompter.bucket], with_masks=False))
-        last = list(recorded)[-1]  # the layers in order: the last decoder layer's image cross-attention
-        rows = torch.cat(recorded[last], 0)[:, :, 1:].float()  # names x heads x Q x (h * w); row 0 is the presence token's
-        presence = torch.cat([o["presence_logits"] for o in outputs]).float().sigmoid()
-        scores = torch.cat([o["logits"] for o in outputs]).float().sigmoid() * presence[:, None]
-        grid = tuple(state["vision"].fpn_hidden_states[-2].shape[-2:])  # the level the detector attends to
-        return QueryAttention(rows, scores, scores > self.confidence, grid, tuple(self.vocabulary.name_to_class))
+        names, bucket = self.vocabulary.flat_names, self.prompter.bucket
+        buckets = [(names[start : start + bucket], None) for start in range(0, len(names), bucket)]
+        return query_attention(self.prompter, self.prompter.set_image(rgb), buckets, self.normalizer, self.confidence, self.vocabulary.name_to_class)
 
     def predict_labels(self, image, name: str | None = None) -> np.ndarray:
         """H x W int64 labels: argmax of `scores`, class 0 where the top score is below bg_threshold."""

@@ -424,21 +424,49 @@ def test_other_bad_input_is_one_line(tmp_path):
         activesam.check_vocabulary(Vocabulary.parse("cat"))
 
 
-def test_analyze_and_explain_refuse_it_in_one_line(prompter, tmp_path, monkeypatch):
-    """ActiveSAM's segmenter records no detector rows (`query_attention`): both commands say so in one line."""
+def test_query_attention_reads_each_prompt_with_its_context(prompter):
+    """What `analyze` and `explain` read: every name's detector rows, each prompt with its context tokens; only the
+    names the preview keeps keep instances."""
+    from clipseg_sparse.methods.sam3 import Sam3Segmenter
+
+    rgb = image(9)
+    seg = ActiveSamSegmenter(prompter, Vocabulary.parse(",".join(ADE45)), preview=84)
+    att, active = seg.query_attention(rgb), seg.active(rgb)
+    assert att.rows.shape[:1] == (45,) and att.rows.shape[-1] == 64 and att.name_class == tuple(range(45))
+    assert not att.kept[[i for i in range(45) if i not in active]].any() and att.kept[active].any()
+    state = prompter.set_image(rgb)
+    tokens, valid = seg.context
+    out = prompter.run(state, seg.names[:32], with_masks=False, extra=(tokens[:32], valid[:32]))
+    torch.testing.assert_close(att.scores[:32], out["logits"].sigmoid() * out["presence_logits"].sigmoid()[:, None], atol=1e-6, rtol=0)
+    plain = Sam3Segmenter(prompter, Vocabulary.parse(",".join(seg.names)), confidence=0.3).query_attention(rgb)  # no context tokens
+    assert float((plain.rows - att.rows).abs().max()) > 1e-4
+
+
+def test_analyze_and_explain_it_from_the_command_line(prompter, tmp_path, monkeypatch):
     from PIL import Image
 
     monkeypatch.setattr(activesam, "load", lambda weights, device, precision: prompter)
     Image.fromarray(image(8)).save(image_file := tmp_path / "img.png")
-    res = CliRunner().invoke(app, ["explain", str(image_file), "--point", "5,7", "--classes", "cat,sky,road", "--preset", "activesam",
+    res = CliRunner().invoke(app, ["explain", str(image_file), "--point", "5,7", "--classes", "cat,sky,road", "--preset", "activesam-entmax",
                                    "--pretrained", "none", "--out", str(tmp_path / "e.png"), "--device", "cpu"])  # fmt: skip
-    lines = res.stderr.strip().splitlines()
-    assert res.exit_code == 2 and len(lines) == 1 and "activesam: this pipeline shows no attention to explain" in lines[0], res.output
-    make_benchmark("voc21", tmp_path / "d", n=1)
+    assert res.exit_code == 0 and "activesam/entmax:1.5 (query" in res.stdout, res.output
+    make_benchmark("voc21", tmp_path / "d", n=1, size=(40, 52))
     res = CliRunner().invoke(app, ["analyze", "--dataset", "voc21", "--root", str(tmp_path / "d"), "--preset", "activesam", "--pretrained", "none",
                                    "--out", str(tmp_path / "a"), "--device", "cpu"])  # fmt: skip
-    lines = res.stderr.strip().splitlines()
-    assert res.exit_code == 2 and len(lines) == 1 and "shows no attention to analyze" in lines[0], res.output
+    assert res.exit_code == 0, res.output
+    (record,) = [json.loads(p.read_text()) for p in (tmp_path / "a").glob("*.json")]
+    assert record["config"]["attention"] == "activesam" and record["config"]["protocol"] == "activesam"
+
+
+def test_explain_refuses_a_pipeline_that_records_no_rows_in_one_line(tmp_path):
+    from clipseg_sparse.analysis.explain import explain_pipeline
+
+    class Rowless:
+        def config(self):
+            return {"attention": "rowless"}
+
+    with pytest.raises(ValueError, match="^rowless: this pipeline shows no attention to explain$"):
+        explain_pipeline(Rowless(), tmp_path / "any.png", (0, 0))
 
 
 # -- the WordNet table -------------------------------------------------------------------------------------------
