@@ -26,7 +26,6 @@ One normalizer slot (SCLIP's): `lavg-entmax` puts entmax:1.5 there. Quirks copie
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +104,7 @@ class NCutRegions(CachedRegions):
         return f"ncut:{NCUT_BACKBONE}:{self.checkpoint}:size={self.size},tau={self.tau:g},masks={self.count}"
 
     def settings(self) -> str:
-        return json.dumps([self.source(), self._backbone.weights if self._backbone is not None else None])
+        return self.source()
 
     def patch_masks(self, image: np.ndarray) -> list[torch.Tensor]:
         """The boolean masks on the DINO patch grid of the image resized to size x size."""
