@@ -109,9 +109,7 @@ def dense_cosine(run: ImageRun, out_size: tuple[int, int] | None = None) -> Cosi
     features stay unnormalised (with `run.text` the identity, the map is the dense feature map itself:
     CorrCLIPv2's bank values).
     """
-    clip, pixels, s = run.clip, run.pixels, run.settings
-    _, _, H, W = pixels.shape
-    text = run.text.to(clip.device)
+    text = run.text.to(run.clip.device)
     match = run.plan.of_kind("match")
     boxes, cos = [], []
     for chunk, feats, *cls in iter_window_features(run, with_cls=bool(match)):
@@ -120,7 +118,17 @@ def dense_cosine(run: ImageRun, out_size: tuple[int, int] | None = None) -> Cosi
         for stage in match:  # match stages see B x N_names x h x w
             window_cos = stage(window_cos.permute(0, 3, 1, 2), cls[0], text).permute(0, 2, 3, 1)
         cos.append(window_cos)
-    cos = torch.cat(cos)  # windows row-major over the grid of row and column intervals
+    return window_cosine_map(run, boxes, torch.cat(cos), out_size)
+
+
+def window_cosine_map(run: ImageRun, boxes: Sequence[tuple[int, int, int, int]], cos: torch.Tensor, out_size: tuple[int, int] | None = None) -> CosineMap:
+    """Every window's B x h x w x N_names patch cosine (windows row-major over the grid of row and column
+    intervals, as `window_boxes` lists them; h x w CLIP's patch grid or a finer one) -> the image's CosineMap
+    (see `dense_cosine`): the run's windows stages first, then each window's map upsampled, placed and
+    averaged as one product per name. For forwards whose windows are not each encoded alone (GLA-CLIP's
+    keys and values from every window, ITACLIP's views)."""
+    clip, s = run.clip, run.settings
+    _, _, H, W = run.pixels.shape
     for stage in run.plan.of_kind("windows"):  # B x h x w x N_names, every window of the image at once
         cos = stage(cos, boxes, run)
     rows = sorted({(y1, y2) for y1, y2, _, _ in boxes})

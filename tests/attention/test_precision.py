@@ -20,6 +20,7 @@ from test_dense_backbones import tiny_radio
 from clipseg_sparse import Segmenter, load_clip
 from clipseg_sparse.attention import PRESETS, precision
 from clipseg_sparse.models.backbones import BACKBONES, Backbone
+from clipseg_sparse.segment.plan import Plan
 from clipseg_sparse.segment.settings import InferenceSettings
 
 # documented in docs/speed.md and in --precision's help: bf16 features vs fp32 on random weights
@@ -92,11 +93,11 @@ def _inputs():
     return pixels, regions
 
 
-# Presets whose taps exist only inside Segmenter's forward: OV-Stitcher's `ext:NAME.out` (the proxy's last block
-# re-run over the stitched image) and CorrCLIPv2's `ext:NAME.image` (whole-image features, computed once per
-# image). encode_dense refuses both on windows alone: they run in bf16 through the Segmenter
-# (`test_presets_with_stages_segment_in_bf16`).
-SEGMENTER_ONLY = {n for n in PRESETS.names() if "stitch:" in str(PRESETS.get(n).spec) or ".image" in str(PRESETS.get(n).spec)}
+# Presets that exist only inside Segmenter's forward: those whose windows are not encoded alone (a forward other
+# than the plain windows: OV-Stitcher's stitched image, GLA-CLIP's keys and values of every window) and
+# CorrCLIPv2's `ext:NAME.image` (whole-image features, computed once per image). encode_dense refuses them on
+# windows alone: they run in bf16 through the Segmenter (`test_presets_with_stages_segment_in_bf16`).
+SEGMENTER_ONLY = {n for n in PRESETS.names() if Plan.of(n).forward_name != "windows" or ".image" in str(PRESETS.get(n).spec)}
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS.names() if n not in SEGMENTER_ONLY])
