@@ -7,7 +7,8 @@ they are (`feedback`, ResCLIP's first-pass map, in feedback.py). This is the ext
 outside CLIP: register a kind (e.g. `ext`) whose `features` reads `BlockContext.pixels` or
 `BlockContext.extra`.
 
-Built in: `qk qq kk vv` (the edited block's projections, per head), `x@L` (CLIP's residual stream after
+Built in: `qk qq kk vv` (the edited block's projections, per head; `qq@L`: block L's own, from the hidden
+state entering it, ITACLIP's intermediate self-self maps), `x@L` (CLIP's residual stream after
 block L, 1-based, one map for all heads), `attn@A-B` (mean over blocks A..B of CLIP's own
 softmax(q k^T / sqrt(d)) maps, per head).
 """
@@ -152,11 +153,42 @@ def _span(arg: str) -> range:
     return range(int(first), int(last) + 1)
 
 
+def _own_block(arg: str) -> int:
+    if not arg.isdigit() or int(arg) < 2:
+        raise UserValueError(f"qq@L (and qk, kk, vv) needs a block number L >= 2, the block whose own projections of its input it reads (got {arg!r})")
+    return int(arg)
+
+
+def block_projections(ctx: "BlockContext", layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (B x H x N x d) of block `layer` (1-based) on its own input, the hidden state after block
+    `layer` - 1 over the attended tokens: what that block attends with. Computed once per block and batch."""
+    key = ("qkv", layer)
+    if key not in ctx.extra:
+        block = ctx.blocks[layer - 1]
+        ctx.extra[key] = block_qkv(block, block.ln_1(ctx.hidden_state(layer - 1)), ctx.grid)
+    return ctx.extra[key]
+
+
+def _pair_features(pair: str) -> Features:
+    first, second = ("qkv".index(c) for c in pair)
+
+    def features(ctx: BlockContext, arg: str) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv = (ctx.q, ctx.k, ctx.v) if not arg else block_projections(ctx, int(arg))
+        return qkv[first], qkv[second]
+
+    return features
+
+
 for _pair in ("qk", "qq", "kk", "vv"):
     TAPS.register(
         _pair,
-        Tap(features=lambda ctx, arg, p=_pair: (getattr(ctx, p[0]), getattr(ctx, p[1])), check=_no_arg(_pair), projections=True),
-        help=_pair,
+        Tap(
+            features=_pair_features(_pair),
+            check=lambda arg: _own_block(arg) and None if arg else None,
+            hidden=lambda arg: {_own_block(arg) - 1} if arg else set(),
+            projections=True,
+        ),
+        help=f"{_pair} (the edited block's; {_pair}@L: block L's own, from its input)",
     )
 TAPS.register(
     "x",
