@@ -6,6 +6,7 @@ before the library is called, so precedence is command line > preset/protocol > 
 
 from __future__ import annotations
 
+import errno
 import functools
 from enum import Enum
 from pathlib import Path
@@ -131,7 +132,9 @@ def note_shown(out: Path | None, shown: bool) -> None:
 
 def user_errors() -> Callable[[Command], Command]:
     """The CLI's one error boundary, put once on every command (under `@app.command`): a `UserError` raised
-    anywhere in the command ends as one stderr line and exit 2 (`fail`) instead of a traceback.
+    anywhere in the command ends as one stderr line and exit 2 (`fail`) instead of a traceback; a full disk
+    (ENOSPC, raised by any write) as one line naming the file and exit 1: every command writes atomically
+    and resumes, so running it again once there is space loses nothing finished.
 
     Nothing else is caught: library code raises a `UserError` subclass for every input a user can fix, so a
     plain `ValueError` (or any other builtin) is a bug and surfaces as its traceback."""
@@ -144,6 +147,10 @@ def user_errors() -> Callable[[Command], Command]:
                 return command(*args, **kwargs)
             except caught as e:
                 fail(str(e))
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                fail(f"{e.filename}: no space left on device; free some and run the same command again (it resumes, nothing finished is lost)", code=1)
 
         run.user_errors = caught  # what `tests/test_errors.py` checks every command has
         return run  # type: ignore[return-value]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..errors import UserValueError
-from ..runtime.atomic import jsonable
+from ..runtime.atomic import jsonable, naming
 
 RESULT_SCHEMA = 1
 
@@ -100,7 +100,7 @@ class ItemLog:
 
     def append(self, item_id: str, record: dict) -> None:
         rec = {"id": str(item_id), **record}
-        with self.path.open("a", encoding="utf-8") as f:
+        with naming(self.path), self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(rec, default=jsonable) + "\n")
             f.flush()
             os.fsync(f.fileno())

@@ -23,10 +23,23 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        yield tmp
-        tmp.replace(path)
+        with naming(path):
+            yield tmp
+            tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """An OSError raised inside without a file name gets `path`'s: a write that fails (a full disk) names no
+    file, and the one error line the CLI prints for it must say which one."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
@@ -47,17 +60,18 @@ def create_json_exclusive(path: str | Path, data: Any) -> bool:
     text = json.dumps(data, indent=2, default=jsonable) + "\n"
     tmp = path.with_name(f".{path.name}.claim{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        except OSError:  # no hard links here (some network / FUSE filesystems)
+        with naming(path):
+            tmp.write_text(text, encoding="utf-8")
             try:
-                with open(path, "x", encoding="utf-8") as f:
-                    f.write(text)
+                os.link(tmp, path)
             except FileExistsError:
                 return False
+            except OSError:  # no hard links here (some network / FUSE filesystems)
+                try:
+                    with open(path, "x", encoding="utf-8") as f:
+                        f.write(text)
+                except FileExistsError:
+                    return False
         return True
     finally:
         tmp.unlink(missing_ok=True)

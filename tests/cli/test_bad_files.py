@@ -9,6 +9,7 @@ test_user_errors.py), outputs go through `check_out`, and library sites raise `e
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import shutil
@@ -151,3 +152,41 @@ def test_one_line_and_exit_2(command, bad, tmp_path):
     assert all(re.match(r"\d\d:\d\d:\d\d ", line) for line in lines[:-1]), result.stderr[-3000:]  # progress lines only
     named = names.replace("OUT", str(blocker / "out")).format(**paths)
     assert named in lines[-1] or (named == str(blocker / "out") and str(blocker) in lines[-1]), lines[-1]
+
+
+# command -> (arguments, the end of the path whose write meets a full disk)
+DISK_FULL = {
+    "segment": ([*SEGMENT, "--out", "{tmp}/seg"], "a.png"),
+    "eval": ([*EVAL, "--out", "{tmp}/voc.json"], "voc.json"),
+    "analyze": ([*ANALYZE, "--out", "{tmp}/analysis"], ".json"),
+    "explain": ([*EXPLAIN, "--out", "{tmp}/e.png"], "e.png"),
+    "report --html": (["report", "{tmp}/seg", "--html", "{tmp}/g.html"], "g.html"),
+}  # bank build: tests/segment/test_bank.py (it needs the tiny backbones installed there)
+
+
+@pytest.mark.parametrize("command", list(DISK_FULL))
+def test_a_full_disk_is_one_line_naming_the_file_and_exit_1_and_the_same_command_then_finishes(command, tmp_path, monkeypatch):
+    """Issue 35, reliability 10: ENOSPC from a write (which names no file) ends the command with one `error:` line
+    naming the file and "no space left", exit 1; run again with space, the command finishes."""
+    paths = {k: str(v) for k, v in files(tmp_path).items()} | {"tmp": str(tmp_path)}
+    if command == "report --html":
+        assert invoke(*[a.format(**paths) for a in DISK_FULL["segment"][0]]).exit_code == 0
+    line, end = DISK_FULL[command]
+    args = [a.format(**paths) for a in line]
+    replace, full = Path.replace, []
+
+    def disk_full(self, target):
+        if str(target).endswith(end):
+            full.append(str(target))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", disk_full)
+    result = invoke(*args)
+    assert result.exit_code == 1, (result.output[-2000:], result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and lines[-1].startswith("error:"), result.stderr[-3000:]
+    assert f"{full[0]}: no space left" in lines[-1], lines[-1]
+    monkeypatch.setattr(Path, "replace", replace)
+    again = invoke(*args)
+    assert again.exit_code == 0, again.output[-2000:]

@@ -7,6 +7,7 @@ store), a tiny NaFlexViT as C-RADIOv3-L (keys), a tiny DINO as dino_vitb8 (the v
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -509,3 +510,30 @@ def test_bank_build_skips_an_unreadable_image_lists_it_and_tries_it_again(models
     again = bank_build_cli(tmp_path / "images", tmp_path / "bank", tmp_path / "masks")
     assert again.exit_code == 0, again.output
     assert ImageBank.open(tmp_path / "bank").manifest["skipped"] == [] and sorted(set(np.load(tmp_path / "bank" / banks.ROWS)[:, 0])) == [0, 1, 2]
+
+
+def test_bank_build_on_a_full_disk_is_one_line_and_the_same_command_then_finishes_from_the_parts(models, tmp_path, monkeypatch):
+    """Issue 35, reliability 10 (the other commands: tests/cli/test_bad_files.py): ENOSPC while the manifest is
+    written ends the build with one line naming it and exit 1; the re-run reads no image again."""
+    _, _, radio = models
+    jobs, regions = write_images(tmp_path / "images", 2)
+    write_masks(tmp_path / "masks", regions)
+    replace = Path.replace
+
+    def disk_full(self, target):
+        if Path(target).name == banks.MANIFEST:
+            raise OSError(errno.ENOSPC, "No space left on device")  # as a failed write says it: no file name
+        return replace(self, target)
+
+    read = []
+    monkeypatch.setattr(radio, "image_feature_map", lambda *a, f=radio.image_feature_map: read.append(1) or f(*a))
+    monkeypatch.setattr(Path, "replace", disk_full)
+    full = bank_build_cli(tmp_path / "images", tmp_path / "bank", tmp_path / "masks")
+    assert full.exit_code == 1 and "Traceback" not in full.output, full.output
+    assert full.output.strip().splitlines()[-1] == (f"error: {tmp_path / 'bank' / banks.MANIFEST}: no space left on device; free some and run "
+                                                    "the same command again (it resumes, nothing finished is lost)")  # fmt: skip
+    monkeypatch.setattr(Path, "replace", replace)
+    assert len(read) == 2
+    read.clear()
+    again = bank_build_cli(tmp_path / "images", tmp_path / "bank", tmp_path / "masks")
+    assert again.exit_code == 0 and read == [] and ImageBank.open(tmp_path / "bank").manifest["skipped"] == [], again.output
