@@ -171,6 +171,7 @@ def analyze_pipelines(pipelines, bench, root: Path, out: Path | None, protocol: 
 
 def analysis_table(records: list[dict]):
     """One row per spec: the dataset-level means of every statistic."""
+    from rich.markup import escape
     from rich.table import Table
 
     from ..analysis.statistics import STATS
@@ -180,7 +181,7 @@ def analysis_table(records: list[dict]):
     table = Table("attention", *STATS, title=title, title_justify="left")
     for rec in records:
         m = rec["metrics"]
-        table.add_row(rec["config"]["attention"], *("-" if m[s] is None else f"{m[s]:.3f}" for s in STATS))
+        table.add_row(escape(rec["config"]["attention"]), *("-" if m[s] is None else f"{m[s]:.3f}" for s in STATS))
     return table
 
 
@@ -286,7 +287,7 @@ def gallery(folders: list[str], out: Path, dataset: str | None, root: Path | Non
         fail(f"--html {out}: is a folder; give the .html file to write")
     check_out(out, folder=False, option="--html")
     path, page = write_gallery(folders, out, dataset, root, overwrite)
-    err_console.print(f"wrote {path}: {len(page.rows)} images x {len(page.columns)} columns ({', '.join(page.columns)})", highlight=False)
+    err_console.print(f"wrote {path}: {len(page.rows)} images x {len(page.columns)} columns ({', '.join(page.columns)})", highlight=False, markup=False)
 
 
 @app.command("demo")

@@ -113,6 +113,7 @@ def info(bank: Annotated[Path, typer.Argument(help="A bank folder made by `bank 
 
 
 def _print_manifest(path: Path, manifest: dict) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     keys = manifest["keys"]
@@ -126,7 +127,7 @@ def _print_manifest(path: Path, manifest: dict) -> None:
     table.add_row("keys", f"{keys['backbone']} ({keys.get('timm')}, weights {keys.get('weights')}, {keys.get('precision')})")
     for store in manifest["values"]:
         s = store["settings"]
-        table.add_row("values", f"{store['clip']} ({store['dim']}-d, {store['precision']}): {store['spec']} at {s['resolution']} px, windows {s['window']}/{s['stride']}, resize {s.get('resize')}, positions {s.get('pos_interp')}")
+        table.add_row("values", escape(f"{store['clip']} ({store['dim']}-d, {store['precision']}): {store['spec']} at {s['resolution']} px, windows {s['window']}/{s['stride']}, resize {s.get('resize')}, positions {s.get('pos_interp')}"))  # the spec's [..] is not markup
     table.add_row("regions from", str(manifest["regions"]))
     table.add_row("index", f"{manifest['index']} ({manifest['index_kind']})")
     out_console().print(table)

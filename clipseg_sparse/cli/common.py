@@ -245,7 +245,7 @@ def load_pipeline(pipeline, weights: str, pretrained: str, device: Device, preci
 
 def note(message: str) -> None:
     """A `note:` line on stderr (an input given but unused, a setting read as another)."""
-    err_console.print(f"note: {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"note: {message}", highlight=False, markup=False, soft_wrap=True)  # a spec's [..] is not markup
 
 
 def open_resources(plans, device: Device, names: Sequence[str] = (), *, attention: bool = False, **inputs):

@@ -36,6 +36,8 @@ SweepRegionsOpt = Annotated[
 
 
 def _print_summary(summary, out: Path) -> None:
+    from rich.markup import escape
+
     err_console.print(
         f"sweep: {summary.total} cells: {summary.skipped} already done, {summary.ran} ran"
         f"{f' ({summary.stale} of them recomputed: their data or checkpoint changed)' if summary.stale else ''}, "
@@ -43,7 +45,7 @@ def _print_summary(summary, out: Path) -> None:
         highlight=False,
     )
     for failure in summary.failed:
-        err_console.print(f"  [red]failed[/] {failure.cell.label}: {failure.error}  ({failure.cell.hash}.error.json)", highlight=False)
+        err_console.print(f"  [red]failed[/] {escape(failure.cell.label)}: {escape(failure.error)}  ({failure.cell.hash}.error.json)", highlight=False, soft_wrap=True)
 
 
 def _run_grid(grid, paths, device: Device, metric: str | None = None, shard: str | None = None):
@@ -58,7 +60,7 @@ def _run_grid(grid, paths, device: Device, metric: str | None = None, shard: str
     resolve_device(device.value)  # a missing GPU would otherwise fail every cell
     notes = check_fgovd_negatives(grid, metric)  # a report metric no file can give would fail the report
     for note in notes if rank == 0 else []:
-        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        err_console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     summary = run_sweep(grid, paths, device=device.value, part=part)
     if rank == 0:
         _print_summary(summary, paths.out)

@@ -152,3 +152,10 @@ def test_offline_weights_and_missing_checkpoint_are_one_line(image, tmp_path):
 def test_sweep_names_the_flag_of_a_bad_number(tmp_path, flag, value):
     result = invoke("sweep", "--models", TINY_CONFIG, "--datasets", "voc21", "--root", tmp_path, "--out", tmp_path / "s", flag, value)
     assert_one_line_error(result, f"{flag} {value}")
+
+
+def test_a_note_prints_a_spec_with_its_modifiers(capsys):
+    from clipseg_sparse.cli.common import note
+
+    note("--proxy-weights x is not used by qk[cos,scale:4]/softmax")
+    assert capsys.readouterr().err.strip() == "note: --proxy-weights x is not used by qk[cos,scale:4]/softmax"

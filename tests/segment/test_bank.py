@@ -312,6 +312,7 @@ def test_bank_build_info_and_segment_with_bank_on_the_command_line(models, tmp_p
     assert bank.manifest["images"] == ["img00", "img01", "img02"]  # the images' paths under the input, without suffix
     info = cli("bank", "info", tmp_path / "bank")
     assert info.exit_code == 0 and bank.content_hash in info.output and "c_radio_v3_l" in info.output and "tiny-vit:none" in info.output
+    assert f": {VALUES} at 64 px" in info.output, info.output  # the spec's [cos,...] is text, not rich markup
     named = [(path, Path(name).stem) for path, name in jobs]
     direct = build(tmp_path / "direct", named, {Path(n).stem: r for n, r in regions.items()}, [clip], radio)  # through the library
     assert direct["rows"] == bank.rows and (tmp_path / "direct" / banks.KEYS).read_bytes() == (tmp_path / "bank" / banks.KEYS).read_bytes()
