@@ -24,6 +24,7 @@ from .common import (
     RegionsOpt,
     bind_resources,
     check_out,
+    check_preset,
     fail,
     load_model,
     load_pipeline,
@@ -41,11 +42,10 @@ app = typer.Typer()
 
 def resolve_specs(presets: list[str] | None, attns: list[str] | None, default: str) -> list:
     """Every --preset then every --attn, as AttentionSpecs without repeats; the default when none given."""
-    from ..attention import PRESETS, AttentionSpec
+    from ..attention import AttentionSpec
 
     for name in presets or []:
-        if name not in PRESETS:
-            fail(PRESETS.unknown_message(name))
+        check_preset(name)
     texts = [*(presets or []), *(attns or [])] or [default]
     specs = [AttentionSpec.parse(t) for t in texts]
     return list(dict.fromkeys(specs))

@@ -194,16 +194,26 @@ def unwritable(folder: Path) -> str | None:
     return None
 
 
+def check_preset(preset: str) -> None:
+    """Fail unless --preset names a preset, alone or followed by more parts (`sclip/entmax:1.5`)."""
+    from ..attention import PRESETS
+
+    name = preset.split("/")[0]
+    if name in PRESETS:
+        return
+    from ..segment.pipelines import PIPELINES, split_pipeline
+
+    if split_pipeline(preset)[0] in PIPELINES:
+        fail(f"--preset {preset}: a pipeline, not an attention preset; only `eval` runs it (`ls pipelines`)")
+    fail(PRESETS.unknown_message(name))
+
+
 def resolve_attention(preset: str | None, attn: str | None, default: str = "sclip"):
     """--attn wins over --preset, which wins over the command's default preset."""
-    from ..attention import PRESETS, AttentionSpec
+    from ..attention import AttentionSpec
 
-    if attn is None and preset is not None and preset not in PRESETS:
-        from ..segment.pipelines import PIPELINES, split_pipeline
-
-        if split_pipeline(preset)[0] in PIPELINES:
-            fail(f"--preset {preset}: a pipeline, not an attention preset; only `eval` runs it (`ls pipelines`)")
-        fail(PRESETS.unknown_message(preset))
+    if attn is None and preset is not None:
+        check_preset(preset)
     text = attn or preset or default
     spec = AttentionSpec.parse(text)
     note_softmax_aliases(text.split("/"))

@@ -142,17 +142,25 @@ def segment(
         raise typer.Exit(1)
 
 
+SUMMARY_CLASSES = 25  # rows of the class table, largest fraction first
+
+
 def _print_segment_summary(report, class_names, not_images: int, out: Path) -> None:
     from rich.table import Table
 
     counts = Table("images", "count", title=f"segment -> {out}")
     counts.add_row("segmented", str(report.segmented))
     counts.add_row("skipped (already done)", str(report.skipped))
+    if report.elsewhere:
+        counts.add_row("skipped (another run on this --out had them)", str(report.elsewhere))
     counts.add_row("failed", str(len(report.failed)))
     counts.add_row("not images", str(not_images))
     classes = Table("class", "mean pixel fraction", title=f"classes over {len(report.records)} image(s)")
-    for name, frac in report.class_fractions(class_names).items():
+    fractions = list(report.class_fractions(class_names).items())
+    for name, frac in fractions[:SUMMARY_CLASSES]:
         classes.add_row(name, f"{100 * frac:.1f}%")
+    if len(fractions) > SUMMARY_CLASSES:  # a 10,000-class vocabulary: the rest is in the images' JSON records
+        classes.add_row(f"... {len(fractions) - SUMMARY_CLASSES} more", f"{100 * sum(f for _, f in fractions[SUMMARY_CLASSES:]):.1f}%")
     console = out_console()
     console.print(counts)
     console.print(classes)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..runtime.atomic import claim
 from ..runtime.distributed import barrier, gather, rank_and_world, shard
 from .inputs import ImageJob, safe_output_base
 from ..segment.images import ImageReadError, load_image
@@ -48,10 +49,12 @@ def plan_run(jobs: Sequence[ImageJob], out_dir: str | Path, options: OutputOptio
 
 @dataclass
 class RunReport:
-    """records: the JSON record of every image now complete (segmented now or before); failed: (file, reason)."""
+    """records: the JSON record of every image now complete (segmented now or before); failed: (file, reason);
+    elsewhere: images another run on the same output folder was segmenting (it writes them)."""
 
     segmented: int = 0
     skipped: int = 0
+    elsewhere: int = 0
     failed: list[tuple[Path, str]] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
 
@@ -61,6 +64,7 @@ class RunReport:
         return cls(
             segmented=sum(r.segmented for r in reports),
             skipped=sum(r.skipped for r in reports),
+            elsewhere=sum(r.elsewhere for r in reports),
             failed=[f for r in reports for f in r.failed],
             records=[rec for r in reports for rec in r.records],
         )
@@ -91,30 +95,41 @@ def run_plan(
     done = plan.done if rank == 0 else []
     report = RunReport(skipped=len(done))
     report.records = [read_record(plan.base(job)) for job in done]
+    settings = segmenter.config()
     for job in shard(plan.todo, rank, world):
-        try:
-            rgb = load_image(job.source)
-        except (ImageReadError, OSError) as e:
-            report.failed.append((job.source, str(e)))
-            on_image(job, str(e))
-            continue
-        try:
-            result = segmenter.predict(rgb, str(job.rel))
-            report.records.append(write_outputs(plan.base(job), job.source, rgb, result, options))
-        except NonFiniteScores as e:  # a spec with no finite score: this image fails, nothing is written
-            report.failed.append((job.source, f"{job.source}: {e}"))
-            on_image(job, f"{job.source}: {e}")
-            continue
-        except (MemoryError, RuntimeError) as e:
-            if not out_of_memory(e):
-                raise
-            height, width = rgb.shape[:2]
-            reason = f"{job.source}: out of memory on this {width}x{height} image ({str(e).strip().splitlines()[0][:200]})"
-            report.failed.append((job.source, reason))
-            on_image(job, reason)
-            continue
-        report.segmented += 1
-        on_image(job, None)
+        with claim(plan.base(job)) as mine:
+            if not mine:  # another run on this folder is segmenting it
+                report.elsewhere += 1
+                on_image(job, None)
+                continue
+            if options.status(plan.base(job), settings)[0] is Status.done:  # another run finished it since the plan
+                report.skipped += 1
+                report.records.append(read_record(plan.base(job)))
+                on_image(job, None)
+                continue
+            try:
+                rgb = load_image(job.source)
+            except (ImageReadError, OSError) as e:
+                report.failed.append((job.source, str(e)))
+                on_image(job, str(e))
+                continue
+            try:
+                result = segmenter.predict(rgb, str(job.rel))
+                report.records.append(write_outputs(plan.base(job), job.source, rgb, result, options))
+            except NonFiniteScores as e:  # a spec with no finite score: this image fails, nothing is written
+                report.failed.append((job.source, f"{job.source}: {e}"))
+                on_image(job, f"{job.source}: {e}")
+                continue
+            except (MemoryError, RuntimeError) as e:
+                if not out_of_memory(e):
+                    raise
+                height, width = rgb.shape[:2]
+                reason = f"{job.source}: out of memory on this {width}x{height} image ({str(e).strip().splitlines()[0][:200]})"
+                report.failed.append((job.source, reason))
+                on_image(job, reason)
+                continue
+            report.segmented += 1
+            on_image(job, None)
     return RunReport.merged(gather(report)) if world > 1 else report
 
 

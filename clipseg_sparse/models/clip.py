@@ -184,7 +184,8 @@ def load_clip(
         normalizer, ln_post, the projection and everything after stay fp32 (`attention.precision`).
     tokenizer: for models with a Hugging Face tokenizer (SigLIP, MetaCLIP 2), a local directory holding
         its files, instead of the Hub id read from the local cache. Such a tokenizer is loaded at once
-        with weights, and on the first text otherwise (random weights run offline on images).
+        with weights, and on the first text otherwise (random weights run offline, with a byte-level
+        stand-in where the Hub tokenizer cannot be had: `models.tokenizers.HubTokenizer`).
     Raises WeightsUnavailableError with instructions when weights (or a Hub tokenizer) cannot be had.
     Every family comes back as a DenseCLIP holding the tower its family wraps (`tower.wrap_tower`).
     """
@@ -203,7 +204,7 @@ def load_clip(
     if text_tokenizer is None:
         from .tokenizers import HubTokenizer
 
-        text_tokenizer = HubTokenizer(name, config["text_cfg"], tokenizer, cache_dir)
+        text_tokenizer = HubTokenizer(name, config["text_cfg"], tokenizer, cache_dir, random_weights=weights is None)
         if weights is not None:
             text_tokenizer.load()  # fail before any image is read, as missing weights do
     return DenseCLIP(

@@ -42,6 +42,32 @@ def naming(path: str | Path) -> Iterator[None]:
         raise
 
 
+@contextmanager
+def claim(path: str | Path) -> Iterator[bool]:
+    """Whether this process holds the claim on `path` for the block: an exclusive, non-blocking flock on a
+    lock file beside it (`.NAME.lock`), so of several runs on one output folder only one works on an item
+    at a time and the others go on to the next. The kernel drops the lock of a process that dies, so no
+    claim outlives its run; the holder removes the file after the block. A filesystem without locks
+    claims nothing (every run works on every item, as before)."""
+    import fcntl
+
+    path = Path(path)
+    lock = path.with_name(f".{path.name}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        except OSError:  # no locks on this filesystem
+            pass
+        try:
+            yield True
+        finally:
+            lock.unlink(missing_ok=True)
+
+
 def write_json_atomic(path: str | Path, data: Any) -> None:
     """Write JSON via a temporary file and rename, so a kill never leaves a half-written result."""
     with atomic_path(path) as tmp:

@@ -105,8 +105,16 @@ class Prompts:
         return {"file": Path(self.file).name, "sha256": self.sha256}
 
     def extra(self, names: Sequence[str]) -> list[tuple[str, ...]]:
-        """The sentences of each name (empty for names the file lacks)."""
-        return [self.sentences.get(n, ()) for n in names]
+        """The sentences of each name (empty for names the file lacks); UserValueError when it has none of
+        them (a file for another vocabulary would change nothing and still be recorded as used)."""
+        extra = [self.sentences.get(n, ()) for n in names]
+        if not any(extra):
+            mine, theirs = list(self.sentences), list(names)
+            raise UserValueError(
+                f"{self.file}: none of its names ({', '.join(mine[:3])}{', ...' if len(mine) > 3 else ''}) is a class name here "
+                f"({', '.join(theirs[:3])}{', ...' if len(theirs) > 3 else ''}); names are matched exactly"
+            )
+        return extra
 
 
 def resolve_prompts(prompts: "Prompts | str | Path | None") -> "Prompts | None":

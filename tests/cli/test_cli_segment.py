@@ -298,3 +298,14 @@ def test_outputs_cannot_escape_through_a_symlink(tmp_path, checkpoint):
     result = segment(images, "--out", out, "--classes", "a", "--model", TINY_CONFIG, "--pretrained", checkpoint, *FAST)
     assert result.exit_code == 2 and "symlink" in result.stderr
     assert list(outside.iterdir()) == []
+
+
+def test_the_class_summary_of_a_large_vocabulary_is_capped(tmp_path, checkpoint):
+    from clipseg_sparse.cli.segment import SUMMARY_CLASSES
+
+    Image.fromarray(rand(40, 56)).save(tmp_path / "a.png")
+    names = [f"thing{i}" for i in range(SUMMARY_CLASSES + 15)]
+    result = segment(tmp_path / "a.png", "--classes", ",".join(names), "--model", TINY_CONFIG, "--pretrained", checkpoint, *FAST, "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    rows = [line.split("│")[1].strip() for line in result.stdout.split("classes over")[1].splitlines() if line.count("│") == 3]
+    assert len(rows) == SUMMARY_CLASSES + 1 and rows[-1] == "... 15 more" and set(rows[:-1]) < set(names), result.stdout

@@ -159,3 +159,18 @@ def test_a_note_prints_a_spec_with_its_modifiers(capsys):
 
     note("--proxy-weights x is not used by qk[cos,scale:4]/softmax")
     assert capsys.readouterr().err.strip() == "note: --proxy-weights x is not used by qk[cos,scale:4]/softmax"
+
+
+def test_a_preset_followed_by_more_parts_runs_and_a_misspelt_one_is_named(image, tmp_path):
+    import json
+
+    from clipseg_sparse.attention import AttentionSpec
+
+    result = invoke("segment", image, "--classes", "a,b", "--preset", "sclip/entmax:1.5", *TINY_CPU, *FAST, "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    settings = json.loads((tmp_path / "out" / "x.json").read_text())["settings"]
+    assert settings["attention"] == str(AttentionSpec.parse("sclip").replace(normalizer="entmax:1.5"))
+    explained = invoke("explain", image, "--point", "1,1", "--classes", "a,b", "--preset", "sclip/entmax:1.5", *TINY_CPU, "--out", tmp_path / "e.png")
+    assert explained.exit_code == 0, explained.output
+    misspelt = invoke("segment", image, "--classes", "a,b", "--preset", "sclipp/entmax:1.5", *TINY_CPU, "--out", tmp_path / "out2")
+    assert_one_line_error(misspelt, "'sclipp'", "sclip")

@@ -42,14 +42,15 @@ def test_a_run_planned_before_another_claimed_its_images_stops_instead_of_overwr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == written  # A's files untouched, nothing of B
 
 
-def test_a_second_run_with_the_same_settings_may_finish_a_claimed_image(tiny_clip, tmp_path):
+def test_a_second_run_with_the_same_settings_skips_what_the_first_finished_since_its_plan(tiny_clip, tmp_path):
     make_images(tmp_path / "in", 2)
     out, options = tmp_path / "out", OutputOptions()
     jobs = discover_images([tmp_path / "in"], out).jobs
     seg = Segmenter(tiny_clip, "cat,dog", settings=SETTINGS, templates="single", cache_dir=None)
     plan_1, plan_2 = plan_run(jobs, out, options, seg.config()), plan_run(jobs, out, options, seg.config())
     run_plan(seg, plan_1, options)
-    assert run_plan(seg, plan_2, options).segmented == 2  # same settings: the same files, no error
+    second = run_plan(seg, plan_2, options)
+    assert (second.segmented, second.skipped, len(second.records)) == (0, 2, 2)
 
 
 def test_two_processes_with_different_vocabularies_on_one_out(tmp_path):
@@ -76,3 +77,21 @@ def test_two_processes_with_different_vocabularies_on_one_out(tmp_path):
         assert list(probs["class_names"]) == record["class_names"], record_path
         labels = np.array(Image.open(record_path.with_suffix(".png")))
         assert sorted(np.unique(labels).tolist()) == sorted(c["index"] for c in record["classes_present"]), record_path
+
+
+def test_two_processes_with_the_same_settings_on_one_out_segment_each_image_once(tmp_path):
+    """Issue 35, reliability 16: each image is claimed (a lock file, flock) while one run segments it; the other
+    run goes on to the next, and skips what the first finished since it planned."""
+    make_images(tmp_path / "in", 40)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "clipseg_sparse", "segment", str(tmp_path / "in"), "--out", str(out), "--classes", "cat,dog",
+               "--model", TINY_CONFIG, "--pretrained", "none", "--templates", "single", "--resolution", "64", "--window", "0",
+               "--device", "cpu"]  # fmt: skip
+    env = {**os.environ, "CLIPSEG_SPARSE_CACHE": str(tmp_path / "cache"), "COLUMNS": "300"}
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=120), p.stdout.read(), p.stderr.read()) for p in procs]
+    assert [code for code, _, _ in results] == [0, 0], results
+    counts = [{row.split("│")[1].strip(): int(row.split("│")[2]) for row in stdout.splitlines() if row.count("│") == 3 and row.split("│")[2].strip().isdigit()}
+              for _, stdout, _ in results]  # fmt: skip
+    assert sum(c["segmented"] for c in counts) == 40, counts
+    assert len(list(out.glob("*.json"))) == 40 and not list(out.glob(".*.lock"))

@@ -93,3 +93,17 @@ def test_sweep_cells_and_report_rows_name_the_prompt_file(prompt_file, tmp_path)
     write_result(tmp_path / "r" / "b.json", "eval", {**config, "prompts": {"file": "cbt.json", "sha256": "0123456789abcdef"}}, {"mIoU": 2.0})
     titles = sorted(title_of(group) for group, _ in split_groups(collect([tmp_path / "r"]), ["dataset"]))
     assert titles == ["prompts=-", "prompts=cbt.json@01234567"]
+
+
+def test_a_prompt_file_that_names_no_class_is_refused_in_one_line(tiny_clip, prompt_file, tmp_path):
+    with pytest.raises(ValueError, match=r"class_biased_template.json: none of its names \(cat, bird\) is a class name here \(sky, road\)"):
+        embed_names(tiny_clip, ["sky", "road"], TEMPLATES, use_cache=False, prompts=prompt_file)
+    from clipseg_sparse.cli.app import app
+
+    (tmp_path / "img").mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(tmp_path / "img" / "a.png")
+    res = CliRunner().invoke(app, ["segment", str(tmp_path / "img"), "--classes", "sky,road", "--model", TINY_CONFIG, "--pretrained", "none",
+                                   "--device", "cpu", "--templates", "single", "--resolution", "0", "--window", "0", "--prompts", str(prompt_file),
+                                   "--out", str(tmp_path / "out")], env={"COLUMNS": "300"})  # fmt: skip
+    assert res.exit_code == 2 and res.stderr.strip().splitlines()[-1].startswith(f"error: {prompt_file}: none of its names"), res.output
+    assert not (tmp_path / "out" / "a.json").exists()
