@@ -34,7 +34,9 @@ KEY_BACKBONE = "c_radio_v3_l"
 
 CORRCLIPV2_NOTES = (
     "copied: C-RADIOv3-L run once per image on the original image in [0, 1] resized bilinearly to the nearest "
-    "multiple of 16 (RADIO's get_nearest_supported_resolution), its spatial features resized bilinearly to the "
+    "multiple of 16 (RADIO's get_nearest_supported_resolution; no maximum there nor in vfms/factory.py's "
+    "extract_dense, which reads the image file itself: uncapped, so a 4000x3000 photo is 250 x 188 = 47,000 "
+    "tokens), its spatial features resized bilinearly to the "
     "network input and L2-normalised; per window the crop (replicate-padded), resized to 2 x CLIP's grid and "
     "L2-normalised; scope = same region or (unsegmented and S > mean S), softmax(4 S), no DBSCAN merging (commented "
     "out in v2); the v1 branches (spatial blocks 6..10 / 11..22, mask class tokens 0.5); retrieval per region "

@@ -33,12 +33,18 @@ def progress_bar(unit: str, transient: bool | None = None):
     """
     if not err_console.is_terminal:
         return LogProgress(unit, every=float(os.environ.get("CLIPSEG_SPARSE_PROGRESS_SECONDS", LOG_EVERY_S)))
-    from rich.progress import BarColumn, MofNCompleteColumn, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, ProgressColumn, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
     class RateColumn(ProgressColumn):
         def render(self, task) -> Text:
-            return Text(f"{task.speed:.2f} {unit}/s" if task.speed else f"- {unit}/s")
+            speed = rate(task)
+            return Text(f"{speed:.2f} {unit}/s" if speed else f"- {unit}/s")
+
+    class RemainingColumn(ProgressColumn):
+        def render(self, task) -> Text:
+            left = remaining(task)
+            return Text(_clock(left) if left is not None else "-:--:--", style="progress.remaining")
 
     class Bar(Progress):
         counted = False
@@ -61,7 +67,7 @@ def progress_bar(unit: str, transient: bool | None = None):
         MofNCompleteColumn(),
         RateColumn(),
         TimeElapsedColumn(),
-        TimeRemainingColumn(),
+        RemainingColumn(),
         console=err_console,
         transient=_shown > 0 and err_console.is_terminal if transient is None else transient,
     )
@@ -86,6 +92,20 @@ def inner_progress(unit: str, description: str, show: bool = True) -> Iterator[C
                 bar.update(task, completed=done)
 
         yield update
+
+
+def rate(task: Task) -> float | None:
+    """Items per second: rich's estimate over its last 30 s, else the mean since the task began (items
+    slower than 30 s leave rich fewer than two samples in its window, so it has no estimate and no ETA)."""
+    if task.speed:
+        return task.speed
+    return task.completed / task.elapsed if task.completed and task.elapsed else None
+
+
+def remaining(task: Task) -> float | None:
+    """Seconds left at `rate`, or None (no rate yet, no total, or finished)."""
+    speed = rate(task)
+    return (task.total - task.completed) / speed if speed and task.total and not task.finished else None
 
 
 def _clock(seconds: float | None) -> str:
@@ -132,7 +152,8 @@ class LogProgress(Progress):
         if self.disable:
             return
         done = f"{task.completed:g}/{task.total:g} {self.unit} ({100 * task.completed / task.total:.0f}%)" if task.total else f"{task.completed:g} {self.unit}"
-        rate = f"{task.speed:.2f} {self.unit}/s" if task.speed else f"- {self.unit}/s"
-        eta = f", ETA {_clock(task.time_remaining)}" if task.time_remaining and not task.finished else ""
-        line = f"{time.strftime('%H:%M:%S')} {task.description}: {done}, {rate}, elapsed {_clock(task.elapsed)}{eta}"
+        speed, left = rate(task), remaining(task)
+        per_second = f"{speed:.2f} {self.unit}/s" if speed else f"- {self.unit}/s"
+        eta = f", ETA {_clock(left)}" if left else ""
+        line = f"{time.strftime('%H:%M:%S')} {task.description}: {done}, {per_second}, elapsed {_clock(task.elapsed)}{eta}"
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)

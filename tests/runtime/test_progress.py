@@ -130,3 +130,19 @@ def test_progress_inside_an_image_on_a_terminal(wide_image, monkeypatch):
     assert result.exit_code == 0, result.output
     drawn = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
     assert "windows of the image under way" in drawn and re.search(r"\b([1-9]\d?)/57\b", drawn), drawn[-2000:]
+
+
+def test_a_progress_line_has_a_rate_and_an_eta_when_items_take_longer_than_30_s(capsys):
+    """rich estimates the rate over its last 30 s: items slower than that left it no estimate, so lines said
+    `- images/s` and no ETA for a long photo (issue 35, reliability 12); the mean since the start fills in."""
+    from clipseg_sparse.runtime.progress import LogProgress
+
+    now = [1000.0]
+    bar = LogProgress("images", every=0)
+    bar.get_time = lambda: now[0]
+    task = bar.add_task("segmenting", total=4)
+    for _ in range(2):
+        now[0] += 40.0
+        bar.advance(task)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith("segmenting: 2/4 images (50%), 0.03 images/s, elapsed 0:01:20, ETA 0:01:20"), line
