@@ -47,10 +47,13 @@ def claim(path: str | Path) -> Iterator[bool]:
     """Whether this process holds the claim on `path` for the block: an exclusive, non-blocking flock on a
     lock file beside it (`.NAME.lock`), so of several runs on one output folder only one works on an item
     at a time and the others go on to the next. The kernel drops the lock of a process that dies, so no
-    claim outlives its run; the holder removes the file after the block. A filesystem without locks
-    claims nothing (every run works on every item, as before)."""
-    import fcntl
-
+    claim outlives its run; the holder removes the file after the block. A filesystem without locks, or a
+    system without flock (Windows), claims nothing (every run works on every item, as before)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield True
+        return
     path = Path(path)
     lock = path.with_name(f".{path.name}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
