@@ -28,7 +28,14 @@ TINY_CONFIG = str(DATA / "tiny-vit.json")
 
 def free_memory() -> None:
     """Collect cycles and hand freed heap pages back to the system (glibc keeps them otherwise): the models
-    a test built leave the process's resident memory when it ends, so the suite's peak stays under 4 GB."""
+    a test built leave the process's resident memory when it ends, so the suite's peak stays under 4 GB.
+
+    fastapi keeps the endpoints of every app it saw in module-level lru_caches (fastapi.dependencies.models),
+    and a Gradio demo's endpoints hold the demo and its model: those caches are emptied first."""
+    routes = sys.modules.get("fastapi.dependencies.models")
+    for cached in vars(routes).values() if routes else ():
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
     gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)

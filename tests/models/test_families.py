@@ -39,10 +39,10 @@ def _fill(module: nn.Module, seed: int = 0) -> nn.Module:
     with torch.no_grad():
         for m in module.modules():
             for name, p in m.named_parameters(recurse=False):
-                if isinstance(m, nn.LayerNorm) and name == "weight":
-                    p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+                if isinstance(m, nn.LayerNorm) and name == "weight":  # in place: no temporary of the parameter's size
+                    p.normal_(1.0, 0.1, generator=g)
                 else:
-                    p.copy_(0.05 * torch.randn(p.shape, generator=g))
+                    p.normal_(0.0, 0.05, generator=g)
             if hasattr(m, "init_non_persistent_buffers"):
                 m.init_non_persistent_buffers()
             elif hasattr(m, "_init_buffers"):
