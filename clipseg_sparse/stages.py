@@ -97,7 +97,7 @@ class ImageRun(Protocol):
 
     def backbone(self, name: str) -> Any: ...  # one of them, loaded on CLIP's device (`models.backbones.Backbone`)
 
-    def retrieve(self, k: int) -> torch.Tensor: ...  # N_names x H' x W' support logits of the image bank
+    def retrieve(self, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # (R x N_names bank support logits per region, H' x W' region index)
 
 
 class TokenCall(Protocol):
@@ -144,7 +144,8 @@ class GlobalCall(Protocol):
 
 class RetrievalCall(Protocol):
     """cosine = N_names x h x w raw cosine at the network input's size, after the forward; `run.retrieve(k)`
-    gives the bank's support logits there, `run.regions` the region ids there."""
+    gives the bank's support logits per region and each pixel's region index there (paint by gather),
+    `run.regions` the region ids there."""
 
     def __call__(self, cosine: torch.Tensor, run: ImageRun, /) -> torch.Tensor: ...
 

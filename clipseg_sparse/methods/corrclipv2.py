@@ -55,9 +55,16 @@ CORRCLIPV2_NOTES = (
     "flat search below 20000 bank regions (the code builds IVF-PQ for any size)"
 )
 
-def retrieval_fusion(cosine: torch.Tensor, retrieve, k: int, alpha: float) -> torch.Tensor:
-    """alpha x own cosine + (1 - alpha) x the bank's support logits (published forward_slide)."""
-    return alpha * cosine + (1 - alpha) * retrieve(k)
+def retrieval_fusion(cosine: torch.Tensor, support: torch.Tensor, inverse: torch.Tensor, alpha: float, band: int = 8192) -> torch.Tensor:
+    """alpha x own cosine + (1 - alpha) x the bank's support logits (published forward_slide): cosine N x h x w,
+    support R x N per region, inverse h x w region index. The support is painted by gather a band of `band`
+    pixels at a time into the result (no N x h x w painted map)."""
+    out = alpha * cosine
+    flat, index = out.view(out.shape[0], -1), inverse.flatten().to(out.device)
+    weighted = ((1 - alpha) * support).T.contiguous().to(out.device)  # N x R
+    for start in range(0, flat.shape[1], band):
+        flat[:, start : start + band] += torch.index_select(weighted, 1, index[start : start + band])
+    return out
 
 
 def _retrieve_stage(args: str) -> Stage:
@@ -71,7 +78,7 @@ def _retrieve_stage(args: str) -> Stage:
         raise UserValueError(f"bad stage 'retrieve:{args}': {usage}") from None
     if len(parts) > 2 or k < 1 or not 0.0 <= alpha <= 1.0:
         raise UserValueError(f"bad stage 'retrieve:{args}': {usage}")
-    return Stage("retrieval", f"retrieve:{k}:{alpha:g}", lambda cosine, run: retrieval_fusion(cosine, run.retrieve, k, alpha))
+    return Stage("retrieval", f"retrieve:{k}:{alpha:g}", lambda cosine, run: retrieval_fusion(cosine, *run.retrieve(k), alpha))
 
 
 STAGES.register(

@@ -46,6 +46,12 @@ POS_RULES = ("dino", "antialias", "fixed", "timm")
 MASK_KINDS = ("sam2-masks", "sam3-masks")  # mask generators: region sources and the sam3 baseline, no features
 
 
+def resized_features(feature_map: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """B x C x h x w map resized bilinearly (align_corners False) to `size` and L2-normalised per pixel
+    (CorrCLIPv2's whole-image features at the network input)."""
+    return F.normalize(F.interpolate(feature_map, size=tuple(size), mode="bilinear", align_corners=False), dim=1)
+
+
 @dataclass(frozen=True)
 class BackboneInfo:
     """What a registered backbone is and how the published methods use it.
@@ -329,8 +335,7 @@ class Backbone:
     def image_features(self, rgb: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """CorrCLIPv2's whole-image features: `image_feature_map` resized bilinearly (align_corners False)
         to `size` (the network input) and L2-normalised per pixel: 1 x C x h x w fp32."""
-        feats = self.image_feature_map(rgb)
-        return F.normalize(F.interpolate(feats, size=tuple(size), mode="bilinear", align_corners=False), dim=1)
+        return resized_features(self.image_feature_map(rgb), size)
 
     @torch.inference_mode()
     def image_feature_map(self, rgb: torch.Tensor) -> torch.Tensor:

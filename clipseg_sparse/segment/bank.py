@@ -24,10 +24,11 @@ published `generate_clip_embeddings.py`). Layout:
 The stores are opened memory-mapped (`np.load(mmap_mode="r")`, nothing loaded into RAM); retrieval reads only
 the rows it needs, with pread (`read_rows`), so the process's resident set does not grow with the store.
 Index: flat inner product below `FLAT_BELOW` rows, else the published IVF-PQ (nlist = 8 sqrt(N), m 32, 8 bits,
-nprobe min(256, nlist)). Retrieval (`retrieval_logits`): per region of the image's map (each value, the
-unsegmented one too) q = L2(region mean of the whole-image features), the k nearest keys by inner product,
-support = L2(mean of their stored values), logits = support . text, painted on the region; with more stores
-than one (the published DFN auxiliary CLIP), each store's logits with its own CLIP's text, averaged.
+nprobe min(256, nlist)). Retrieval (`region_support`, `retrieval_logits`): per region of the image's map (each
+value, the unsegmented one too) q = L2(region mean of the whole-image features at the network input, reduced by
+region index from the raw map: `resized_region_means`), the k nearest keys by inner product, support = L2(mean
+of their stored values), logits = support . text, painted on the region by gather; with more stores than one
+(the published DFN auxiliary CLIP), each store's logits with its own CLIP's text, averaged.
 """
 
 from __future__ import annotations
@@ -225,9 +226,9 @@ class ImageBank:
         return (f"bank {self.path}: values of {built} were not built with the published builder's settings (resize opencv, "
                 "positions scale); an older `bank build` default: rebuild the bank for the published values")
 
-    def retrieval_logits(self, regions: torch.Tensor, features: torch.Tensor, texts: dict[str, torch.Tensor], k: int = NUM_SUPPORT) -> torch.Tensor:
-        """`retrieval_logits` of this bank."""
-        return retrieval_logits(regions, features, self, texts, k)
+    def region_support(self, regions: torch.Tensor, features: torch.Tensor, texts: dict[str, torch.Tensor], k: int = NUM_SUPPORT) -> tuple[torch.Tensor, torch.Tensor]:
+        """`region_support` of this bank."""
+        return region_support(regions, features, self, texts, k)
 
     def support(self, store: str, rows: np.ndarray) -> torch.Tensor:
         """R x D: L2(mean of the stored values of each row set) (rows: R x k store rows, -1 ignored); a
@@ -254,26 +255,98 @@ def read_rows(array: np.memmap, rows: np.ndarray) -> np.ndarray:
     return np.frombuffer(data, dtype=array.dtype).reshape(len(rows), array.shape[1])
 
 
+def _linear_taps(src: int, dst: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first source index, its weight, the next index's weight), float64, per output position of 1-D linear
+    resizing (align_corners False, torch's own weights): the next index is first + 1, weight 0 where the edge
+    clamps (a zero-padded cell)."""
+    from .maps import resize_matrix
+
+    m = F.pad(resize_matrix(src, dst).double(), (0, 1))  # dst x (src + 1)
+    first = (m > 0).to(torch.uint8).argmax(1)
+    at = torch.arange(dst)
+    return first, m[at, first], m[at, first + 1]
+
+
+def resized_region_means(features: torch.Tensor, inverse: torch.Tensor, count: int) -> torch.Tensor:
+    """count x C float64: per region the mean of the C x h x w map resized bilinearly (align_corners False) to
+    inverse's H x W and L2-normalised per pixel (F.normalize), without the C x H x W map. inverse: H x W region
+    index in [0, count), -1 left out.
+
+    Why: the resized map is C x H x W (616 MB at 1024-d and 336 x 448); one pass over it takes longer than the
+    search. A resized pixel is sum_ab ay_a bx_b f[i + a, j + b] over 2 x 2 source cells, so its squared norm
+    comes from the cells' Gram entries with their neighbours (resized along y, then gathered along x), and the
+    region mean is f @ M with M[cell, region] = sum over the region's pixels of ay_a bx_b / norm."""
+    C, h, w = features.shape
+    H, W = inverse.shape
+    f = F.pad(features.detach().double().cpu(), (0, 2, 0, 2))  # (h + 2) x (w + 2) cells: i + 1, j + 1 stay inside
+    iy, a0, a1 = _linear_taps(h, H)
+    jx, b0, b1 = _linear_taps(w, W)
+    dot = lambda u, v: (u * v).sum(0)  # noqa: E731
+    sq, right, down = dot(f, f), dot(f[:, :, :-1], f[:, :, 1:]), dot(f[:, :-1], f[:, 1:])
+    cross = dot(f[:, :-1, :-1], f[:, 1:, 1:]) + dot(f[:, :-1, 1:], f[:, 1:, :-1])  # <f[i,j], f[i+1,j+1]> + <f[i,j+1], f[i+1,j]>
+    y0, y1 = a0[:, None], a1[:, None]
+    # squared norm of the y-resized column j with itself (same) and with column j + 1 (next): H x (w + 2) / (w + 1)
+    same = y0 * y0 * sq[iy] + y1 * y1 * sq[iy + 1] + 2 * y0 * y1 * down[iy]
+    nxt = y0 * y0 * right[iy] + y1 * y1 * right[iy + 1] + y0 * y1 * cross[iy]
+    norm2 = b0 * b0 * same[:, jx] + b1 * b1 * same[:, jx + 1] + 2 * b0 * b1 * nxt[:, jx]
+    scale = norm2.clamp(min=0).sqrt().clamp(min=1e-12).reciprocal()
+    slots = count + 1  # the last collects the pixels left out
+    cols = w + 2
+    at = (iy[:, None] * cols + jx) * slots + torch.where(inverse >= 0, inverse, count).cpu()  # H x W, corner (0, 0)
+    weights = torch.zeros((h + 2) * cols * slots, dtype=torch.float64)
+    for dy, wy in ((0, y0 * scale), (1, y1 * scale)):
+        for dx, wx in ((0, b0), (1, b1)):
+            weights.index_add_(0, (at + (dy * cols + dx) * slots).flatten(), (wy * wx).flatten())
+    sums = f.reshape(C, -1) @ weights.view(-1, slots)[:, :count]  # C x count
+    counts = torch.bincount(inverse.flatten().cpu() + 1, minlength=count + 1)[1:]
+    return (sums / counts.clamp(min=1)).T
+
+
+def region_index(regions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R sorted region values, h x w index of each pixel's value): `torch.unique`, by a table where the
+    ids span fewer values than the map has pixels (no sort of the pixels)."""
+    regions = regions.cpu().long()
+    low, high = (int(v) for v in regions.aminmax())
+    if high - low >= regions.numel():
+        values, inverse = torch.unique(regions, return_inverse=True)
+        return values, inverse
+    present = torch.bincount((regions - low).flatten(), minlength=high - low + 1) > 0
+    return present.nonzero().flatten() + low, (present.cumsum(0) - 1)[regions - low]
+
+
 def region_queries(regions: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(R region values, R x C queries, h*w index of each pixel's region): each value of the h x w map (the
-    unsegmented one too) and the L2-normalised mean of the C x h x w features over its pixels (one matrix
-    product with the pixels' one-hot region matrix)."""
-    values, inverse = torch.unique(regions.cpu(), return_inverse=True)
-    onehot = F.one_hot(inverse.flatten(), len(values)).float()  # h*w x R
-    sums = features.flatten(1).float().cpu() @ onehot  # C x R
-    return values, F.normalize((sums / onehot.sum(0)).T, dim=-1), inverse.flatten()
+    """(R region values, R x C queries, h x w index of each pixel's region): each value of the h x w map (the
+    unsegmented one too) and the L2-normalised mean over its pixels of the C x h' x w' features resized
+    bilinearly to h x w and L2-normalised per pixel (`resized_region_means`; the key backbone's raw map, or the
+    resized normalised map itself)."""
+    values, inverse = region_index(regions)
+    return values, F.normalize(resized_region_means(features, inverse, len(values)).float(), dim=-1), inverse
+
+
+def region_support(
+    regions: torch.Tensor, features: torch.Tensor, bank: ImageBank, texts: dict[str, torch.Tensor], k: int = NUM_SUPPORT
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R x N support logits per region, h x w index of each pixel's region) of an image (published
+    `forward_slide` + `get_support_clip_logits` before painting): regions h x w ids, features C x h' x w'
+    key-backbone features (the raw whole-image map: the queries are region means of it resized to h x w and
+    L2-normalised per pixel, as `Backbone.image_features`), texts store -> N x D text embeddings (one per CLIP
+    store used; their logits averaged)."""
+    _, queries, inverse = region_queries(regions, features)
+    _, rows = search(bank.index, queries.numpy(), k)
+    logits = sum(bank.support(store, rows) @ text.float().cpu().T for store, text in texts.items()) / len(texts)
+    return logits, inverse
+
+
+def paint(logits: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """N x h x w: each pixel's region's row of the R x N logits (a gather, inverse h x w region index)."""
+    return torch.index_select(logits.T.contiguous(), 1, inverse.flatten().to(logits.device)).view(-1, *inverse.shape)
 
 
 def retrieval_logits(
     regions: torch.Tensor, features: torch.Tensor, bank: ImageBank, texts: dict[str, torch.Tensor], k: int = NUM_SUPPORT
 ) -> torch.Tensor:
-    """N x h x w support logits of an image (published `forward_slide` + `get_support_clip_logits`):
-    regions h x w ids, features C x h x w whole-image key-backbone features at the same size, texts
-    store -> N x D text embeddings (one per CLIP store used; their logits averaged)."""
-    _, queries, inverse = region_queries(regions, features)
-    _, rows = search(bank.index, queries.numpy(), k)
-    logits = sum(bank.support(store, rows) @ text.float().cpu().T for store, text in texts.items()) / len(texts)  # R x N
-    return logits.T.contiguous()[:, inverse].reshape(-1, *regions.shape).to(features.device)  # painted: N x h x w
+    """N x h x w support logits of an image, painted on its regions (`region_support`)."""
+    return paint(*region_support(regions, features, bank, texts, k)).to(features.device)
 
 
 # -- building -----------------------------------------------------------------------------------------
@@ -304,16 +377,6 @@ class ValueModel:
         return dense_cosine(run, tuple(rgb.shape[:2]))
 
 
-def key_rows(feature_map: torch.Tensor, size: tuple[int, int]) -> Callable[[int, int], torch.Tensor]:
-    """Rows y0..y1 of the 1 x C x h x w map resized bilinearly (align_corners False) to `size` and
-    L2-normalised per pixel (the published keys' per-pixel features), without the C x H x W map."""
-    from .maps import resize_matrix as _resize_matrix
-
-    f = feature_map[0].float().cpu()
-    ly, lx = _resize_matrix(f.shape[1], size[0]), _resize_matrix(f.shape[2], size[1])
-    return lambda y0, y1: F.normalize(torch.einsum("bh,chw,xw->cbx", ly[y0:y1], f, lx), dim=0)
-
-
 def region_means(feature_rows: Callable[[int, int], torch.Tensor], height: int, regions: np.ndarray, ids: np.ndarray, band: int = 64) -> np.ndarray:
     """len(ids) x C region means (float64 sums) of a C x H x W map read a band of rows at a time
     (`feature_rows(y0, y1)`); ids: sorted region values, pixels of other values ignored."""
@@ -335,10 +398,12 @@ def image_part(rgb: np.ndarray, regions: np.ndarray, key_map: torch.Tensor, mode
     """One image's rows: region ids (sorted, unsegmented left out), keys (float16 region means of the key
     backbone's per-pixel normalised features at the image's size; key_map: its 1 x C x h x w raw map) and
     one values array per model (float16 L2-normalised region means of its unnormalised pixel features)."""
-    ids = np.unique(regions)
-    ids = ids[ids >= 0].astype(np.int64)
-    H, W = rgb.shape[:2]
-    part = {"ids": ids, "keys": region_means(key_rows(key_map, (H, W)), H, regions, ids).astype(np.float16)}
+    values, inverse = region_index(torch.from_numpy(np.asarray(regions, dtype=np.int64)))
+    unsegmented = int((values < 0).sum())  # sorted: the negative values first
+    ids = values[unsegmented:].numpy()
+    keys = resized_region_means(key_map[0], (inverse - unsegmented).clamp(min=-1), len(ids))
+    H = rgb.shape[0]
+    part = {"ids": ids, "keys": keys.numpy().astype(np.float16)}
     for i, model in enumerate(models):
         means = torch.from_numpy(region_means(model.feature_map(rgb, regions).rows, H, regions, ids))
         part[f"values{i}"] = F.normalize(means, dim=-1).numpy().astype(np.float16)

@@ -27,7 +27,7 @@ import torch
 
 from ..attention import AttentionSpec, resolve_spec
 from ..errors import UserValueError
-from ..models.backbones import Backbone
+from ..models.backbones import Backbone, resized_features
 from ..models.clip import DenseCLIP
 from ..models.proxies import ProxyBackbones
 from ..registry import ENTRY_POINT_GROUP, Registry
@@ -170,10 +170,11 @@ class Plan:
 FORWARD_KINDS = ("token", "match", "windows", "global", "retrieval")
 
 
-def whole_image_features(image: np.ndarray, size: tuple[int, int], names, backbones: ProxyBackbones, device) -> dict[str, torch.Tensor]:
-    """Backbone name -> 1 x C x h x w whole-image features of the original RGB image at the network input's
-    `size` (`Backbone.image_features`: one run per image, CorrCLIPv2's `ext:NAME.image` taps and its bank keys)."""
-    return {name: backbones.get(name, device).image_features(torch.from_numpy(np.array(image)), size) for name in names}
+def whole_image_maps(image: np.ndarray, names, backbones: ProxyBackbones, device) -> dict[str, torch.Tensor]:
+    """Backbone name -> 1 x C x h x w raw whole-image feature map of the original RGB image on the backbone's
+    patch grid (`Backbone.image_feature_map`: one run per image for CorrCLIPv2's `ext:NAME.image` taps and its
+    bank keys)."""
+    return {name: backbones.get(name, device).image_feature_map(torch.from_numpy(np.array(image))) for name in names}
 
 
 @dataclass
@@ -196,7 +197,7 @@ class ImageRun:
     backbones: ProxyBackbones
     image_features: Mapping[str, torch.Tensor] = field(default_factory=dict)
     bank: Any = None  # segment.bank.ImageBank of retrieval stages
-    key_features: torch.Tensor | None = None  # 1 x C x H' x W' of the bank's key backbone
+    key_features: torch.Tensor | None = None  # 1 x C x h x w raw map of the bank's key backbone (its patch grid)
     store_texts: Mapping[str, torch.Tensor] = field(default_factory=dict)
     raw: bool = False
 
@@ -211,11 +212,11 @@ class ImageRun:
         size = tuple(pixels.shape[-2:])
         bank = resources.bank if plan.needs.bank else None
         names = list(dict.fromkeys([*plan.needs.image_features, *([bank.proxy] if bank is not None else [])]))
-        feats = whole_image_features(image, size, names, resources.backbones, clip.device)  # each backbone run once
+        maps = whole_image_maps(image, names, resources.backbones, clip.device)  # each backbone run once
         return cls(
             plan, clip, text, image, pixels, input_regions(regions, size), resources.backbones,
-            {name: feats[name] for name in plan.needs.image_features}, bank, feats[bank.proxy] if bank is not None else None,
-            store_texts or {},
+            {name: resized_features(maps[name], size) for name in plan.needs.image_features}, bank,
+            maps[bank.proxy] if bank is not None else None, store_texts or {},
         )  # fmt: skip
 
     @property
@@ -249,9 +250,10 @@ class ImageRun:
     def backbone(self, name: str) -> Backbone:
         return self.backbones.get(name, self.clip.device)
 
-    def retrieve(self, k: int) -> torch.Tensor:
-        """N_names x H' x W' support logits of the image bank at the network input's size (`bank.retrieval_logits`)."""
-        return self.bank.retrieval_logits(self.regions, self.key_features[0], self.store_texts, k)
+    def retrieve(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R x N_names support logits of the image bank per region, H' x W' index of each pixel's region) at the
+        network input's size (`bank.region_support`)."""
+        return self.bank.region_support(self.regions, self.key_features[0], self.store_texts, k)
 
     def context(self) -> dict:
         """The block context of the run's windows (`DenseCLIP.encode_dense`): the text and logit scale a

@@ -189,6 +189,63 @@ def test_retrieval_logits_equal_brute_force(models, tmp_path):
     assert not torch.allclose(one, got)  # the second store changes the logits
 
 
+def todays_retrieval_logits(regions: torch.Tensor, features: torch.Tensor, bank: ImageBank, texts: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+    """The retrieval before issue 33, kept as the reference: region means of the input-size map as one product
+    with the pixels' one-hot region matrix, support logits painted by advanced indexing."""
+    values, inverse = torch.unique(regions, return_inverse=True)
+    onehot = F.one_hot(inverse.flatten(), len(values)).float()
+    queries = F.normalize(((features.flatten(1).float() @ onehot) / onehot.sum(0)).T, dim=-1)
+    _, rows = search(bank.index, queries.numpy(), k)
+    logits = sum(bank.support(store, rows) @ text.float().T for store, text in texts.items()) / len(texts)
+    return logits.T.contiguous()[:, inverse.flatten()].reshape(-1, *regions.shape)
+
+
+@pytest.mark.parametrize("size", [(60, 80), (24, 20), (16, 16), (37, 51)])  # up, down, the map's own size, odd
+def test_resized_region_means_equal_the_means_of_the_resized_map(size):
+    torch.manual_seed(0)
+    feats = torch.randn(96, 16, 16, dtype=torch.float64)
+    regions = torch.randint(-1, 5, size)
+    full = F.normalize(F.interpolate(feats[None], size=size, mode="bilinear", align_corners=False), dim=1)[0]
+    expected = torch.stack([full[:, regions == r].mean(1) for r in range(5)])
+    got = banks.resized_region_means(feats.float(), regions, 5)
+    torch.testing.assert_close(got, expected, atol=1e-7, rtol=0)  # measured: 1e-8 (float32 map in, float64 sums)
+    same = banks.resized_region_means(full.float(), regions, 5)  # an already resized, normalised map: its own means
+    torch.testing.assert_close(same, expected, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("high", [40, 10**12])  # a table over the id range; a sort where the range is wide
+def test_region_index_equals_unique(high):
+    regions = torch.randint(-3, 40, (30, 20)) * (high // 40)
+    values, inverse = banks.region_index(regions)
+    expected_values, expected_inverse = torch.unique(regions, return_inverse=True)
+    assert torch.equal(values, expected_values) and torch.equal(inverse, expected_inverse)
+
+
+def test_retrieval_equals_todays_one_hot_retrieval(models, tmp_path):
+    """Region means reduced by region index from the raw key map, support painted by gather, fused band by band:
+    the same logits as the one-hot arithmetic on the input-size map (issue 33), the fusion bit for bit."""
+    clip, aux, radio = models
+    jobs, regions = write_images(tmp_path / "images", 4)
+    build(tmp_path / "bank", jobs, regions, [clip, aux], radio)
+    bank = ImageBank.open(tmp_path / "bank")
+    query_jobs, query_regions = write_images(tmp_path / "query", 1, seed=9)
+    rgb = torch.from_numpy(np.array(Image.open(query_jobs[0][0])))
+    size = (96, 112)
+    reg = F.interpolate(torch.from_numpy(query_regions[query_jobs[0][1]])[None, None].float(), size=size, mode="nearest")[0, 0].long()
+    texts = {"tiny-vit:none": F.normalize(torch.randn(5, 64), dim=-1), "tiny-aux:none": F.normalize(torch.randn(5, 48), dim=-1)}
+    expected = todays_retrieval_logits(reg, radio.image_features(rgb, size)[0], bank, texts, k=3)
+    raw = radio.image_feature_map(rgb)[0]
+    assert raw.shape[-2:] != size  # the queries come from the patch-grid map, not the input-size one
+    support, inverse = banks.region_support(reg, raw, bank, texts, k=3)
+    torch.testing.assert_close(banks.paint(support, inverse), expected, atol=1e-6, rtol=0)  # measured: 0 (same neighbours)
+    torch.testing.assert_close(retrieval_logits(reg, raw, bank, texts, k=3), expected, atol=1e-6, rtol=0)
+    from clipseg_sparse.methods.corrclipv2 import retrieval_fusion
+
+    cosine = torch.randn(5, *size)
+    fused = retrieval_fusion(cosine, support, inverse, 0.3, band=7)  # bands that split rows
+    torch.testing.assert_close(fused, 0.3 * cosine + 0.7 * banks.paint(support, inverse), atol=0, rtol=0)
+
+
 def test_corrclipv2_with_a_bank_equals_the_published_forward_slide(models, tmp_path):
     clip, aux, radio = models
     jobs, regions = write_images(tmp_path / "images", 4)

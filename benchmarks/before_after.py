@@ -1,0 +1,152 @@
+"""Issue 33: the stages after the networks, before and after, side by side in one run: time, peak memory and
+the largest difference from the implementation they replace.
+
+Each case holds a copy of the code before issue 33 (`old_*` below, verbatim but for names) and calls the
+library's current code on the same random inputs of one image:
+
+- `retrieval`: CorrCLIPv2's retrieval stage, 150 classes, 30 regions on a 336 x 448 network input, 1024-d keys
+  from a 24 x 31 raw map (C-RADIO's grid of a 375 x 500 image), 512-d values, a flat bank of 1000 regions,
+  k = 20, alpha 0.5. Before: region means as one product of the input-size map with the pixels' one-hot region
+  matrix, logits painted by advanced indexing, then 0.5 own + 0.5 support. After: `region_support` (region means
+  reduced by region index from the raw map) and `retrieval_fusion` (painted by gather into the fused map).
+  The row `retrieval_logits` is the painted support alone (what `bank.py` times).
+
+Times: one thread (`--threads`), both variants built once, then `--rounds` rounds, each running before and
+after alternately (interleaved on a shared machine), best of the rounds. Memory: each variant once more in a
+fresh process, freed heap returned (`malloc_trim`), the kernel's peak resident set reset
+(`/proc/self/clear_refs`), `peak MiB` = VmHWM - VmRSS over the call (what the call allocates).
+
+    python benchmarks/before_after.py [--cases retrieval] [--rounds 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# -- the code before issue 33 -----------------------------------------------------------------------------
+def old_region_queries(regions: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    values, inverse = torch.unique(regions.cpu(), return_inverse=True)
+    onehot = F.one_hot(inverse.flatten(), len(values)).float()  # h*w x R
+    sums = features.flatten(1).float().cpu() @ onehot  # C x R
+    return values, F.normalize((sums / onehot.sum(0)).T, dim=-1), inverse.flatten()
+
+
+def old_retrieval_logits(regions, features, bank, texts, k):
+    from clipseg_sparse.segment.bank import search
+
+    _, queries, inverse = old_region_queries(regions, features)
+    _, rows = search(bank.index, queries.numpy(), k)
+    logits = sum(bank.support(store, rows) @ text.float().cpu().T for store, text in texts.items()) / len(texts)  # R x N
+    return logits.T.contiguous()[:, inverse].reshape(-1, *regions.shape).to(features.device)
+
+
+# -- cases: name -> (inputs, {variant: call}) ----------------------------------------------------------------
+def retrieval_case(classes: int, tmp: Path) -> dict[str, Callable[[], torch.Tensor]]:
+    from bank import synthetic_bank
+
+    from clipseg_sparse.methods.corrclipv2 import retrieval_fusion
+    from clipseg_sparse.models.backbones import resized_features
+    from clipseg_sparse.segment import bank as banks
+
+    bank = synthetic_bank(tmp / "bank", 1000, 1024, 512, "flat")
+    g = torch.Generator().manual_seed(1)
+    size = (336, 448)
+    reg = torch.randint(-1, 30, (size[0] // 16, size[1] // 16), generator=g).repeat_interleave(16, 0).repeat_interleave(16, 1)
+    raw = torch.randn(1, 1024, 24, 31, generator=g)
+    full = resized_features(raw, size)[0]  # the input-size map the old code read (made before the stage either way)
+    texts = {"synthetic": F.normalize(torch.randn(classes, 512, generator=g), dim=-1)}
+    cosine = torch.randn(classes, *size, generator=g)
+    return {
+        "retrieval stage": {
+            "before": lambda: 0.5 * cosine + (1 - 0.5) * old_retrieval_logits(reg, full, bank, texts, 20),
+            "after": lambda: retrieval_fusion(cosine, *banks.region_support(reg, raw[0], bank, texts, 20), 0.5),
+        },
+        "retrieval_logits": {
+            "before": lambda: old_retrieval_logits(reg, full, bank, texts, 20),
+            "after": lambda: banks.retrieval_logits(reg, raw[0], bank, texts, 20),
+        },
+    }
+
+
+CASES = {"retrieval": retrieval_case}
+
+
+def status_mib(key: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
+def build(case: str, classes: int, tmp: Path) -> dict:
+    return CASES[case](classes, tmp)
+
+
+def peak_of(call: Callable[[], torch.Tensor]) -> float:
+    """MiB the call allocates above the resident set before it."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status_mib("VmRSS")
+    call()
+    return status_mib("VmHWM") - before
+
+
+def one(case: str, row: str, variant: str, classes: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        call = build(case, classes, Path(tmp))[row][variant]
+        print(json.dumps({"peak_mib": peak_of(call)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--classes", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)  # case row variant: peak memory in this process
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from clipseg_sparse.runtime.allocator import keep_freed_memory
+
+    if args.one:
+        return one(*args.one, args.classes)
+    keep_freed_memory()
+    print(f"{args.threads} thread(s), {args.classes} classes, best of {args.rounds} interleaved rounds after a warm-up")
+    print(f"{'case':24s} {'before s':>9s} {'after s':>9s} {'speed-up':>9s} {'before MiB':>11s} {'after MiB':>10s} {'ratio':>6s} {'max |diff|':>11s}")
+    for case in args.cases:
+        with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+            rows = build(case, args.classes, Path(tmp))
+            for row, variants in rows.items():
+                outs = {v: call() for v, call in variants.items()}  # warm-up, and the outputs compared
+                diff = (outs["before"].float() - outs["after"].float()).abs().max().item()
+                del outs
+                best = {v: float("inf") for v in variants}
+                for _ in range(args.rounds):
+                    for v, call in variants.items():
+                        t0 = time.perf_counter()
+                        call()
+                        best[v] = min(best[v], time.perf_counter() - t0)
+                peak = {}
+                for v in variants:
+                    cmd = [sys.executable, __file__, "--one", case, row, v, "--classes", str(args.classes), "--threads", str(args.threads)]
+                    peak[v] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])["peak_mib"]
+                print(f"{row:24s} {best['before']:9.3f} {best['after']:9.3f} {best['before'] / best['after']:8.1f}x "
+                      f"{peak['before']:11.0f} {peak['after']:10.0f} {peak['after'] / max(peak['before'], 1e-9):6.2f} {diff:11.2e}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
