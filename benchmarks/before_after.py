@@ -10,13 +10,16 @@ library's current code on the same random inputs of one image:
   matrix, logits painted by advanced indexing, then 0.5 own + 0.5 support. After: `region_support` (region means
   reduced by region index from the raw map) and `retrieval_fusion` (painted by gather into the fused map).
   The row `retrieval_logits` is the painted support alone (what `bank.py` times).
+- `pamr`: 10 iterations, dilations 8 and 16, 150 classes at 375 x 500 (`propagation.py`'s image). Before: each
+  iteration adds the 16 shifted views of the whole replicate-padded map. After: class bands of 8, two band
+  buffers, shifted slices with clamped ends (`stages.pamr`).
 
 Times: one thread (`--threads`), both variants built once, then `--rounds` rounds, each running before and
 after alternately (interleaved on a shared machine), best of the rounds. Memory: each variant once more in a
 fresh process, freed heap returned (`malloc_trim`), the kernel's peak resident set reset
 (`/proc/self/clear_refs`), `peak MiB` = VmHWM - VmRSS over the call (what the call allocates).
 
-    python benchmarks/before_after.py [--cases retrieval] [--rounds 3] [--threads 1]
+    python benchmarks/before_after.py [--cases retrieval pamr] [--rounds 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -54,8 +57,21 @@ def old_retrieval_logits(regions, features, bank, texts, k):
     return logits.T.contiguous()[:, inverse].reshape(-1, *regions.shape).to(features.device)
 
 
+def old_pamr(cosine: torch.Tensor, guide: torch.Tensor, iterations: int = 10, dilations=(8, 16)) -> torch.Tensor:
+    from clipseg_sparse.stages import _shifted, pamr_affinity
+
+    weights = pamr_affinity(guide.to(cosine.device), dilations)
+    mask = cosine.float()
+    for _ in range(iterations):
+        out = torch.zeros_like(mask)
+        for w, neighbour in zip(weights, _shifted(mask, dilations)):
+            out.addcmul_(neighbour, w)
+        mask = out
+    return mask
+
+
 # -- cases: name -> (inputs, {variant: call}) ----------------------------------------------------------------
-def retrieval_case(classes: int, tmp: Path) -> dict[str, Callable[[], torch.Tensor]]:
+def retrieval_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
     from bank import synthetic_bank
 
     from clipseg_sparse.methods.corrclipv2 import retrieval_fusion
@@ -82,7 +98,15 @@ def retrieval_case(classes: int, tmp: Path) -> dict[str, Callable[[], torch.Tens
     }
 
 
-CASES = {"retrieval": retrieval_case}
+def pamr_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
+    from clipseg_sparse.stages import pamr
+
+    g = torch.Generator().manual_seed(0)
+    cosine, guide = torch.randn(classes, 375, 500, generator=g) * 0.05 + 0.2, torch.randn(3, 375, 500, generator=g)
+    return {"pamr": {"before": lambda: old_pamr(cosine, guide), "after": lambda: pamr(cosine, guide)}}
+
+
+CASES = {"retrieval": retrieval_case, "pamr": pamr_case}
 
 
 def status_mib(key: str) -> float:

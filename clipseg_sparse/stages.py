@@ -283,6 +283,7 @@ def merged_stages(spec_stages: Sequence[Stage], given: Sequence[Stage]) -> tuple
 
 PAMR_ITERATIONS = 10
 PAMR_DILATIONS = (8, 16)
+PAMR_BAND = 8  # classes per band (two band buffers of 480 x 640: 20 MB)
 # the 8 neighbours of a 3 x 3 grid (centre excluded), row-major, as the published shift kernels
 _RING = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if (dy, dx) != (0, 0)]
 
@@ -316,8 +317,23 @@ def pamr_affinity(guide: torch.Tensor, dilations: Sequence[int] = PAMR_DILATIONS
     return torch.softmax(logits, dim=0)
 
 
+def _clamped_spans(n: int, shift: int) -> list[tuple[slice, slice]]:
+    """(target, source) slice pairs along an axis of length n that together read source index
+    clamp(t + shift, 0, n - 1) at every target t: the unclamped run, then the ends that read the first or
+    last index (a slice of length 1, broadcast)."""
+    low = min(max(-shift, 0), n)  # targets [0, low) read index 0
+    high = max(min(n - shift, n), low)  # targets [high, n) read index n - 1
+    spans = [(slice(low, high), slice(low + shift, high + shift))] if high > low else []
+    if low:
+        spans.append((slice(0, low), slice(0, 1)))
+    if high < n:
+        spans.append((slice(high, n), slice(n - 1, n)))
+    return spans
+
+
 def pamr(
-    cosine: torch.Tensor, guide: torch.Tensor, iterations: int = PAMR_ITERATIONS, dilations: Sequence[int] = PAMR_DILATIONS
+    cosine: torch.Tensor, guide: torch.Tensor, iterations: int = PAMR_ITERATIONS, dilations: Sequence[int] = PAMR_DILATIONS,
+    band: int = PAMR_BAND,
 ) -> torch.Tensor:
     """Pixel-adaptive mask refinement: `iterations` times, every pixel's N_names values become the
     affinity-weighted sum of its neighbours' values (the pixel itself excluded), replicate padding.
@@ -328,17 +344,33 @@ def pamr(
     network input brought back to the original size, not the original image (the caller's job).
     Not copied: NACLIP skips PAMR silently when it runs out of GPU memory, and on GPU in fp16 casts the
     refined logits to fp16; here PAMR always runs, in fp32.
+
+    Classes are independent, so all iterations run on `band` classes at a time in two band buffers (no
+    padded copy of the map, no new map per iteration), each neighbour multiplied in from shifted slices of
+    the band (clamped ends broadcast from the edge row or column): the same products and sums, in the same
+    order, as adding the 16 shifted views of the whole padded map to zeros.
     """
     if cosine.shape[-2:] != guide.shape[-2:]:
         raise ValueError(f"pamr: cosine {tuple(cosine.shape[-2:])} and guide {tuple(guide.shape[-2:])} differ in size")
     weights = pamr_affinity(guide.to(cosine.device), dilations)
-    mask = cosine.float()
-    for _ in range(iterations):
-        out = torch.zeros_like(mask)
-        for w, neighbour in zip(weights, _shifted(mask, dilations)):
-            out.addcmul_(neighbour, w)
-        mask = out
-    return mask
+    N, H, W = cosine.shape
+    offsets = [(dy * d, dx * d) for d in dilations for dy, dx in _RING]
+    shifts = [(w, _clamped_spans(H, oy), _clamped_spans(W, ox)) for w, (oy, ox) in zip(weights, offsets)]
+    out = torch.empty(N, H, W, dtype=torch.float32, device=cosine.device)
+    buffers = [torch.empty(min(band, N), H, W, dtype=torch.float32, device=cosine.device) for _ in range(2)]
+    for start in range(0, N, band):
+        src = cosine[start : start + band].float()
+        for step in range(iterations):
+            dst = out[start : start + band] if step == iterations - 1 else buffers[step % 2][: len(src)]
+            for k, (w, rows, cols) in enumerate(shifts):
+                for ty, sy in rows:
+                    for tx, sx in cols:
+                        if k:
+                            dst[:, ty, tx].addcmul_(src[:, sy, sx], w[ty, tx])
+                        else:  # 0 + 1 * s * w, exactly
+                            torch.mul(src[:, sy, sx], w[ty, tx], out=dst[:, ty, tx])
+            src = dst
+    return out
 
 
 def _pamr_stage(args: str) -> Stage:

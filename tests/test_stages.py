@@ -47,6 +47,30 @@ def test_pamr_equals_the_published_loop(iterations, dilations, size):
     assert not torch.allclose(out, mask, atol=1e-2)  # it does something
 
 
+def todays_pamr(cosine: torch.Tensor, guide: torch.Tensor, iterations: int, dilations) -> torch.Tensor:
+    """PAMR before issue 33, kept as the reference: each iteration adds the 16 shifted views of the whole
+    replicate-padded map."""
+    from clipseg_sparse.stages import _shifted, pamr_affinity
+
+    weights = pamr_affinity(guide, dilations)
+    mask = cosine.float()
+    for _ in range(iterations):
+        out = torch.zeros_like(mask)
+        for w, neighbour in zip(weights, _shifted(mask, dilations)):
+            out.addcmul_(neighbour, w)
+        mask = out
+    return mask
+
+
+@pytest.mark.parametrize("iterations,dilations,size,band", [(10, (8, 16), (37, 45), 3), (3, (1, 2), (11, 9), 8), (2, (20,), (9, 30), 2), (1, (1,), (5, 6), 1)])
+def test_pamr_in_class_bands_is_bit_identical_to_the_padded_map(iterations, dilations, size, band):
+    """Shifted slices of class bands with clamped ends (issue 33) give exactly today's sums, bands that split
+    the classes and shifts wider than the image included."""
+    g = torch.Generator().manual_seed(sum(size))
+    guide, cosine = torch.randn(3, *size, generator=g), torch.randn(5, *size, generator=g)
+    assert torch.equal(pamr(cosine, guide, iterations, dilations, band), todays_pamr(cosine, guide, iterations, dilations))
+
+
 def test_pamr_by_hand_on_one_pixel():
     """One iteration, dilation 1, at an interior pixel of a 3 x 3 image: weights from the explicit formula."""
     image = torch.tensor([[1.0, 2.0, 4.0], [0.5, 3.0, 1.5], [2.5, 0.0, 1.0]]).expand(3, 3, 3) * torch.tensor([1.0, 2.0, 0.5]).view(3, 1, 1)
