@@ -13,13 +13,17 @@ library's current code on the same random inputs of one image:
 - `pamr`: 10 iterations, dilations 8 and 16, 150 classes at 375 x 500 (`propagation.py`'s image). Before: each
   iteration adds the 16 shifted views of the whole replicate-padded map. After: class bands of 8, two band
   buffers, shifted slices with clamped ends (`stages.pamr`).
+- `lp:pixel`: LPOSS+'s pixel propagation, 150 classes on a 336 x 448 network input (13 x 13 square, tau 0.01,
+  alpha 0.95). Before: the 25M-edge COO graph, coalesced, `normalized_laplacian`, every class in one CG. After:
+  `pixel_laplacian` written out from the stencil (int32 CSR) and the CG in bands of 32 classes. The row
+  `lp:pixel graph` is the Laplacian alone.
 
 Times: one thread (`--threads`), both variants built once, then `--rounds` rounds, each running before and
 after alternately (interleaved on a shared machine), best of the rounds. Memory: each variant once more in a
 fresh process, freed heap returned (`malloc_trim`), the kernel's peak resident set reset
 (`/proc/self/clear_refs`), `peak MiB` = VmHWM - VmRSS over the call (what the call allocates).
 
-    python benchmarks/before_after.py [--cases retrieval pamr] [--rounds 3] [--threads 1]
+    python benchmarks/before_after.py [--cases retrieval pamr lp:pixel] [--rounds 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -70,6 +74,36 @@ def old_pamr(cosine: torch.Tensor, guide: torch.Tensor, iterations: int = 10, di
     return mask
 
 
+def old_pixel_graph(rgb: torch.Tensor, tau: float = 0.01, radius: int = 6) -> torch.Tensor:
+    from kornia.color import rgb_to_lab
+
+    _, H, W = rgb.shape
+    lab = (rgb_to_lab(rgb.float()) / torch.tensor((100.0, 128.0, 128.0), device=rgb.device).view(3, 1, 1)).reshape(3, -1)
+    ys = torch.arange(H, device=rgb.device).view(-1, 1).expand(H, W).flatten()
+    xs = torch.arange(W, device=rgb.device).view(1, -1).expand(H, W).flatten()
+    rows, cols = [], []
+    for dy in range(-radius, radius + 1):
+        for dx in range(-radius, radius + 1):
+            if dy == 0 and dx == 0:
+                continue
+            ok = (ys + dy >= 0) & (ys + dy < H) & (xs + dx >= 0) & (xs + dx < W)
+            src = ok.nonzero().flatten()
+            rows.append(src)
+            cols.append(src + dy * W + dx)
+    rows, cols = torch.cat(rows), torch.cat(cols)
+    dist = (lab[:, rows] - lab[:, cols]).square().sum(0).sqrt()
+    return torch.sparse_coo_tensor(torch.stack((rows, cols)), torch.exp(-dist / tau), (H * W, H * W), check_invariants=False).coalesce()
+
+
+def old_lp_pixel(cosine: torch.Tensor, rgb: torch.Tensor) -> torch.Tensor:
+    from clipseg_sparse.methods.lposs import normalized_laplacian, propagate
+
+    n, H, W = cosine.shape
+    laplacian = normalized_laplacian(old_pixel_graph(rgb.to(cosine.device)))
+    z = propagate(laplacian, cosine.reshape(n, H * W).T)
+    return z.T.reshape(n, H, W).to(cosine.dtype)
+
+
 # -- cases: name -> (inputs, {variant: call}) ----------------------------------------------------------------
 def retrieval_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
     from bank import synthetic_bank
@@ -106,7 +140,18 @@ def pamr_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch
     return {"pamr": {"before": lambda: old_pamr(cosine, guide), "after": lambda: pamr(cosine, guide)}}
 
 
-CASES = {"retrieval": retrieval_case, "pamr": pamr_case}
+def lp_pixel_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
+    from clipseg_sparse.methods.lposs import lp_pixel, normalized_laplacian, pixel_laplacian
+
+    g = torch.Generator().manual_seed(0)
+    cosine, rgb = torch.randn(classes, 336, 448, generator=g) * 0.05 + 0.2, torch.rand(3, 336, 448, generator=g)
+    return {
+        "lp:pixel graph": {"before": lambda: normalized_laplacian(old_pixel_graph(rgb)).values(), "after": lambda: pixel_laplacian(rgb).values()},
+        "lp:pixel": {"before": lambda: old_lp_pixel(cosine, rgb), "after": lambda: lp_pixel(cosine, rgb)},
+    }
+
+
+CASES = {"retrieval": retrieval_case, "pamr": pamr_case, "lp:pixel": lp_pixel_case}
 
 
 def status_mib(key: str) -> float:

@@ -215,33 +215,80 @@ def test_lab_matches_known_colours_and_the_transcription():
     torch.testing.assert_close(rgb_to_lab(x).double(), ref_lab(x), atol=1e-4, rtol=1e-5)
 
 
-def test_pixel_graph_reads_kornias_lab():
+def todays_pixel_graph(rgb: torch.Tensor, tau: float, radius: int) -> torch.Tensor:
+    """The pixel affinity before issue 33, kept as the reference: every (pixel, neighbour) index pair of the
+    square as a sparse COO matrix, coalesced (`normalized_laplacian` then made the Laplacian)."""
+    _, H, W = rgb.shape
+    lab = (rgb_to_lab(rgb.float()) / torch.tensor(lposs.LAB_SCALE).view(3, 1, 1)).reshape(3, -1)
+    ys = torch.arange(H).view(-1, 1).expand(H, W).flatten()
+    xs = torch.arange(W).view(1, -1).expand(H, W).flatten()
+    rows, cols = [], []
+    for dy in range(-radius, radius + 1):
+        for dx in range(-radius, radius + 1):
+            if dy == 0 and dx == 0:
+                continue
+            ok = (ys + dy >= 0) & (ys + dy < H) & (xs + dx >= 0) & (xs + dx < W)
+            src = ok.nonzero().flatten()
+            rows.append(src)
+            cols.append(src + dy * W + dx)
+    rows, cols = torch.cat(rows), torch.cat(cols)
+    dist = (lab[:, rows] - lab[:, cols]).square().sum(0).sqrt()
+    return torch.sparse_coo_tensor(torch.stack((rows, cols)), torch.exp(-dist / tau), (H * W, H * W), check_invariants=False).coalesce()
+
+
+@pytest.mark.parametrize("size,radius", [((9, 11), 2), ((20, 31), 6), ((5, 7), 6)])  # the last: narrower than the square
+def test_pixel_laplacian_is_todays_graph_made_laplacian(size, radius):
+    """Written out from the stencil row by row (issue 33): the same CSR entries, in the same order, as the COO
+    graph through `normalized_laplacian`."""
+    rgb = torch.rand(3, *size, generator=torch.Generator().manual_seed(4))
+    ours = lposs.pixel_laplacian(rgb, 0.1, radius, 0.95, band=3)
+    today = lposs.normalized_laplacian(todays_pixel_graph(rgb, 0.1, radius), 0.95)
+    assert torch.equal(ours.crow_indices().long(), today.crow_indices()) and torch.equal(ours.col_indices().long(), today.col_indices())
+    assert torch.equal(ours.values(), today.values())
+
+
+def test_pixel_laplacian_reads_kornias_lab():
     """The weights from kornia's own Lab (the published code's), to float32 rounding: OpenCV's white point
     (0.950456, 1.088754) moved Lab b by up to 4.7e-3."""
     rgb = torch.rand(3, 9, 11, generator=torch.Generator().manual_seed(4))
-    w = lposs.pixel_graph(rgb, tau=0.1, radius=2).to_dense()
-    lab = (rgb_to_lab(rgb) / torch.tensor([100.0, 128, 128]).view(3, 1, 1)).reshape(3, -1)
-    rows, cols = w.nonzero().T
-    hand = torch.exp(-(lab[:, rows] - lab[:, cols]).norm(dim=0) / 0.1)
-    assert (w[rows, cols] - hand).abs().max() <= 1e-6
+    ours = lposs.pixel_laplacian(rgb, tau=0.1, radius=2, alpha=0.95).to_dense().double()
+    lab = (rgb_to_lab(rgb) / torch.tensor([100.0, 128, 128]).view(3, 1, 1)).reshape(3, -1).double()
+    rows, cols = (ours - torch.eye(99, dtype=torch.float64)).nonzero().T
+    w = torch.zeros(99, 99, dtype=torch.float64)
+    w[rows, cols] = torch.exp(-(lab[:, rows] - lab[:, cols]).norm(dim=0) / 0.1)
+    hand = torch.eye(99, dtype=torch.float64) - 0.95 * ref_normalize_connection_graph(w)
+    assert (ours - hand).abs().max() <= 1e-6
 
 
-def test_pixel_graph_weights_by_hand():
+def test_pixel_laplacian_by_hand():
     rgb = torch.rand(3, 9, 11, generator=torch.Generator().manual_seed(4))
-    w = lposs.pixel_graph(rgb, tau=0.1, radius=2).to_dense()
+    L = lposs.pixel_laplacian(rgb, tau=0.1, radius=2, alpha=0.95).to_dense()
     H, W = 9, 11
     lab = ref_lab(rgb) / torch.tensor([100.0, 128, 128], dtype=torch.float64).view(3, 1, 1)
+    w = lambda y, x, dy, dx: torch.exp(-(lab[:, y, x] - lab[:, y + dy, x + dx]).norm() / 0.1)  # noqa: E731
     y, x = 4, 5  # an interior pixel: its 5 x 5 square minus itself
+    square = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3) if (dy, dx) != (0, 0)]
+    degree = lambda y, x: sum(float(w(y, x, dy, dx)) for dy, dx in square if 0 <= y + dy < H and 0 <= x + dx < W)  # noqa: E731
     for dy, dx in ((-2, -2), (0, 1), (1, 0), (2, 2)):
-        hand = torch.exp(-(lab[:, y, x] - lab[:, y + dy, x + dx]).norm() / 0.1)
-        assert abs(float(w[y * W + x, (y + dy) * W + x + dx]) - float(hand)) < 1e-5
-    assert int((w[y * W + x] > 0).sum()) == 24 and w[y * W + x, y * W + x] == 0
-    assert int((w[0] > 0).sum()) == 8  # the corner keeps the 3 x 3 - 1 neighbours inside the image
-    assert int((w[y * W + x, (y + 3) * W + x] != 0)) == 0  # beyond the radius
-    torch.testing.assert_close(w, w.T)
+        hand = -0.95 * float(w(y, x, dy, dx)) / (degree(y, x) * degree(y + dy, x + dx)) ** 0.5
+        assert abs(float(L[y * W + x, (y + dy) * W + x + dx]) - hand) < 1e-5
+    assert int((L[y * W + x] != 0).sum()) == 25 and L[y * W + x, y * W + x] == 1
+    assert int((L[0] != 0).sum()) == 9  # the corner keeps the 3 x 3 - 1 neighbours inside the image, and itself
+    assert int((L[y * W + x, (y + 3) * W + x] != 0)) == 0  # beyond the radius
+    torch.testing.assert_close(L, L.T)
     ref = ref_pixel_laplacian(rgb, 0.1, 2, 0.95)
-    ours = lposs.normalized_laplacian(lposs.pixel_graph(rgb, 0.1, 2), 0.95).to_dense().double()
-    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(L.double(), ref, atol=1e-6, rtol=1e-5)
+
+
+def test_lp_pixel_in_class_bands_equals_todays_solve():
+    """Classes solved in bands over the written-out Laplacian (issue 33) vs today's: the COO graph's Laplacian,
+    every class in one solve."""
+    g = torch.Generator().manual_seed(2)
+    rgb, cosine = torch.rand(3, 24, 30, generator=g), torch.randn(7, 24, 30, generator=g) * 0.05 + 0.2
+    today = lposs.propagate(lposs.normalized_laplacian(todays_pixel_graph(rgb, 0.05, 3), 0.9), cosine.reshape(7, -1).T).T.reshape(7, 24, 30)
+    ours = lposs.lp_pixel(cosine, rgb, 0.05, 3, 0.9, band=3)
+    torch.testing.assert_close(ours, today, atol=1e-5, rtol=0)
+    assert (ours - cosine).abs().max() > 1e-2  # it propagates
 
 
 # -- the stages end to end --------------------------------------------------------------------------------------
