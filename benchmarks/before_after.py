@@ -12,7 +12,8 @@ library's current code on the same random inputs of one image:
   The row `retrieval_logits` is the painted support alone (what `bank.py` times).
 - `pamr`: 10 iterations, dilations 8 and 16, 150 classes at 375 x 500 (`propagation.py`'s image). Before: each
   iteration adds the 16 shifted views of the whole replicate-padded map. After: class bands of 8, two band
-  buffers, shifted slices with clamped ends (`stages.pamr`).
+  buffers, shifted slices with clamped ends (`stages.pamr`). The second row gives both the map as the windows
+  forward makes it (H x W x N memory seen as N x H x W, what `segment` hands PAMR).
 - `lp:pixel`: LPOSS+'s pixel propagation, 150 classes on a 336 x 448 network input (13 x 13 square, tau 0.01,
   alpha 0.95). Before: the 25M-edge COO graph, coalesced, `normalized_laplacian`, every class in one CG. After:
   `pixel_laplacian` written out from the stencil (int32 CSR) and the CG in bands of 32 classes. The row
@@ -137,7 +138,11 @@ def pamr_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch
 
     g = torch.Generator().manual_seed(0)
     cosine, guide = torch.randn(classes, 375, 500, generator=g) * 0.05 + 0.2, torch.randn(3, 375, 500, generator=g)
-    return {"pamr": {"before": lambda: old_pamr(cosine, guide), "after": lambda: pamr(cosine, guide)}}
+    strided = cosine.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # H x W x N memory, as the windows forward's map
+    return {
+        "pamr": {"before": lambda: old_pamr(cosine, guide), "after": lambda: pamr(cosine, guide)},
+        "pamr, H x W x N map": {"before": lambda: old_pamr(strided, guide), "after": lambda: pamr(strided, guide)},
+    }
 
 
 def lp_pixel_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:

@@ -359,7 +359,7 @@ def pamr(
     out = torch.empty(N, H, W, dtype=torch.float32, device=cosine.device)
     buffers = [torch.empty(min(band, N), H, W, dtype=torch.float32, device=cosine.device) for _ in range(2)]
     for start in range(0, N, band):
-        src = cosine[start : start + band].float()
+        src = cosine[start : start + band].float().contiguous()  # the map may be H x W x N memory (the windows forward's)
         for step in range(iterations):
             dst = out[start : start + band] if step == iterations - 1 else buffers[step % 2][: len(src)]
             for k, (w, rows, cols) in enumerate(shifts):

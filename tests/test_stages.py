@@ -68,7 +68,10 @@ def test_pamr_in_class_bands_is_bit_identical_to_the_padded_map(iterations, dila
     the classes and shifts wider than the image included."""
     g = torch.Generator().manual_seed(sum(size))
     guide, cosine = torch.randn(3, *size, generator=g), torch.randn(5, *size, generator=g)
-    assert torch.equal(pamr(cosine, guide, iterations, dilations, band), todays_pamr(cosine, guide, iterations, dilations))
+    today = todays_pamr(cosine, guide, iterations, dilations)
+    assert torch.equal(pamr(cosine, guide, iterations, dilations, band), today)
+    strided = cosine.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # H x W x N memory, as the windows forward's map
+    assert torch.equal(pamr(strided, guide, iterations, dilations, band), today)
 
 
 def test_pamr_by_hand_on_one_pixel():

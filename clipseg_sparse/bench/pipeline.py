@@ -1,0 +1,306 @@
+"""`bench --suites pipeline`: where one image's run of a preset spends its time and memory.
+
+For a preset run with its protocol's settings (ADE20K's where they differ per dataset), a class count and an
+image size, one image goes through what `segment` runs (`Segmenter.predict`, then `write_outputs`) while the
+library's calls are timed as named parts: each network's forward (CLIP's, each external backbone's, SAM's
+predictor), each stage, the forward's own work around them (windows, upsampling, averaging), the label map, the
+image run's set-up and writing the outputs. Nested parts are subtracted from the part around them (`own`), so
+the parts add up to the run. The networks' forwards are the network parts' own times; the table's last line is
+the whole run over them. Memory: per part the most its calls allocated above the resident set at their start
+(Linux VmHWM, reset at each part's start; nothing elsewhere).
+
+Random weights (`pretrained=None`, backbones' `none`) on the real architectures; a preset that reads region
+masks gets a fixed blocky map of 30 regions (no mask generator runs), one that reads an image bank a synthetic
+bank of 1000 regions (flat index). The parts are found by wrapping library callables for the duration of the
+run (`PartTimer.wrapped`), so nothing in the pipeline knows it is measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+NETWORK, STAGE, OTHER = "network", "stage", "other"
+#: the families issue 33 asks for: name -> (preset, protocol)
+FAMILIES = {
+    "sclip": ("sclip", "sclip"),
+    "naclip+pamr": ("naclip", "naclip"),
+    "proxyclip": ("proxyclip", "proxyclip"),
+    "trident": ("trident", "trident"),
+    "trident+samrefine": ("trident", "trident-samrefine"),
+    "corrclip": ("corrclip", "corrclip"),
+    "ovstitcher": ("ovstitcher", "ovstitcher"),
+    "corrclipv2+bank": ("corrclipv2", "corrclipv2"),
+    "lposs": ("lposs", "lposs"),
+    "lposs+": ("lposs+", "lposs+"),
+    "pearl": ("pearl", "pearl"),
+}
+
+
+def _status_mib(key: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _malloc_trim() -> None:
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _reset_peak() -> None:
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # the peak resident set restarts from the current one
+
+
+@dataclass
+class Part:
+    """One named part: its calls, seconds in them (inclusive), seconds less the parts inside them (own), and
+    the most MiB its calls allocated above the resident set at their start (None: not measurable here)."""
+
+    name: str
+    kind: str
+    calls: int = 0
+    seconds: float = 0.0
+    own: float = 0.0
+    peak_mib: float | None = None
+
+
+@dataclass
+class _Open:
+    part: Part
+    start: float
+    rss: float | None
+    high: float | None  # the highest VmHWM seen while open
+    inner: float = 0.0  # seconds of the parts inside
+
+
+@dataclass
+class PartTimer:
+    """Times named parts; `part(name, kind)` is a context manager, `wrapped(owner, attr, label, kind)` times
+    every call of `owner.attr` (a method: label(self) names the part) while its `with` block runs."""
+
+    parts: dict[str, Part] = field(default_factory=dict)
+    trim: bool = False  # return freed heap to the system at each part's start, so its peak counts its own pages
+    _open: list[_Open] = field(default_factory=list)
+
+    def _observe(self) -> None:
+        """Fold the peak since the last reset into every open part, then reset it."""
+        high = _status_mib("VmHWM")
+        for o in self._open:
+            o.high = high if o.high is None or high is None else max(o.high, high)
+        _reset_peak()
+
+    @contextlib.contextmanager
+    def part(self, name: str, kind: str) -> Iterator[None]:
+        if self.trim:
+            _malloc_trim()
+        self._observe()
+        entry = _Open(self.parts.setdefault(name, Part(name, kind)), time.perf_counter(), _status_mib("VmRSS"), None)
+        self._open.append(entry)
+        try:
+            yield
+        finally:
+            self._observe()
+            self._open.pop()
+            took = time.perf_counter() - entry.start
+            part = entry.part
+            part.calls += 1
+            part.seconds += took
+            part.own += took - entry.inner
+            if entry.high is not None and entry.rss is not None:
+                part.peak_mib = max(part.peak_mib or 0.0, entry.high - entry.rss)
+            if self._open:
+                self._open[-1].inner += took
+
+    @contextlib.contextmanager
+    def wrapped(self, owner: Any, attr: str, label: Callable[[Any], str] | str, kind: str) -> Iterator[None]:
+        original = getattr(owner, attr)
+        timer = self
+
+        def timed(*args, **kwargs):
+            name = label if isinstance(label, str) else label(args[0])
+            with timer.part(name, kind):
+                return original(*args, **kwargs)
+
+        setattr(owner, attr, timed)
+        try:
+            yield
+        finally:
+            setattr(owner, attr, original)
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    """One run's parts, whole seconds and the networks' seconds (network parts' own times)."""
+
+    family: str
+    preset: str
+    protocol: str
+    classes: int
+    size: tuple[int, int]
+    parts: tuple[Part, ...]
+    whole: float
+    networks: float
+
+    def as_dict(self) -> dict:
+        return {
+            "family": self.family, "preset": self.preset, "protocol": self.protocol, "classes": self.classes, "size": list(self.size),
+            "whole": self.whole, "networks": self.networks, "parts": [vars(p) for p in self.parts],
+        }  # fmt: skip
+
+
+class _GivenRegions:
+    """A region source that gives every image the same map."""
+
+    def __init__(self, regions: np.ndarray) -> None:
+        self.regions = regions
+
+    def __call__(self, rgb, name) -> np.ndarray:
+        return self.regions
+
+    def source(self) -> str:
+        return "bench"
+
+
+def blocky_regions(size: tuple[int, int], count: int = 30, cell: int = 32, seed: int = 0) -> np.ndarray:
+    """H x W region ids: random ids in [-1, count) on cells of `cell` pixels (-1: unsegmented)."""
+    rng = np.random.default_rng(seed)
+    cells = rng.integers(-1, count, (size[0] // cell + 1, size[1] // cell + 1))
+    return np.kron(cells, np.ones((cell, cell), dtype=np.int64))[: size[0], : size[1]]
+
+
+def synthetic_bank(folder: Path, clip, backbones, key_backbone: str, rows: int = 1000, seed: int = 0):
+    """A bank folder for `clip` and the key backbone's random weights: random unit keys and values, flat index."""
+    from ..segment import bank as banks
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    key_dim = int(backbones.get(key_backbone, clip.device).image_feature_map(torch.zeros(32, 32, 3, dtype=torch.uint8)).shape[1])
+    value_dim = int(clip.visual.proj.shape[1])
+    keys, values = (rng.standard_normal((rows, d)).astype(np.float32) for d in (key_dim, value_dim))
+    np.save(folder / banks.KEYS, keys.astype(np.float16))
+    np.save(folder / banks.values_file(0), (values / np.linalg.norm(values, axis=1, keepdims=True)).astype(np.float16))
+    banks._faiss().write_index(banks.build_index(keys, "flat"), str(folder / banks.INDEX))
+    record = backbones.config([key_backbone])[key_backbone]
+    manifest = {"format": banks.BANK_FORMAT, "keys": {"backbone": key_backbone, **record}, "values": [{"clip": banks.clip_id(clip)}], "rows": rows, "hash": "bench"}
+    (folder / banks.MANIFEST).write_text(json.dumps(manifest))
+    return banks.ImageBank.open(folder)
+
+
+@contextlib.contextmanager
+def timed_library(timer: PartTimer) -> Iterator[None]:
+    """Wrap the library callables that make the parts (see the module docstring)."""
+    from ..files import outputs
+    from ..methods import ovstitcher
+    from ..models.backbones import Backbone
+    from ..models.clip import DenseCLIP
+    from ..segment import images, segmenter
+    from ..segment.labels import ClassMaps
+    from ..segment.maps import CosineMap
+    from ..segment.plan import FORWARDS, ImageRun
+    from ..stages import Stage
+
+    clip_label = lambda clip: f"CLIP {clip.model_name} forward"  # noqa: E731
+    with contextlib.ExitStack() as stack:
+        enter = lambda *a: stack.enter_context(timer.wrapped(*a))  # noqa: E731
+        enter(DenseCLIP, "encode_dense", clip_label, NETWORK)
+        enter(DenseCLIP, "dense_tokens", clip_label, NETWORK)
+        enter(ovstitcher, "stitched_features", "CLIP stitched forward (image-wide attention included)", NETWORK)
+        enter(Backbone, "features", lambda b: f"{b.info.name} forward", NETWORK)
+        enter(Backbone, "image_feature_map", lambda b: f"{b.info.name} whole-image forward", NETWORK)
+        with contextlib.suppress(ImportError):
+            from segment_anything import SamPredictor
+
+            enter(SamPredictor, "set_image", "SAM encoder (samrefine)", NETWORK)
+            enter(SamPredictor, "predict_torch", "SAM prompt decoder (samrefine)", NETWORK)
+        enter(Stage, "__call__", lambda s: f"stage {s.name}", STAGE)
+        for forward in {type(FORWARDS.get(name)) for name in FORWARDS.names()}:
+            enter(forward, "cosine", "forward: windows, upsampling, averaging", OTHER)
+        enter(ImageRun, "of", "image run: network input, whole-image maps", OTHER)
+        enter(CosineMap, "rows", "cosine map rows at the output size (bilinear resize)", OTHER)
+        enter(ClassMaps, "labels", "label map: resize, softmax, argmax, background rules", OTHER)
+        enter(segmenter, "load_image", "load image", OTHER)
+        enter(outputs, "write_outputs", "write outputs (label PNG, overlay, JSON)", OTHER)
+        yield
+
+
+def bench_pipeline(
+    family: str, classes: int = 150, size: tuple[int, int] = (480, 640), model: str = "ViT-B-16", device: str = "cpu",
+) -> PipelineReport:
+    """One image of `size` through `family`'s preset and protocol (FAMILIES) with `classes` classes, by part
+    (module docstring): run twice, the first for memory (each part's freed heap returned before it: its peak
+    counts the pages it touches), the second for time (the allocator warm, as a run over many images)."""
+    from ..evaluation.protocols import PROTOCOLS
+    from ..files import outputs
+    from ..models.clip import load_clip
+    from ..models.proxies import ProxyBackbones
+    from ..segment.plan import Plan
+    from ..segment.resources import Resources
+    from ..segment.segmenter import Segmenter
+    from .timing import keep_freed_memory, smooth_image
+
+    from ..errors import UserValueError
+
+    if family not in FAMILIES:
+        raise UserValueError(f"unknown pipeline family {family!r}; choose from {', '.join(FAMILIES)}")
+    preset, protocol_name = FAMILIES[family]
+    protocol = PROTOCOLS.get(protocol_name)
+    settings = protocol.settings("ade20k")
+    spec = protocol.spec_for("ade20k", preset)
+    keep_freed_memory()
+    torch.manual_seed(0)
+    clip = load_clip(model, pretrained=None, device=device)
+    plan = Plan.of(spec, settings)
+    backbones = ProxyBackbones.following(clip, "none")
+    rgb = smooth_image(size)
+    with tempfile.TemporaryDirectory() as tmp:
+        bank = synthetic_bank(Path(tmp) / "bank", clip, backbones, plan.needs.image_features[0]) if plan.needs.bank else None
+        regions = _GivenRegions(blocky_regions(size)) if plan.needs.regions else None
+        resources = Resources(regions=regions, bank=bank, proxy_weights="none", backbones=backbones).bind(plan, clip, [])
+        seg = Segmenter(clip, [f"class {i}" for i in range(classes)], spec=spec, settings=settings, templates="single", resources=resources)
+        image = Path(tmp) / "image.png"
+        from PIL import Image
+
+        Image.fromarray(rgb).save(image)
+        options = outputs.OutputOptions(overwrite=True)
+        runs = [PartTimer(trim=True), PartTimer()]  # memory (freed heap returned at each part), then time (warm)
+        for i, timer in enumerate(runs):
+            with timed_library(timer), timer.part("whole run", OTHER):
+                outputs.write_outputs(Path(tmp) / f"out{i}", image, rgb, seg.predict(image), options)
+    memory, timer = runs
+    whole = timer.parts.pop("whole run")
+    networks = sum(p.own for p in timer.parts.values() if p.kind == NETWORK)
+    for name, part in timer.parts.items():
+        part.peak_mib = memory.parts[name].peak_mib if name in memory.parts else None
+    parts = tuple(sorted(timer.parts.values(), key=lambda p: ({NETWORK: 0, STAGE: 1, OTHER: 2}[p.kind], -p.own)))
+    rest = whole.seconds - sum(p.own for p in parts)
+    parts += (Part("rest of predict (untimed glue)", OTHER, 1, rest, rest),)
+    return PipelineReport(family, preset, protocol_name, classes, size, parts, whole.seconds, networks)
+
+
+def rich_pipeline_table(report: PipelineReport):
+    """A rich Table of one report: each part's calls, own seconds, share of the whole, peak MiB."""
+    from rich.table import Table
+
+    title = (f"{report.family} ({report.preset}, protocol {report.protocol}): {report.classes} classes, {report.size[0]}x{report.size[1]}, "
+             f"whole {report.whole:.2f} s = {report.whole / report.networks:.2f} x the networks' {report.networks:.2f} s")  # fmt: skip
+    table = Table("part", "kind", "calls", "own s", "share", "peak MiB", title=title)
+    for p in report.parts:
+        peak = f"{p.peak_mib:.0f}" if p.peak_mib is not None else "-"
+        table.add_row(p.name, p.kind, str(p.calls), f"{p.own:.3f}", f"{p.own / report.whole:.1%}", peak)
+    return table
