@@ -3,7 +3,7 @@ label map, writing outputs; the whole run over the networks' forwards (`clipseg_
 `clipseg-sparse bench --suites pipeline`). Each (family, classes) runs in a fresh process (its own allocator
 and peak memory); random weights on the real architectures, one thread by default.
 
-    python benchmarks/pipeline.py [--families sclip naclip+pamr ...] [--classes 21 150] [--size 480x640] [--threads 1] [--json rows.jsonl]
+    python benchmarks/pipeline.py [--families sclip naclip+pamr ...] [--classes 21 150] [--size 480x640] [--threads 1] [--cpu-time] [--json rows.jsonl]
 
 Prints, per run, the parts table, then one summary row per run: networks' seconds, whole seconds, their ratio,
 the largest part outside the networks, and the run's peak memory over the resident set before it.
@@ -21,13 +21,13 @@ import torch
 from clipseg_sparse.bench.pipeline import FAMILIES, NETWORK
 
 
-def one(family: str, classes: int, size: str, threads: int) -> None:
+def one(family: str, classes: int, size: str, threads: int, cpu_time: bool) -> None:
     from rich.console import Console
 
     from clipseg_sparse.bench.pipeline import bench_pipeline, rich_pipeline_table
 
     torch.set_num_threads(threads)
-    report = bench_pipeline(family, classes, tuple(int(v) for v in size.split("x")))
+    report = bench_pipeline(family, classes, tuple(int(v) for v in size.split("x")), cpu_time=cpu_time)
     Console(stderr=True, width=160).print(rich_pipeline_table(report))
     print(json.dumps(report.as_dict()))
 
@@ -50,14 +50,16 @@ def main() -> None:
     parser.add_argument("--size", default="480x640")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="append each run's JSON line to this file")
+    parser.add_argument("--cpu-time", action="store_true", help="time by process CPU time (a machine loaded by other jobs; one thread)")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # family classes: run here, print its JSON line
     args = parser.parse_args()
     if args.one:
-        return one(args.one[0], int(args.one[1]), args.size, args.threads)
+        return one(args.one[0], int(args.one[1]), args.size, args.threads, args.cpu_time)
     rows = []
     for family in args.families:
         for classes in args.classes:
             cmd = [sys.executable, __file__, "--one", family, str(classes), "--size", args.size, "--threads", str(args.threads)]
+            cmd += ["--cpu-time"] if args.cpu_time else []
             done = subprocess.run(cmd, capture_output=True, text=True)
             sys.stderr.write(done.stderr)
             if done.returncode:

@@ -95,6 +95,7 @@ class PartTimer:
     every call of `owner.attr` (a method: label(self) names the part) while its `with` block runs."""
 
     parts: dict[str, Part] = field(default_factory=dict)
+    clock: Callable[[], float] = time.perf_counter  # time.process_time: CPU time, on a machine other jobs load
     trim: bool = False  # return freed heap to the system at each part's start, so its peak counts its own pages
     _open: list[_Open] = field(default_factory=list)
 
@@ -110,14 +111,14 @@ class PartTimer:
         if self.trim:
             _malloc_trim()
         self._observe()
-        entry = _Open(self.parts.setdefault(name, Part(name, kind)), time.perf_counter(), _status_mib("VmRSS"), None)
+        entry = _Open(self.parts.setdefault(name, Part(name, kind)), self.clock(), _status_mib("VmRSS"), None)
         self._open.append(entry)
         try:
             yield
         finally:
             self._observe()
             self._open.pop()
-            took = time.perf_counter() - entry.start
+            took = self.clock() - entry.start
             part = entry.part
             part.calls += 1
             part.seconds += took
@@ -241,10 +242,12 @@ def timed_library(timer: PartTimer) -> Iterator[None]:
 
 def bench_pipeline(
     family: str, classes: int = 150, size: tuple[int, int] = (480, 640), model: str = "ViT-B-16", device: str = "cpu",
+    cpu_time: bool = False,
 ) -> PipelineReport:
     """One image of `size` through `family`'s preset and protocol (FAMILIES) with `classes` classes, by part
     (module docstring): run twice, the first for memory (each part's freed heap returned before it: its peak
-    counts the pages it touches), the second for time (the allocator warm, as a run over many images)."""
+    counts the pages it touches), the second for time (the allocator warm, as a run over many images).
+    cpu_time: time by this process's CPU time (one thread: the work, whatever else loads the machine)."""
     from ..evaluation.protocols import PROTOCOLS
     from ..files import outputs
     from ..models.clip import load_clip
@@ -278,7 +281,8 @@ def bench_pipeline(
 
         Image.fromarray(rgb).save(image)
         options = outputs.OutputOptions(overwrite=True)
-        runs = [PartTimer(trim=True), PartTimer()]  # memory (freed heap returned at each part), then time (warm)
+        clock = time.process_time if cpu_time else time.perf_counter
+        runs = [PartTimer(trim=True), PartTimer(clock=clock)]  # memory (freed heap returned at each part), then time (warm)
         for i, timer in enumerate(runs):
             with timed_library(timer), timer.part("whole run", OTHER):
                 outputs.write_outputs(Path(tmp) / f"out{i}", image, rgb, seg.predict(image), options)
