@@ -18,13 +18,18 @@ library's current code on the same random inputs of one image:
   alpha 0.95). Before: the 25M-edge COO graph, coalesced, `normalized_laplacian`, every class in one CG. After:
   `pixel_laplacian` written out from the stencil (int32 CSR) and the CG in bands of 32 classes. The row
   `lp:pixel graph` is the Laplacian alone.
+- `bank build`: one 375 x 500 image's region reductions of `bank build`, 30 regions: the keys (region means of
+  C-RADIOv3-L's 1024 x 24 x 31 map resized to the image and L2-normalised per pixel) and the values (region
+  means of the 512-d values map, a CosineMap of a 42 x 84 window grid). Before: the 1024 x H x W and 512 x H x W
+  maps made band by band and reduced with `index_add` of their transposed columns. After: `resized_region_means`
+  from the raw map, `factored_region_means` from the CosineMap's grid (the networks' forwards are not in it).
 
 Times: one thread (`--threads`), both variants built once, then `--rounds` rounds, each running before and
 after alternately (interleaved on a shared machine), best of the rounds. Memory: each variant once more in a
 fresh process, freed heap returned (`malloc_trim`), the kernel's peak resident set reset
 (`/proc/self/clear_refs`), `peak MiB` = VmHWM - VmRSS over the call (what the call allocates).
 
-    python benchmarks/before_after.py [--cases retrieval pamr lp:pixel] [--rounds 3] [--threads 1] [--cpu-time]
+    python benchmarks/before_after.py [--cases retrieval pamr lp:pixel "bank build"] [--rounds 3] [--threads 1] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -105,6 +110,31 @@ def old_lp_pixel(cosine: torch.Tensor, rgb: torch.Tensor) -> torch.Tensor:
     return z.T.reshape(n, H, W).to(cosine.dtype)
 
 
+def old_key_rows(feature_map: torch.Tensor, size: tuple[int, int]):
+    from clipseg_sparse.segment.maps import resize_matrix as _resize_matrix
+
+    f = feature_map[0].float().cpu()
+    ly, lx = _resize_matrix(f.shape[1], size[0]), _resize_matrix(f.shape[2], size[1])
+    return lambda y0, y1: F.normalize(torch.einsum("bh,chw,xw->cbx", ly[y0:y1], f, lx), dim=0)
+
+
+def old_region_means(feature_rows, height: int, regions, ids, band: int = 64):
+    import numpy as np
+
+    sorted_ids = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+    reg = torch.from_numpy(np.asarray(regions, dtype=np.int64))
+    sums, counts = None, torch.zeros(len(ids), dtype=torch.float64)
+    for y0 in range(0, height, band):
+        f = feature_rows(y0, min(y0 + band, height)).cpu().double().flatten(1)  # C x pixels
+        r = reg[y0 : min(y0 + band, height)].flatten()
+        pos = torch.searchsorted(sorted_ids, r).clamp(max=max(len(ids) - 1, 0))
+        keep = sorted_ids[pos] == r if len(ids) else torch.zeros_like(r, dtype=torch.bool)
+        part = torch.zeros(len(ids), f.shape[0], dtype=torch.float64).index_add_(0, pos[keep], f[:, keep].T)
+        sums = part if sums is None else sums + part
+        counts += torch.bincount(pos[keep], minlength=len(ids)).double()
+    return (sums / counts.clamp(min=1)[:, None]).float().numpy()
+
+
 # -- cases: name -> (inputs, {variant: call}) ----------------------------------------------------------------
 def retrieval_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
     from bank import synthetic_bank
@@ -156,7 +186,32 @@ def lp_pixel_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], t
     }
 
 
-CASES = {"retrieval": retrieval_case, "pamr": pamr_case, "lp:pixel": lp_pixel_case}
+def bank_build_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
+    from clipseg_sparse.bench.pipeline import blocky_regions
+    from clipseg_sparse.segment import bank as banks
+    from clipseg_sparse.segment.maps import factored, resize_matrix
+
+    g = torch.Generator().manual_seed(0)
+    H, W = 375, 500
+    regions = blocky_regions((H, W))
+    ids = list(range(30))
+    assert all((regions == i).any() for i in ids)  # every id present: a region's value is its index
+    inverse = torch.from_numpy(regions)
+    key_map = torch.randn(1, 1024, 24, 31, generator=g)
+    values = factored(torch.randn(42, 84, 512, generator=g), resize_matrix(42, H), resize_matrix(84, W))
+    return {
+        "bank build keys": {
+            "before": lambda: torch.from_numpy(old_region_means(old_key_rows(key_map, (H, W)), H, regions, ids)),
+            "after": lambda: banks.resized_region_means(key_map[0], inverse, 30).float(),
+        },
+        "bank build values": {
+            "before": lambda: torch.from_numpy(old_region_means(values.rows, H, regions, ids)),
+            "after": lambda: banks.factored_region_means(values, inverse, 30).float(),
+        },
+    }
+
+
+CASES = {"retrieval": retrieval_case, "pamr": pamr_case, "lp:pixel": lp_pixel_case, "bank build": bank_build_case}
 
 
 def status_mib(key: str) -> float:

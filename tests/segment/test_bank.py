@@ -213,6 +213,20 @@ def test_resized_region_means_equal_the_means_of_the_resized_map(size):
     torch.testing.assert_close(same, expected, atol=1e-7, rtol=0)
 
 
+def test_factored_region_means_equal_the_means_of_the_map_rows():
+    """A CosineMap's region means from its small grid (issue 33) = the means of its rows at full size."""
+    from clipseg_sparse.segment.maps import factored, resize_matrix
+
+    g = torch.Generator().manual_seed(1)
+    grid = torch.randn(7, 9, 12, generator=g)  # R x K x N
+    H, W = 45, 61
+    cmap = factored(grid, resize_matrix(7, H), resize_matrix(9, W))
+    regions = torch.randint(-1, 6, (H, W), generator=g)
+    full = cmap.rows(0, H).double()
+    expected = torch.stack([full[:, regions == r].mean(1) for r in range(6)])
+    torch.testing.assert_close(banks.factored_region_means(cmap, regions, 6, band=4), expected, atol=1e-6, rtol=0)  # float32 rows vs float64 sums
+
+
 @pytest.mark.parametrize("high", [40, 10**12])  # a table over the id range; a sort where the range is wide
 def test_region_index_equals_unique(high):
     regions = torch.randint(-3, 40, (30, 20)) * (high // 40)
