@@ -2,7 +2,8 @@
 memory of a memory-mapped bank much larger than what the process keeps, side by side in one run.
 
 1. build: `build_bank` on N random images (random weights: --clip ViT-B-16, DINO ViT-B/8 for the values'
-   CorrCLIP body, C-RADIOv3 --keys as the key backbone), short side --short, 336/112 windows; images/s.
+   CorrCLIP body, C-RADIOv3 --keys as the key backbone), short side --short, 336/112 windows; images/s and the
+   share of each network and of the region reductions (`bench.pipeline.PartTimer`).
 2. retrieval: `retrieval_logits` for one image's region map (--regions regions) at the network input
    (336 x 448), 150 classes, against synthetic banks of 1 000 and 100 000 regions (1024-d keys, 512-d
    values): flat index at 1k, the published IVF-PQ (nlist 8 sqrt(N), m 32, 8 bits, nprobe 256) at 100k;
@@ -11,12 +12,13 @@ memory of a memory-mapped bank much larger than what the process keeps, side by 
    memory-mapped; peak resident set of a child process that opens it and retrieves for 20 images, next to
    the values file's size, and how much of the resident set is mapped file pages.
 
-    python benchmarks/bank.py [--images 4] [--short 336] [--keys c_radio_v3_b] [--big 2000000] [--threads 2] [--skip build]
+    python benchmarks/bank.py [--images 4] [--short 336] [--keys c_radio_v3_b] [--big 2000000] [--threads 2] [--cpu-time] [--skip build]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -87,7 +89,10 @@ def memory_child(folder: str, regions: int, classes: int) -> None:
     print(json.dumps({"peak_mib": kib("VmHWM"), "file_mib": kib("RssFile"), "anon_mib": kib("RssAnon")}))
 
 
-def build_rate(images: int, short: int, keys: str, clip_name: str) -> float:
+def build_rate(images: int, short: int, keys: str, clip_name: str, cpu_time: bool = False) -> tuple[float, list]:
+    """(images/s of `build_bank` after a one-image warm-up, its parts: `bench.pipeline.PartTimer` over the
+    library's network calls and the region reductions)."""
+    from clipseg_sparse.bench.pipeline import NETWORK, OTHER, PartTimer, timed_library
     from clipseg_sparse import load_clip
     from clipseg_sparse.attention import resolve_spec
     from clipseg_sparse.methods.corrclipv2 import VALUES
@@ -108,9 +113,16 @@ def build_rate(images: int, short: int, keys: str, clip_name: str) -> float:
             regions[str(i)] = np.kron(rng.integers(-1, 30, (15, 20)), np.ones((25, 25), dtype=np.int64))
         source = lambda rgb, name: regions[name]  # noqa: E731
         banks.build_bank(jobs[:1], Path(tmp) / "warm", values, key_backbone, {"weights": "none"}, source, "random", "flat")
-        t0 = time.perf_counter()
-        banks.build_bank(jobs, Path(tmp) / "bank", values, key_backbone, {"weights": "none"}, source, "random", "flat")
-        return images / (time.perf_counter() - t0)
+        timer = PartTimer(clock=time.process_time if cpu_time else time.perf_counter)
+        with timed_library(timer), contextlib.ExitStack() as stack:
+            for name in ("resized_region_means", "factored_region_means"):
+                stack.enter_context(timer.wrapped(banks, name, f"{name} (reduction)", OTHER))
+            with timer.part("bank build", OTHER):
+                banks.build_bank(jobs, Path(tmp) / "bank", values, key_backbone, {"weights": "none"}, source, "random", "flat")
+        whole = timer.parts.pop("bank build")
+        rest = whole.seconds - sum(p.own for p in timer.parts.values())
+        parts = sorted(timer.parts.values(), key=lambda p: -p.own) + [type(whole)("rest (image loading, writing parts, merging, index)", OTHER, 1, rest, rest)]
+        return images / whole.seconds, [(p.name, p.kind == NETWORK, p.own / images, p.own / whole.seconds) for p in parts]
 
 
 def main() -> None:
@@ -123,6 +135,7 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=150)
     parser.add_argument("--big", type=int, default=2_000_000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cpu-time", action="store_true", help="bank build: time by process CPU time (a machine loaded by other jobs; one thread)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--skip", action="append", default=[], choices=["build", "retrieval", "memory"])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -131,8 +144,11 @@ def main() -> None:
     if args.child:
         return memory_child(args.child, args.regions, args.classes)
     if "build" not in args.skip:
-        rate = build_rate(args.images, args.short, args.keys, args.clip)
-        print(f"bank build: {rate:.3f} images/s ({args.images} images 375x500, {args.clip} + DINO ViT-B/8 values at short side {args.short}, {args.keys} keys, random weights, {args.threads} threads)")
+        rate, parts = build_rate(args.images, args.short, args.keys, args.clip, args.cpu_time)
+        clock = "CPU" if args.cpu_time else "wall"
+        print(f"bank build: {rate:.3f} images/s by {clock} time ({args.images} images 375x500, {args.clip} + DINO ViT-B/8 values at short side {args.short}, {args.keys} keys, random weights, {args.threads} threads)")
+        for name, network, seconds, share in parts:
+            print(f"  {name:60s} {'network' if network else '':8s} {seconds:8.2f} s/image {share:6.1%}")
     with tempfile.TemporaryDirectory() as tmp:
         if "retrieval" not in args.skip:
             for rows, kind in ((1_000, "flat"), (100_000, "ivfpq")):

@@ -9,7 +9,8 @@ library's current code on the same random inputs of one image:
   k = 20, alpha 0.5. Before: region means as one product of the input-size map with the pixels' one-hot region
   matrix, logits painted by advanced indexing, then 0.5 own + 0.5 support. After: `region_support` (region means
   reduced by region index from the raw map) and `retrieval_fusion` (painted by gather into the fused map).
-  The row `retrieval_logits` is the painted support alone (what `bank.py` times).
+  The second row gives both the map as the windows forward makes it (H x W x N memory seen as N x H x W, what
+  `segment` hands the stage); the row `retrieval_logits` is the painted support alone (what `bank.py` times).
 - `pamr`: 10 iterations, dilations 8 and 16, 150 classes at 375 x 500 (`propagation.py`'s image). Before: each
   iteration adds the 16 shifted views of the whole replicate-padded map. After: class bands of 8, two band
   buffers, shifted slices with clamped ends (`stages.pamr`). The second row gives both the map as the windows
@@ -151,10 +152,15 @@ def retrieval_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], 
     full = resized_features(raw, size)[0]  # the input-size map the old code read (made before the stage either way)
     texts = {"synthetic": F.normalize(torch.randn(classes, 512, generator=g), dim=-1)}
     cosine = torch.randn(classes, *size, generator=g)
+    strided = cosine.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # H x W x N memory, as the windows forward's map
     return {
         "retrieval stage": {
             "before": lambda: 0.5 * cosine + (1 - 0.5) * old_retrieval_logits(reg, full, bank, texts, 20),
             "after": lambda: retrieval_fusion(cosine, *banks.region_support(reg, raw[0], bank, texts, 20), 0.5),
+        },
+        "retrieval stage, H x W x N map": {
+            "before": lambda: 0.5 * strided + (1 - 0.5) * old_retrieval_logits(reg, full, bank, texts, 20),
+            "after": lambda: retrieval_fusion(strided, *banks.region_support(reg, raw[0], bank, texts, 20), 0.5),
         },
         "retrieval_logits": {
             "before": lambda: old_retrieval_logits(reg, full, bank, texts, 20),
@@ -256,7 +262,7 @@ def main() -> None:
         return one(*args.one, args.classes)
     keep_freed_memory()
     print(f"{args.threads} thread(s), {args.classes} classes, best of {args.rounds} interleaved rounds after a warm-up, {'CPU' if args.cpu_time else 'wall'} time")
-    print(f"{'case':24s} {'before s':>9s} {'after s':>9s} {'speed-up':>9s} {'before MiB':>11s} {'after MiB':>10s} {'ratio':>6s} {'max |diff|':>11s}")
+    print(f"{'case':32s} {'before s':>9s} {'after s':>9s} {'speed-up':>9s} {'before MiB':>11s} {'after MiB':>10s} {'ratio':>6s} {'max |diff|':>11s}")
     for case in args.cases:
         with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
             rows = build(case, args.classes, Path(tmp))
@@ -275,7 +281,7 @@ def main() -> None:
                 for v in variants:
                     cmd = [sys.executable, __file__, "--one", case, row, v, "--classes", str(args.classes), "--threads", str(args.threads)]
                     peak[v] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])["peak_mib"]
-                print(f"{row:24s} {best['before']:9.3f} {best['after']:9.3f} {best['before'] / best['after']:8.1f}x "
+                print(f"{row:32s} {best['before']:9.3f} {best['after']:9.3f} {best['before'] / best['after']:8.1f}x "
                       f"{peak['before']:11.0f} {peak['after']:10.0f} {peak['after'] / max(peak['before'], 1e-9):6.2f} {diff:11.2e}", flush=True)  # fmt: skip
 
 

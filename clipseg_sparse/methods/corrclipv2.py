@@ -58,12 +58,19 @@ CORRCLIPV2_NOTES = (
 def retrieval_fusion(cosine: torch.Tensor, support: torch.Tensor, inverse: torch.Tensor, alpha: float, band: int = 8192) -> torch.Tensor:
     """alpha x own cosine + (1 - alpha) x the bank's support logits (published forward_slide): cosine N x h x w,
     support R x N per region, inverse h x w region index. The support is painted by gather a band of `band`
-    pixels at a time into the result (no N x h x w painted map)."""
-    out = alpha * cosine
-    flat, index = out.view(out.shape[0], -1), inverse.flatten().to(out.device)
-    weighted = ((1 - alpha) * support).T.contiguous().to(out.device)  # N x R
-    for start in range(0, flat.shape[1], band):
-        flat[:, start : start + band] += torch.index_select(weighted, 1, index[start : start + band])
+    pixels at a time into the result (no N x h x w painted map), along the result's memory: rows of N values
+    where the map is h x w x N memory (the windows forward's), else rows of pixels."""
+    out = alpha * cosine  # keeps the cosine's memory layout
+    index = inverse.flatten().to(out.device)
+    weighted = ((1 - alpha) * support).to(out.device)  # R x N
+    names_last = out.stride(0) == 1 and out.shape[0] > 1
+    flat = out.permute(1, 2, 0).reshape(-1, out.shape[0]) if names_last else out.view(out.shape[0], -1)  # views
+    table = weighted if names_last else weighted.T.contiguous()
+    for start in range(0, index.numel(), band):
+        if names_last:
+            flat[start : start + band] += torch.index_select(table, 0, index[start : start + band])
+        else:
+            flat[:, start : start + band] += torch.index_select(table, 1, index[start : start + band])
     return out
 
 

@@ -256,8 +256,12 @@ def test_retrieval_equals_todays_one_hot_retrieval(models, tmp_path):
     from clipseg_sparse.methods.corrclipv2 import retrieval_fusion
 
     cosine = torch.randn(5, *size)
-    fused = retrieval_fusion(cosine, support, inverse, 0.3, band=7)  # bands that split rows
-    torch.testing.assert_close(fused, 0.3 * cosine + 0.7 * banks.paint(support, inverse), atol=0, rtol=0)
+    expected_fused = 0.3 * cosine + 0.7 * banks.paint(support, inverse)
+    torch.testing.assert_close(retrieval_fusion(cosine, support, inverse, 0.3, band=7), expected_fused, atol=0, rtol=0)  # bands that split rows
+    strided = cosine.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # H x W x N memory, as the windows forward's map
+    fused = retrieval_fusion(strided, support, inverse, 0.3, band=7)
+    torch.testing.assert_close(fused, expected_fused, atol=0, rtol=0)
+    assert fused.stride() == strided.stride()
 
 
 def test_corrclipv2_with_a_bank_equals_the_published_forward_slide(models, tmp_path):
