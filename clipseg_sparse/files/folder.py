@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..runtime.atomic import claim
+from ..runtime.atomic import claim, claim_tag
 from ..runtime.distributed import barrier, gather, rank_and_world, shard
 from .inputs import ImageJob, safe_output_base
 from ..segment.images import ImageReadError, load_image
 from ..segment.labels import NonFiniteScores
 from ..segment.segmenter import Segmenter
-from .outputs import OutputOptions, Status, read_record, write_outputs
+from .outputs import ClaimConflictError, OutputOptions, Status, prediction_key, read_record, write_outputs
 
 
 @dataclass
@@ -96,40 +96,55 @@ def run_plan(
     report = RunReport(skipped=len(done))
     report.records = [read_record(plan.base(job)) for job in done]
     settings = segmenter.config()
-    for job in shard(plan.todo, rank, world):
-        with claim(plan.base(job)) as mine:
-            if not mine:  # another run on this folder is segmenting it
-                report.elsewhere += 1
-                on_image(job, None)
-                continue
-            if options.status(plan.base(job), settings)[0] is Status.done:  # another run finished it since the plan
-                report.skipped += 1
-                report.records.append(read_record(plan.base(job)))
-                on_image(job, None)
-                continue
-            try:
-                rgb = load_image(job.source)
-            except (ImageReadError, OSError) as e:
-                report.failed.append((job.source, str(e)))
-                on_image(job, str(e))
-                continue
-            try:
-                result = segmenter.predict(rgb, str(job.rel))
-                report.records.append(write_outputs(plan.base(job), job.source, rgb, result, options))
-            except NonFiniteScores as e:  # a spec with no finite score: this image fails, nothing is written
-                report.failed.append((job.source, f"{job.source}: {e}"))
-                on_image(job, f"{job.source}: {e}")
-                continue
-            except (MemoryError, RuntimeError) as e:
-                if not out_of_memory(e):
-                    raise
-                height, width = rgb.shape[:2]
-                reason = f"{job.source}: out of memory on this {width}x{height} image ({str(e).strip().splitlines()[0][:200]})"
-                report.failed.append((job.source, reason))
-                on_image(job, reason)
-                continue
-            report.segmented += 1
+
+    def one(job: ImageJob) -> bool:
+        """Segment a claimed image unless another run finished it since the plan (True; with other settings:
+        a conflict)."""
+        status, reason = options.status(plan.base(job), settings)
+        if status is Status.conflict:  # a run with other settings wrote it since this one planned
+            raise ClaimConflictError(reason)
+        if status is Status.done:  # another run with these settings finished it since the plan
+            report.records.append(read_record(plan.base(job)))
             on_image(job, None)
+            return True
+        try:
+            rgb = load_image(job.source)
+        except (ImageReadError, OSError) as e:
+            report.failed.append((job.source, str(e)))
+            on_image(job, str(e))
+            return False
+        try:
+            result = segmenter.predict(rgb, str(job.rel))
+            report.records.append(write_outputs(plan.base(job), job.source, rgb, result, options))
+        except NonFiniteScores as e:  # a spec with no finite score: this image fails, nothing is written
+            report.failed.append((job.source, f"{job.source}: {e}"))
+            on_image(job, f"{job.source}: {e}")
+            return False
+        except (MemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
+            height, width = rgb.shape[:2]
+            reason = f"{job.source}: out of memory on this {width}x{height} image ({str(e).strip().splitlines()[0][:200]})"
+            report.failed.append((job.source, reason))
+            on_image(job, reason)
+            return False
+        report.segmented += 1
+        on_image(job, None)
+        return False
+
+    held = []  # images another run with these settings was segmenting: checked once it is done with each
+    tag = prediction_key(settings)
+    for job in shard(plan.todo, rank, world):
+        with claim(plan.base(job), tag) as mine:
+            if mine:
+                report.skipped += one(job)
+                continue
+            if claim_tag(plan.base(job)) not in ("", tag):  # the first run on the folder goes on, this one stops
+                raise ClaimConflictError(f"{job.source}: another run on this --out with other settings is segmenting it")
+            held.append(job)
+    for job in held:
+        with claim(plan.base(job), tag, wait=True):
+            report.elsewhere += one(job)  # the other run wrote it, with these settings
     return RunReport.merged(gather(report)) if world > 1 else report
 
 

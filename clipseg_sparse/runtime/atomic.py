@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -43,12 +44,14 @@ def naming(path: str | Path) -> Iterator[None]:
 
 
 @contextmanager
-def claim(path: str | Path) -> Iterator[bool]:
+def claim(path: str | Path, tag: str = "", wait: bool = False) -> Iterator[bool]:
     """Whether this process holds the claim on `path` for the block: an exclusive, non-blocking flock on a
     lock file beside it (`.NAME.lock`), so of several runs on one output folder only one works on an item
-    at a time and the others go on to the next. The kernel drops the lock of a process that dies, so no
-    claim outlives its run; the holder removes the file after the block. A filesystem without locks, or a
-    system without flock (Windows), claims nothing (every run works on every item, as before)."""
+    at a time and the others go on to the next (`wait`: block until the holder is done, then hold it). The
+    holder writes `tag` into the lock file (what it will write: `claim_tag` reads it). The kernel drops the
+    lock of a process that dies, so no claim outlives its run; the holder removes the file after the block.
+    A filesystem without locks, or a system without flock (Windows), claims nothing (every run works on every
+    item, as before)."""
     try:
         import fcntl
     except ImportError:
@@ -57,18 +60,45 @@ def claim(path: str | Path) -> Iterator[bool]:
     path = Path(path)
     lock = path.with_name(f".{path.name}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as f:
+    while True:
+        f = open(lock, "a")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
+            f.close()
             yield False
             return
         except OSError:  # no locks on this filesystem
             pass
+        try:  # the holder before may have removed the file while this run waited: lock the one at the path
+            if os.stat(lock).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    with f:
+        f.truncate(0)
+        f.write(tag)
+        f.flush()
         try:
             yield True
         finally:
             lock.unlink(missing_ok=True)
+
+
+def claim_tag(path: str | Path, patience: float = 1.0) -> str:
+    """The tag of the run holding the claim on `path` ("" when none is, or it wrote none within `patience`
+    seconds: a holder writes its tag just after it locks)."""
+    lock = Path(path).with_name(f".{Path(path).name}.lock")
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            tag = lock.read_text()
+        except OSError:  # released since (the holder removes the file)
+            return ""
+        if tag or time.monotonic() > deadline:
+            return tag
+        time.sleep(0.02)
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
