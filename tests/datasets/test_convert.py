@@ -122,7 +122,7 @@ def test_sclip_and_plain_names_differ_where_published_files_do(tmp_path):
     assert vocab.names[3] == ("thing 3", "alias 3") and vocab.labels[3] == "wall" and version.startswith("file:names.txt")
     with pytest.raises(ValueError, match="19 classes .* voc20 has 20"):
         class_vocabulary("voc20", str(custom))
-    with pytest.raises(ValueError, match="not one of sclip, plain"):
+    with pytest.raises(ValueError, match="class names .clearclip.: not one of sclip, .*plain.* and not an existing file"):
         class_vocabulary("voc20", "clearclip")
 
 
