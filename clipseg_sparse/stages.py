@@ -19,7 +19,7 @@ in the order of `KINDS`:
 - refine: `RefineCall`, on the labels with the class probabilities (Trident's SAM prompt refinement).
 
 Stages that need more than tensors read the image's `ImageRun` (the original image, the network input, the
-text, the spec's normalizer, the image's region map, the backbones, the image bank). A stage declares what it
+text and the vocabulary it embeds, the spec's normalizer, the image's region map, the backbones, the image bank). A stage declares what it
 needs (`Stage.needs`): the external backbones it runs (`backbones`, loaded before any image and recorded in
 results), a `load` hook for what it loads itself (SAM's predictor), the forward it must run in (`forward`:
 the global stage runs only in the forward that splices the windows); labels and retrieval stages read region
@@ -82,6 +82,7 @@ class ImageRun(Protocol):
     pixels: torch.Tensor  # the 1 x 3 x H' x W' CLIP-normalised network input
     text: torch.Tensor  # N_names x D L2-normalised text embeddings
     regions: torch.Tensor | None  # H' x W' region ids at the network input's size (-1 unsegmented)
+    vocabulary: Any  # segment.vocabulary.Vocabulary: the names `text` embeds (flat_names), their classes (name_to_class)
 
     @property
     def clip(self) -> Any: ...  # the DenseCLIP (its `mean` / `std` normalise the pixels)

@@ -183,7 +183,7 @@ class ImageRun:
     the text, the original image, the network input (`Forward.pixels`), the image's region map at its size,
     the run's backbones, the whole-image features of the spec's `ext:NAME.image` taps (`image_features`, cropped
     like each window) and of the bank's key backbone (`key_features`), the image bank and its stores' text
-    embeddings.
+    embeddings, and the vocabulary the text embeds (FreeCP's class descriptions, FLOSS's rankings are per name).
 
     raw: the forward gives unnormalised projected features (`text` the identity: CorrCLIPv2's bank values).
     """
@@ -200,14 +200,16 @@ class ImageRun:
     key_features: torch.Tensor | None = None  # 1 x C x h x w raw map of the bank's key backbone (its patch grid)
     store_texts: Mapping[str, torch.Tensor] = field(default_factory=dict)
     raw: bool = False
+    vocabulary: Any = None  # segment.vocabulary.Vocabulary whose names `text` embeds (stages that read names)
 
     @classmethod
     @torch.inference_mode()
     def of(
         cls, plan: Plan, clip: DenseCLIP, text: torch.Tensor, image: np.ndarray, regions: np.ndarray | None, resources: Any,
-        store_texts: Mapping[str, torch.Tensor] | None = None,
+        store_texts: Mapping[str, torch.Tensor] | None = None, vocabulary: Any = None,
     ) -> "ImageRun":
-        """The run of an RGB uint8 image; regions: its H x W region ids (or None), resized nearest with it."""
+        """The run of an RGB uint8 image; regions: its H x W region ids (or None), resized nearest with it;
+        vocabulary: the names `text` embeds, for stages that read them."""
         pixels = plan.forward.pixels(image, clip, plan.settings)
         size = tuple(pixels.shape[-2:])
         bank = resources.bank if plan.needs.bank else None
@@ -216,7 +218,7 @@ class ImageRun:
         return cls(
             plan, clip, text, image, pixels, input_regions(regions, size), resources.backbones,
             {name: resized_features(maps[name], size) for name in plan.needs.image_features}, bank,
-            maps[bank.proxy] if bank is not None else None, store_texts or {},
+            maps[bank.proxy] if bank is not None else None, store_texts or {}, vocabulary=vocabulary,
         )  # fmt: skip
 
     @property
