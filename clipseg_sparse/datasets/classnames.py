@@ -15,6 +15,8 @@ between repositories, so the choice is a setting with a version:
   Cityscapes, SCLIP's for the other datasets (shared).
 - `itaclip`: m-arda-aydn/ITACLIP's files (the `itaclip` protocol) for VOC21, Context60, COCO-Object, COCO-Stuff and
   Cityscapes: other background words on VOC21 and more synonyms; SCLIP's for the other datasets (shared).
+- `freecp`: chenqi1126/FreeCP's files (the `freecp*` protocols) for VOC21, VOC20 and COCO-Object: one name per
+  class (its purification keeps one map per name); SCLIP's for the other datasets (shared).
 - a file path: one class per line, synonyms separated by commas, one line per dataset class.
 
 The version of a name set is its source and a hash of its bytes, so a result says exactly which
