@@ -86,10 +86,10 @@ def tiny_sam3_model(seed: int = 0) -> nn.Module:
     return init_unloaded(model, seed).eval()
 
 
-def tiny_hf_model(seed: int = 0, gain: float = 2.0):
+def tiny_hf_model(seed: int = 0, gain: float = 2.0, decoder_layers: int = 1):
     """A small random transformers `Sam3Model` (1.8M parameters, 112 px, 8 x 8 patches): ViT of 2 blocks
     (windowed, global), one fusion / decoder / geometry layer, 10 queries, a 1-layer CLIP text encoder on
-    the real 49408-token vocabulary. PyTorch's default init per layer and every Linear outside the ViT
+    the real 49408-token vocabulary (decoder_layers: the DETR decoder's depth). PyTorch's default init per layer and every Linear outside the ViT
     times `gain`: transformers' own init (std 0.02) gives every prompt the same presence and no instance."""
     from transformers import Sam3Config, Sam3Model
     from transformers.models.sam3.configuration_sam3 import Sam3ViTConfig
@@ -102,7 +102,7 @@ def tiny_hf_model(seed: int = 0, gain: float = 2.0):
         text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=1, num_attention_heads=2,
                          max_position_embeddings=32, hidden_act="gelu", layer_norm_eps=1e-5),  # fmt: skip
         geometry_encoder_config=dict(num_layers=1, **sub), detr_encoder_config=dict(num_layers=1, **sub),
-        detr_decoder_config=dict(num_layers=1, num_queries=10, **sub), mask_decoder_config=dict(hidden_size=32, num_attention_heads=2),
+        detr_decoder_config=dict(num_layers=decoder_layers, num_queries=10, **sub), mask_decoder_config=dict(hidden_size=32, num_attention_heads=2),
     )  # fmt: skip
     torch.manual_seed(seed)
     model = Sam3Model(config)
@@ -116,8 +116,8 @@ def tiny_hf_model(seed: int = 0, gain: float = 2.0):
     return model.eval()
 
 
-def tiny_hf_prompter(precision: str = "fp32"):
+def tiny_hf_prompter(precision: str = "fp32", decoder_layers: int = 1):
     from clipseg_sparse.models.sam3 import TransformersPrompter
     from clipseg_sparse.models.sam3.hf import offline_processor
 
-    return TransformersPrompter(tiny_hf_model(), offline_processor(RESOLUTION), "none", "cpu", precision)
+    return TransformersPrompter(tiny_hf_model(decoder_layers=decoder_layers), offline_processor(RESOLUTION), "none", "cpu", precision)

@@ -164,6 +164,22 @@ def vit_grid(model, pixels: int) -> Iterator[None]:
             layer.position_ids = ids
 
 
+@contextlib.contextmanager
+def shortened_decoder(model, layers: int, queries: int | None = None) -> Iterator[None]:
+    """The DETR decoder with its first `layers` layers and (queries) its first `queries` object queries and
+    reference boxes, restored after (ActiveSAM's cheap presence preview; the presence token is kept)."""
+    decoder = model.detr_decoder
+    saved = decoder.layers, decoder.query_embed, decoder.reference_points
+    decoder.layers = decoder.layers[:layers]
+    if queries is not None:
+        decoder.query_embed = torch.nn.Embedding.from_pretrained(decoder.query_embed.weight[:queries].detach())
+        decoder.reference_points = torch.nn.Embedding.from_pretrained(decoder.reference_points.weight[:queries].detach())
+    try:
+        yield
+    finally:
+        decoder.layers, decoder.query_embed, decoder.reference_points = saved
+
+
 def prompt_features(model, vision, input_ids: torch.Tensor, attention_mask: torch.Tensor, extra=None):
     """Prompt tokens [K, L, D] and their valid mask (True = valid) for K text prompts on one image, as the sam3
     package builds them: text tokens, then `extra` (tokens [K, M, D], valid [K, M]; context tokens a method
@@ -188,7 +204,8 @@ def prompt_features(model, vision, input_ids: torch.Tensor, attention_mask: torc
 def run_prompts(model, vision, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_masks: bool = True, extra=None) -> dict:
     """One bucket of K prompts on one encoded image: the fusion encoder, the DETR decoder with its box head and
     dot-product scoring, and (with_masks) the segmentation head. dict(hs [K, Q, D], logits [K, Q],
-    presence_logits [K], boxes [K, Q, 4] xyxy in [0, 1], masks [K, Q, h, w], semantic [K, 1, h, w])."""
+    presence_logits [K], presence_layers [L, K] (every decoder layer's; the last is presence_logits), boxes
+    [K, Q, 4] xyxy in [0, 1], masks [K, Q, h, w], semantic [K, 1, h, w])."""
     from transformers.models.sam3.modeling_sam3 import box_cxcywh_to_xyxy, inverse_sigmoid
 
     prompt, mask, fpn, fpn_pos = prompt_features(model, vision, input_ids, attention_mask, extra)
@@ -198,7 +215,8 @@ def run_prompts(model, vision, input_ids: torch.Tensor, attention_mask: torch.Te
     hidden = dec.intermediate_hidden_states
     boxes = box_cxcywh_to_xyxy((inverse_sigmoid(dec.reference_boxes) + model.detr_decoder.box_head(hidden)).sigmoid())
     logits = model.dot_product_scoring(decoder_hidden_states=hidden, text_features=enc.text_features, text_mask=mask).squeeze(-1)
-    out = dict(hs=hidden[-1], logits=logits[-1], presence_logits=dec.presence_logits[-1].squeeze(-1), boxes=boxes[-1])
+    presence = dec.presence_logits.squeeze(-1)
+    out = dict(hs=hidden[-1], logits=logits[-1], presence_logits=presence[-1], presence_layers=presence, boxes=boxes[-1])
     if with_masks:
         seg = model.mask_decoder(decoder_queries=out["hs"], backbone_features=list(fpn), encoder_hidden_states=enc.last_hidden_state,
                                  prompt_features=prompt, prompt_mask=mask)  # fmt: skip
