@@ -1,6 +1,6 @@
 """The `clipseg-sparse` command line: the root app, one typer app per command group, and the entry point.
 
-Each command module (`ls`, `segment`, `evaluate`, `sweep`, `bench`, `analysis`, `dna`) builds its own
+Each command module (`ls`, `segment`, `evaluate`, `calibrate`, `sweep`, `bench`, `analysis`, `dna`) builds its own
 `typer.Typer()`; this module only assembles them, as typer's one-file-per-command layout does.
 Heavy imports (torch, open_clip) happen inside command bodies so that `--help` is instant.
 Progress and logs go to stderr; tables and JSON to stdout.
@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from . import analysis, bank, bench, dna, evaluate, ls, segment, sweep
+from . import analysis, bank, bench, calibrate, dna, evaluate, ls, segment, sweep
 from .common import flags_show_no_value_type
 from ..runtime.progress import err_console
 
@@ -41,7 +41,7 @@ def build_app() -> typer.Typer:
     flags_show_no_value_type()
     root = typer.Typer(name="clipseg-sparse", help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
     root.callback()(_root)
-    for group in (ls.app, segment.app, evaluate.app, sweep.app, bench.app, analysis.app):  # their commands join the root
+    for group in (ls.app, segment.app, evaluate.app, calibrate.app, sweep.app, bench.app, analysis.app):  # their commands join the root
         root.add_typer(group)
     root.add_typer(evaluate.convert_app, name="convert")
     root.add_typer(dna.dna_app, name="dna")
