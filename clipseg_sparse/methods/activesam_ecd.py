@@ -47,8 +47,8 @@ which the published decoder turns into a null concept that never wins (here refu
 match the vocabulary's); an unreadable pool image stops calibrate.py (here skipped with a note, listed in the
 file). Not copied: the screen's separate 1-layer decoder pass (here the full pass's first layer: the decoder's
 layers run in order, so equal; masks of screened names are computed and dropped, cost only), the text cache,
-the mmseg / PIL loading (the pixels `eval` loads), the `sigma`/`tau` options of the constructor beyond the
-published values (library arguments here). The file format is the published one (`R_a`, `R_e`, `log_mass`,
+the mmseg / PIL loading (the pixels `eval` loads). `tau`, `sigma` and the preview's size are `EcdSegmenter`
+arguments (the published constructor's), fixed to the published values in the pipeline. The file format is the published one (`R_a`, `R_e`, `log_mass`,
 `mass_argmax`, `mass_excl`, `m_bg`, `meta` as JSON), so the repository's `signatures/*.npz` load (checked
 by class count and background class; ours also record the class names and are checked by them). No accuracy
 has been measured here (no weights; the release's table is an image).
@@ -60,6 +60,7 @@ import hashlib
 import json
 import re
 import zipfile
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -139,7 +140,10 @@ class Signatures:
         if not path.is_file():
             raise UserValueError(f"{path}: no such signature file (`clipseg-sparse calibrate` writes one)")
         try:
-            with np.load(path) as f:
+            f = np.load(path)
+            if not isinstance(f, np.lib.npyio.NpzFile):
+                raise UserValueError(f"{path}: not a signature file (one array, not an .npz archive)")
+            with f:
                 missing = [k for k in KEYS if k not in f.files]
                 if missing:
                     raise UserValueError(f"{path}: not a signature file (no {', '.join(missing)})")
@@ -148,6 +152,8 @@ class Signatures:
             if isinstance(e, UserError):
                 raise
             raise UserValueError(f"{path}: not a signature file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        if not isinstance(got.meta, dict):
+            raise UserValueError(f"{path}: not a signature file (its meta is not a JSON object)")
         c = len(got.log_mass)
         shapes = [a.shape for a in (got.R_a, got.R_e)] + [a.shape for a in (got.mass_argmax, got.mass_excl)]
         if shapes != [(c, c), (c, c), (c,), (c,)] or "CORE_MIN_PX" not in got.meta.get("constants", {}):
@@ -381,13 +387,14 @@ def check_out(out: str | Path) -> Path:
     return out
 
 
-def calibration_config(segmenter: EcdSegmenter | str, vocabulary: Vocabulary, images: Sequence[Path], weights: str | None = None) -> dict:
+def calibration_config(segmenter: EcdSegmenter | str, vocabulary: Vocabulary, images: Sequence[Path], weights: str | None = None,
+                       min_pixels: int = MIN_PIXELS) -> dict:  # fmt: skip
     """What a signature file depends on: the pipeline, the classes, the pool (its files, hashed, in order), the
     SAM 3 weights and the constants; a run in progress resumes only with the same."""
     name = segmenter if isinstance(segmenter, str) else segmenter.config()["attention"]
     pool = hashlib.sha256("\n".join(str(Path(p).resolve()) for p in images).encode()).hexdigest()[:16]
     return {"pipeline": name, "classes": [list(n) for n in vocabulary.names], "images": len(images), "pool": pool, "weights": weights,
-            "constants": [CORE_HIGH, CORE_LOW, MIN_PIXELS]}  # fmt: skip
+            "constants": [CORE_HIGH, CORE_LOW, min_pixels]}  # fmt: skip
 
 
 def open_calibration(out: str | Path, config: dict, overwrite: bool = False) -> dict | None:
@@ -418,8 +425,7 @@ def calibrate(segmenter: EcdSegmenter, images: Sequence[str | Path], out: str | 
     call resumes there. An image that cannot be read is skipped with a `note` and listed in the file's meta."""
     out, images = check_out(out), [Path(p) for p in images]
     vocabulary = segmenter.vocabulary
-    config = calibration_config(segmenter, vocabulary, images, weights)
-    config["constants"][2] = min_pixels
+    config = calibration_config(segmenter, vocabulary, images, weights, min_pixels)
     state = open_calibration(out, config, overwrite)
     estimator = SignatureEstimator(len(vocabulary), min_pixels=min_pixels, device=segmenter.prompter.device)
     done, skipped = 0, []
@@ -432,8 +438,8 @@ def calibrate(segmenter: EcdSegmenter, images: Sequence[str | Path], out: str | 
         with atomic_path(partial_path(out)) as tmp, open(tmp, "wb") as f:
             np.savez(f, **estimator.state(), done=np.array(done), skipped=json.dumps(skipped), config=json.dumps(config))
 
-    with progress_bar("images") if progress else _NoBar() as bar:
-        task = bar.add_task("calibrate", total=len(images), completed=done)
+    with progress_bar("images") if progress else nullcontext() as bar:
+        task = bar.add_task("calibrate", total=len(images), completed=done) if bar else None
         for path in images[done:]:
             try:
                 rgb = load_image(path)
@@ -444,7 +450,8 @@ def calibrate(segmenter: EcdSegmenter, images: Sequence[str | Path], out: str | 
                 maps, _, active = segmenter.class_maps(rgb)
                 estimator.add(maps, active)
             done += 1
-            bar.advance(task)
+            if bar:
+                bar.advance(task)
             if done % CHECKPOINT_EVERY == 0 and done < len(images):
                 save_state()
     pool = f"{len(images)} images ({config['pool']})" + (f", {len(skipped)} unreadable skipped" if skipped else "")
@@ -453,20 +460,6 @@ def calibrate(segmenter: EcdSegmenter, images: Sequence[str | Path], out: str | 
     signatures.save(out)
     partial_path(out).unlink(missing_ok=True)
     return signatures
-
-
-class _NoBar:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def add_task(self, *args, **kwargs) -> int:
-        return 0
-
-    def advance(self, task: int) -> None:
-        return None
 
 
 # -- the pipeline ----------------------------------------------------------------------------------------------

@@ -527,12 +527,14 @@ def test_bad_signature_files_are_one_line_before_the_model(tmp_path):
 
     (tmp_path / "junk.npz").write_bytes(b"junk")
     np.savez(tmp_path / "other.npz", x=np.zeros(2))
+    with open(tmp_path / "one.npz", "wb") as f:
+        np.save(f, np.zeros(2))  # an .npy under an .npz name
     g = torch.Generator().manual_seed(4)
     sig = Signatures(**vars(random_signatures(g, 21)))
     sig.meta["classes"] = [["background"], ["cat"]] + [[f"c{i}"] for i in range(19)]
     sig.save(tmp_path / "cats.npz")
     cases = {None: "decodes with a signature file", str(tmp_path / "gone.npz"): "no such signature file", str(tmp_path / "junk.npz"): "not a signature file",
-             str(tmp_path / "other.npz"): "not a signature file (no R_a", str(tmp_path / "cats.npz"): "calibrated on another vocabulary"}  # fmt: skip
+             str(tmp_path / "other.npz"): "not a signature file (no R_a", str(tmp_path / "one.npz"): "not an .npz archive", str(tmp_path / "cats.npz"): "calibrated on another vocabulary"}  # fmt: skip
     for file, message in cases.items():
         code, lines = line(None if file is None else f"activesam-ecd:{file}")
         assert code == 2 and len(lines) == 1 and message in lines[0] and (file is None or file in lines[0]), (message, lines)
