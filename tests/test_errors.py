@@ -63,7 +63,7 @@ COMMANDS = dict(commands(typer.main.get_command(app)))
 
 
 def test_every_command_carries_the_boundary():
-    assert {"ls", "segment", "eval", "fgovd", "sweep", "report", "reproduce", "bench", "analyze", "explain", "demo",
+    assert {"ls", "segment", "eval", "calibrate", "fgovd", "sweep", "report", "reproduce", "bench", "analyze", "explain", "demo",
             "convert coco-stuff", "convert coco-object", "dna train", "dna stats", "bank build", "bank info"} == set(COMMANDS)
     for name, command in COMMANDS.items():
         caught = getattr(command.callback, "user_errors", None)

@@ -43,8 +43,8 @@ project's, the `sam3` pipeline's slot (the detector's image and the fusion encod
 `models/sam3/attention.py`) in every pass, the preview's included; `analyze` and `explain` read its detector
 as the `sam3` pipeline's (`query_attention`, with the context tokens). Runs on the transformers backend only
 (the context tokens enter `run_prompts` as `extra`). The later release (`@f662551`: Exclusive Concept Decoding,
-class signatures from unlabeled images, a `calibrate` step) is not built here. No accuracy has been measured
-here (no weights).
+class signatures from unlabeled images, a `calibrate` step) is `activesam_ecd.py`. No accuracy has been
+measured here (no weights).
 """
 
 from __future__ import annotations
