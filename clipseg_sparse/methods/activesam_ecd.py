@@ -48,7 +48,8 @@ match the vocabulary's); an unreadable pool image stops calibrate.py (here skipp
 file). Not copied: the screen's separate 1-layer decoder pass (here the full pass's first layer: the decoder's
 layers run in order, so equal; masks of screened names are computed and dropped, cost only), the text cache,
 the mmseg / PIL loading (the pixels `eval` loads). `tau`, `sigma` and the preview's size are `EcdSegmenter`
-arguments (the published constructor's), fixed to the published values in the pipeline. The file format is the published one (`R_a`, `R_e`, `log_mass`,
+arguments (the published constructor's), fixed to the published values in the pipeline. `analyze` and `explain` read its detector as `activesam`'s
+(`query_attention`), instances kept only for the names the preview admits and the screen keeps. The file format is the published one (`R_a`, `R_e`, `log_mass`,
 `mass_argmax`, `mass_excl`, `m_bg`, `meta` as JSON), so the repository's `signatures/*.npz` load (checked
 by class count and background class; ours also record the class names and are checked by them). No accuracy
 has been measured here (no weights; the release's table is an image).
@@ -56,6 +57,7 @@ has been measured here (no weights; the release's table is an image).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -77,7 +79,7 @@ from ..models.sam3.hf import answers, shortened_decoder
 from ..runtime.atomic import atomic_path
 from ..runtime.progress import progress_bar
 from ..segment.images import load_image
-from ..segment.pipelines import PIPELINES, Pipeline, split_pipeline
+from ..segment.pipelines import PIPELINES, Pipeline, QueryAttention, split_pipeline
 from ..segment.settings import InferenceSettings
 from ..segment.vocabulary import Vocabulary
 from . import activesam
@@ -290,6 +292,13 @@ def admit(presence: torch.Tensor, tau: float, always: torch.Tensor) -> list[int]
     return (admitted | always.to(admitted.device)).nonzero().flatten().tolist()
 
 
+def screen(out: dict, tau: float) -> tuple[torch.Tensor, list[int]]:
+    """A bucket's first-layer screen (`decode_prompts`): ([K] the first decoder layer's presences, the slots whose
+    presence is >= tau, the best one when none is)."""
+    screened = out["presence_layers"][0].float().sigmoid()
+    return screened, (screened >= tau).nonzero().flatten().tolist() or [int(screened.argmax())]
+
+
 # -- the segmenter ---------------------------------------------------------------------------------------------
 class EcdSegmenter(ActiveSamSegmenter):
     """ActiveSAM@f662551 on a transformers SAM 3 prompter: `class_maps(rgb)` (what calibration reads),
@@ -341,10 +350,8 @@ class EcdSegmenter(ActiveSamSegmenter):
                 bucket = admitted[start : start + BUCKET]
                 out = self.prompter.run(state, [self.names[i] for i in bucket], extra=(tokens[bucket], valid[bucket]))
                 survivors = range(len(bucket))
-                if self.tau > 0:  # the first decoder layer's presence screens the bucket
-                    screened = out["presence_layers"][0].float().sigmoid()
-                    presence[bucket] = screened
-                    survivors = (screened >= self.tau).nonzero().flatten().tolist() or [int(screened.argmax())]
+                if self.tau > 0:
+                    presence[bucket], survivors = screen(out, self.tau)
                 got = answers(out, state["size"], CONFIDENCE)
                 for slot in survivors:
                     a = got[slot]
@@ -357,6 +364,27 @@ class EcdSegmenter(ActiveSamSegmenter):
 
     def scores(self, rgb: np.ndarray) -> torch.Tensor:
         return self.class_maps(rgb)[0]
+
+    @torch.inference_mode()
+    def query_attention(self, rgb: np.ndarray) -> QueryAttention:
+        """The detector's rows as activesam's (`ActiveSamSegmenter.query_attention`: every name with its context
+        tokens, instances kept for the admitted names only), a name the first-layer screen drops keeping none."""
+        got = super().query_attention(rgb)
+        if self.tau <= 0:
+            return got
+        tokens, valid = self.context
+        with self.prompter.normalized(self.normalizer):
+            admitted = self.active(rgb)
+            state = self.prompter.set_image(rgb)
+            dropped = []
+            for start in range(0, len(admitted), BUCKET):
+                bucket = admitted[start : start + BUCKET]
+                out = self.prompter.run(state, [self.names[i] for i in bucket], with_masks=False, extra=(tokens[bucket], valid[bucket]))
+                survivors = screen(out, self.tau)[1]
+                dropped += [i for slot, i in enumerate(bucket) if slot not in survivors]
+        kept = got.kept.clone()
+        kept[dropped] = False
+        return dataclasses.replace(got, kept=kept)
 
     def predict_labels(self, image, name: str | None = None) -> np.ndarray:
         """H x W int64 labels (`ActiveSAM.decode`)."""

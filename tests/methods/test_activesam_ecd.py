@@ -432,6 +432,21 @@ def test_pipeline_texts_and_protocol(tmp_path):
     assert ours == published
 
 
+def test_query_attention_keeps_no_instance_of_a_name_the_preview_or_the_screen_drops(prompter):
+    """What `analyze` and `explain` read: every name's rows; instances only for the names decoded at full size."""
+    vocab = Vocabulary.parse(VOCAB)
+    rgb = image(13)
+    att = EcdSegmenter(prompter, vocab, tau=0.15, **SMALL).query_attention(rgb)
+    *_, admitted, screened_out = pub_class_maps(prompter, vocab.flat_names, vocab.name_to_class, rgb, 0.15, 84, 2, 5, 0)
+    decoded = sorted(set(admitted) - set(screened_out))
+    assert (admitted, screened_out) == ([0, 7, 8], [0, 7]) and att.rows.shape[0] == 9
+    assert (att.scores[0] > 0.3).any() and not att.kept[0].any()  # background: admitted without the preview, screened out
+    assert not att.kept[[i for i in range(9) if i not in decoded]].any()
+    assert torch.equal(att.kept[decoded], att.scores[decoded] > 0.3)
+    plain = EcdSegmenter(prompter, vocab, tau=0.0, **SMALL).query_attention(rgb)
+    assert torch.equal(plain.kept, plain.scores > 0.3)  # without EPG (tau 0) every name keeps its instances
+
+
 # -- the command line --------------------------------------------------------------------------------------------
 def write_pool(folder: Path, n: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
