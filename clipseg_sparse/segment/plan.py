@@ -201,12 +201,13 @@ class ImageRun:
     store_texts: Mapping[str, torch.Tensor] = field(default_factory=dict)
     raw: bool = False
     vocabulary: Any = None  # segment.vocabulary.Vocabulary whose names `text` embeds (stages that read names)
+    templates: tuple[str, ...] = ()  # the vocabulary's templates, for a forward that embeds words of its own (CLIPer's background)
 
     @classmethod
     @torch.inference_mode()
     def of(
         cls, plan: Plan, clip: DenseCLIP, text: torch.Tensor, image: np.ndarray, regions: np.ndarray | None, resources: Any,
-        store_texts: Mapping[str, torch.Tensor] | None = None, vocabulary: Any = None,
+        store_texts: Mapping[str, torch.Tensor] | None = None, vocabulary: Any = None, templates: tuple[str, ...] = (),
     ) -> "ImageRun":
         """The run of an RGB uint8 image; regions: its H x W region ids (or None), resized nearest with it;
         vocabulary: the names `text` embeds, for stages that read them."""
@@ -218,7 +219,7 @@ class ImageRun:
         return cls(
             plan, clip, text, image, pixels, input_regions(regions, size), resources.backbones,
             {name: resized_features(maps[name], size) for name in plan.needs.image_features}, bank,
-            maps[bank.proxy] if bank is not None else None, store_texts or {}, vocabulary=vocabulary,
+            maps[bank.proxy] if bank is not None else None, store_texts or {}, vocabulary=vocabulary, templates=tuple(templates),
         )  # fmt: skip
 
     @property

@@ -147,7 +147,7 @@ class Segmenter:
 
     def image_run(self, image: np.ndarray, regions: np.ndarray | None = None) -> ImageRun:
         """One RGB uint8 image through this segmenter's plan (`plan.ImageRun`); regions: its H x W region ids."""
-        return ImageRun.of(self.plan, self.clip, self.text, image, regions, self.resources, self.store_texts, self.vocabulary)
+        return ImageRun.of(self.plan, self.clip, self.text, image, regions, self.resources, self.store_texts, self.vocabulary, self.templates)
 
     def cosine(self, image: np.ndarray, regions: np.ndarray | None = None) -> CosineMap | DenseMap:
         """N_names x H x W cosine at the original image size, for an RGB uint8 image: factored (see
