@@ -56,13 +56,16 @@ class Needs:
     """What running a score tap, a spec or a stage takes besides CLIP and the pixels, in one value that
     unions (`a | b`): external backbones it runs per window (`ext:NAME`, a stage's), backbones whose
     whole-image features it reads (`ext:NAME.image`), and, as the text of what asks for them (for error
-    messages; None: nothing does), region maps, an image bank and a forward other than the plain windows."""
+    messages; None: nothing does), region maps, an image bank and a forward other than the plain windows;
+    `models`: other models it loads itself, by name (CLIPer's Stable Diffusion), for what `ls presets` says a
+    preset needs."""
 
     backbones: tuple[str, ...] = ()
     image_features: tuple[str, ...] = ()
     regions: str | None = None
     bank: str | None = None
     forward: tuple[tuple[str, str], ...] = ()  # (forward name, what asks for it)
+    models: tuple[str, ...] = ()
 
     def __or__(self, other: "Needs") -> "Needs":
         return Needs(
@@ -71,6 +74,7 @@ class Needs:
             self.regions or other.regions,
             self.bank or other.bank,
             tuple(dict.fromkeys(self.forward + other.forward)),
+            _union(self.models, other.models),
         )
 
 

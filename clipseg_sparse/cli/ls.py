@@ -75,7 +75,8 @@ def ls(
 
 def preset_needs(name: str) -> str:
     """What a run of preset `name` needs besides CLIP, read off its plan (`Plan.of`: the backbones its taps and
-    stages run, region maps, an image bank) and its spec's depth (more blocks than the default ViT-B/16 has)."""
+    stages run, other models they load, region maps, an image bank) and its spec's depth (more blocks than the
+    default ViT-B/16 has)."""
     import open_clip
 
     from ..attention.blocks import min_depth
@@ -84,7 +85,7 @@ def preset_needs(name: str) -> str:
     from ..segment.plan import Plan
 
     plan = Plan.of(PRESETS.get(name).spec)
-    needs = list(plan.needs.backbones)
+    needs = list(plan.needs.backbones) + list(plan.needs.models)
     needs += ["--regions"] * bool(plan.needs.regions) + ["--bank"] * bool(plan.needs.bank)
     depth, default = min_depth(plan.spec), open_clip.get_model_config(DEFAULT_MODEL)["vision_cfg"]["layers"]
     if depth > default:

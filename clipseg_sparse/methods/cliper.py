@@ -3,7 +3,7 @@ earlier blocks, per-layer logits, the last layer's propagated by that attention.
 
 Read from linsun449/cliper.code@c05fa41 (`modified_clip/model.py`: `CLIPer.forward_transformer`, `custom_attn`,
 `forward`, `forward_slide`, `_resize`, `upsample_pos_emb`, `classifier`; `ovs/pipeline.py`: `Pipeline.forward`,
-`refinement`; `ovs/main_ovs.py`; `util/miou.py`: `cam_to_label`; `data/*/cls_*.txt`, `data/*/*_datasets.py`;
+`refinement`; `diffusion_model/stable_diffusion.py`, `Processor.py`; `ovs/main_ovs.py`; `util/miou.py`: `cam_to_label`; `data/*/cls_*.txt`, `data/*/*_datasets.py`;
 `scripts/config/vit-{b-16,l-14}/*.yaml`, `util/args.py`). It runs in its own forward, `fused` below, on the whole
 image (and, with a window, on the windows too; B/16 names, x_l the tokens after block l, u_l = ln_1 of block l's
 input):
@@ -28,11 +28,13 @@ input):
   channel), so the argmax of the labels (bg_threshold 0) is `cam_to_label`'s;
 - `bg:N|WORDS`: the first N names of the vocabulary are the background words (VOC21 25, COCO-Object 23, Context60 1),
   or the vocabulary has none and the forward embeds CLIPer's words `voc`, `coco` or `background` with the run's
-  templates.
+  templates;
+- `fgc:STEP[,SEED]` (FGC, `cliper`; `cliper-nofgc` without it): the map, resized to 64 x 64, multiplied by the chained
+  product of the thresholded self-attention maps of Stable Diffusion 2.1-base (diffusers, the optional extra
+  `diffusion`) on the image's latent noised to step 45 of 50 (`diffusion_model/`, `ovs/pipeline.py`: 'SFSA'); each
+  name's score the mean of its maximum before and after. The two recorded SD softmaxes are normalizer slots too.
 
-FGC (the Stable Diffusion self-attention refinement) is not in this file yet: these are the paper's "w/o FGC"
-numbers. Quirks copied, fixed and not copied: `CLIPER_NOTES` (datasets.md, Presets).
-Grid: `sweeps/grids/cliper.toml`.
+Quirks copied, fixed and not copied: `CLIPER_NOTES` (datasets.md, Presets). Grid: `sweeps/grids/cliper.toml`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from ..attention.spec import register_option
 from ..attention.taps import block_qkv, run_block
 from ..attention.terms import fmt_num
 from ..errors import UserValueError
+from ..runtime.weights import WeightsUnavailableError, hub_unavailable, require_extra
 from ..evaluation.protocols import PROTOCOLS, Protocol
 from ..evaluation.published import register_published
 from ..segment.maps import DenseMap
@@ -67,7 +70,7 @@ from ..stages import Needs, Stage
 
 FORWARD = "fused"
 BASE = "qk/softmax/nores/noffn"
-OPTIONS = ("fuse", "cam", "bg")
+OPTIONS = ("fuse", "cam", "bg", "fgc")
 EPS_MAX, EPS_NORM = 1e-5, 1e-6  # main_ovs.py: amax + 1e-5; cam_to_label: amax + 1e-6
 EPS_COUNT = 1e-5  # forward_slide: count_mat_attns + 1e-5
 # data/voc/cls_voc21.txt and data/coco14/cls_coco81.txt, first line (re.split(r"[\s,]+", ...)); the other sets' "background"
@@ -150,14 +153,17 @@ register_option("cam", lambda arg: str(Cam.parse(arg)), needs=_needs("cam"),
                 "the fused forward)")
 register_option("bg", lambda arg: str(background_arg(arg)), needs=_needs("bg"),
                 help="bg:N|voc|coco|background (CLIPer: the first N names are background words, or CLIPer's words embedded; the fused forward)")
+register_option("fgc", lambda arg: str(Fgc.parse(arg)), needs=lambda arg: _needs("fgc")(arg) | Needs(models=(SD_NAME,)),
+                help="fgc:STEP[,SEED] (CLIPer's FGC: the map refined by Stable Diffusion 2.1-base's self-attention, the image's latent noised "
+                "to step STEP of 50 with seeded noise; needs diffusers; the fused forward)")
 
 
 def check_fused(spec: AttentionSpec | str) -> None:
-    """UserValueError unless the fused forward runs the spec: `qk/NORMALIZER/nores/noffn` with `fuse`, and `cam`, `bg`."""
+    """UserValueError unless the fused forward runs the spec: `qk/NORMALIZER/nores/noffn` with `fuse`, and `cam`, `bg`, `fgc`."""
     spec = resolve_spec(spec)
     if spec.extra("fuse") is None or spec.replace(normalizer="softmax", extras=()) != AttentionSpec.parse(BASE) or any(n not in OPTIONS for n, _ in spec.extras):
         raise UserValueError(f"spec {spec}: the fused forward (CLIPer) runs {BASE.replace('softmax', 'NORMALIZER')}/fuse:T with the "
-                             "options cam and bg, nothing else")
+                             "options cam, bg and fgc, nothing else")
 
 
 # -- the forward ---------------------------------------------------------------------------------------------------------
@@ -310,12 +316,186 @@ def cam_scores(seg: torch.Tensor, final: torch.Tensor, out_size: tuple[int, int]
     return valid, bg
 
 
+# -- FGC: Stable Diffusion's self-attention refines the map (`fgc:STEP[,SEED]`) ------------------------------------------
+SD_HUB = "stabilityai/stable-diffusion-2-1-base"  # stable_diffusion.py, sd_version v2.1 (util/args.py's default)
+SD_NAME = "Stable Diffusion 2.1-base (diffusers)"  # what `ls presets` says FGC needs
+SD_SIZE, SD_STEPS = 512, 50  # preprocess(img, height=512, width=512); scheduler.set_timesteps(50)
+# attention_layers_to_use [-4, -6] of Processor.py's DIFFUSION_LAYERS, concatenated in that order
+SD_LAYERS = ("up_blocks.3.attentions.1.transformer_blocks.0.attn1", "up_blocks.3.attentions.0.transformer_blocks.0.attn1")
+EPS_SD = 1e-5  # refinement: amax + 1e-5, sum + 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Fgc:
+    """`fgc:STEP[,SEED]`: the scheduler step index the latent is noised to (45 of 50) and the noise's seed (the code
+    draws it unseeded)."""
+
+    step: int = 45
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, arg: str) -> "Fgc":
+        parts = arg.split(",")
+        if len(parts) in (1, 2) and all(p.isdigit() for p in parts) and int(parts[0]) < SD_STEPS:
+            return cls(*map(int, parts))
+        raise UserValueError(f"bad option fgc:{arg}: write fgc:STEP[,SEED] (0 <= STEP < {SD_STEPS}, the step of {SD_STEPS} the image's latent "
+                             "is noised to, CLIPer's 45; SEED >= 0 the noise's, default 0)")
+
+    def __str__(self) -> str:
+        return f"{self.step},{self.seed}"
+
+
+class _Captured(Exception):
+    """Raised once the last map is recorded: the rest of the UNet is not needed."""
+
+
+class _Recorder:
+    """Processor.py's `AttnProcessorForCallBack` on one self-attention layer, its softmax the spec's normalizer:
+    records the first image's heads x T x T map in `maps[name]`."""
+
+    def __init__(self, maps: dict, name: str, normalizer: Normalizer, last: bool) -> None:
+        self.maps, self.name, self.normalizer, self.last = maps, name, normalizer, last
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs):
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+        batch_size, sequence_length, _ = hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        elif attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+        query, key, value = (attn.head_to_batch_dim(t) for t in (query, attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)))
+        if self.normalizer.kind == "softmax":
+            probs = attn.get_attention_scores(query, key, attention_mask)
+        else:
+            scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * attn.scale
+            probs = normalize(scores if attention_mask is None else scores + attention_mask, self.normalizer).to(query.dtype)
+        self.maps[self.name] = probs.reshape(-1, attn.heads, *probs.shape[1:])[0]
+        if self.last:
+            raise _Captured
+        hidden_states = attn.batch_to_head_dim(torch.bmm(probs, value))
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
+@torch.inference_mode()
+def sd_self_attention(pipe, image: np.ndarray, fgc: Fgc, normalizer: str | Normalizer = "softmax") -> torch.Tensor:
+    """`diffusion.forward` with the empty prompt on an H x W x 3 uint8 image: the heads of SD_LAYERS' self-attention
+    maps, (layers x heads) x T x T (T = 64 x 64 at 512 px), float32. The image is resized to 512 x 512 by the pipeline's
+    processor (nearest, aspect not kept), its latent noised to step `fgc.step` with noise from a generator seeded
+    `fgc.seed`, one UNet pass, stopped once the maps are read."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    norm = normalizer if isinstance(normalizer, Normalizer) else Normalizer.parse(normalizer)
+    device, dtype = pipe.unet.device, pipe.unet.dtype
+    img = torch.from_numpy(np.ascontiguousarray(image)).float().permute(2, 0, 1)[None] / 255
+    latent = pipe.image_processor.preprocess(img, height=SD_SIZE, width=SD_SIZE).to(device, dtype)
+    latent = pipe.vae.encode(latent)[0].mean * pipe.vae.config.scaling_factor
+    pipe.scheduler.set_timesteps(SD_STEPS, device=device)
+    t = pipe.scheduler.timesteps[fgc.step]
+    noise = randn_tensor(latent.shape, generator=torch.Generator().manual_seed(fgc.seed), device=latent.device, dtype=latent.dtype)
+    latents = pipe.scheduler.add_noise(latent, noise, t)
+    embeds, _ = pipe.encode_prompt("", device, 1, do_classifier_free_guidance=False)
+    maps: dict[str, torch.Tensor] = {}
+    layers = {name: pipe.unet.get_submodule(name) for name in SD_LAYERS}
+    before = {name: layer.processor for name, layer in layers.items()}
+    for name, layer in layers.items():
+        layer.set_processor(_Recorder(maps, name, norm, last=name == SD_LAYERS[0]))  # attentions[1] runs after [0]
+    try:
+        pipe.unet(latents, t, encoder_hidden_states=embeds, return_dict=False)
+    except _Captured:
+        pass
+    finally:
+        for name, layer in layers.items():
+            layer.set_processor(before[name])
+    return torch.cat([maps[name] for name in SD_LAYERS]).float()
+
+
+def fgc_refine(seg: torch.Tensor, maps: torch.Tensor, threshold: float) -> torch.Tensor:
+    """`Pipeline.refinement` ('SFSA'): names x h x w resized bilinearly to the maps' g x g grid, then multiplied by the
+    chained product of every map (each divided by its column maxima + 1e-5, entries below `threshold` set to 0, rows
+    divided by their sums + 1e-5): eye @ S_1 @ ... @ S_n @ seg, applied right to left on the names' columns (the same
+    product; the code forms the n - 1 products of T x T maps first). -> names x g x g."""
+    g = math.isqrt(maps.shape[-1])
+    out = F.interpolate(seg[None].float(), size=(g, g), mode="bilinear", align_corners=False)[0].flatten(-2).T
+    for S in reversed(maps):
+        S = S / (S.amax(-2, keepdim=True) + EPS_SD)
+        S = S.masked_fill(S < threshold, 0)
+        out = (S / (S.sum(-1, keepdim=True) + EPS_SD)) @ out
+    return out.T.reshape(-1, g, g)
+
+
+_PIPELINES: dict[str, object] = {}  # str(device) -> the StableDiffusionPipeline FGC runs there
+
+
+def use_diffusion(pipe, device: torch.device | str = "cpu") -> None:
+    """Run FGC on `device` with this diffusers StableDiffusionPipeline (other weights, or a small one in tests)."""
+    _PIPELINES[str(torch.device(device))] = pipe
+
+
+def check_diffusion(device: torch.device | str) -> None:
+    """Before any image: diffusers is installed and SD 2.1-base can be had (in the Hugging Face cache, or the Hub
+    reachable), else the one-line error; nothing is loaded."""
+    if str(torch.device(device)) in _PIPELINES:
+        return
+    require_extra("diffusers", "CLIPer's FGC (Stable Diffusion 2.1-base's self-attention)", extra="diffusion")
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(SD_HUB, "model_index.json"), str):
+        offline = hub_unavailable(SD_HUB)
+        if offline:
+            raise WeightsUnavailableError(_sd_help(f"they are not in the Hugging Face cache and {offline}"))
+
+
+def _sd_help(why: str) -> str:
+    return (f"CLIPer's FGC needs Stable Diffusion 2.1-base ({SD_HUB}): {why}. It is downloaded from the Hugging Face Hub on first "
+            "use and then read from its cache ($HF_HOME); offline, copy the cache from a machine that has it, or run the preset "
+            "cliper-nofgc (no FGC).")
+
+
+def diffusion_pipeline(device: torch.device | str):
+    """The StableDiffusionPipeline FGC runs on `device` (SD 2.1-base, fp16 on CUDA as published, else fp32), loaded once."""
+    key = str(torch.device(device))
+    if key not in _PIPELINES:
+        diffusers = require_extra("diffusers", "CLIPer's FGC (Stable Diffusion 2.1-base's self-attention)", extra="diffusion")
+        dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
+        offline = hub_unavailable(SD_HUB)
+        try:
+            pipe = diffusers.StableDiffusionPipeline.from_pretrained(SD_HUB, torch_dtype=dtype, safety_checker=None, local_files_only=offline is not None)
+        except Exception as e:  # not cached offline, or not a pipeline
+            why = f"they are not in the Hugging Face cache and {offline}" if offline else (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise WeightsUnavailableError(_sd_help(why)) from None
+        pipe.set_progress_bar_config(disable=True)
+        _PIPELINES[key] = pipe.to(device)
+    return _PIPELINES[key]
+
+
+# -- the map ----------------------------------------------------------------------------------------------------------
 def fused_scores(run: ImageRun, out_size: tuple[int, int] | None = None) -> DenseMap:
     """The fused forward's N_names x H x W map (at `out_size`, default the image's): the background names' channel,
-    then the names' valid maps, so that its argmax is `cam_to_label`'s labels."""
+    then the names' valid maps, so that its argmax is `cam_to_label`'s labels. With `fgc`, the map refined by Stable
+    Diffusion's self-attention first, each name's score the mean of its maximum before and after (`Pipeline.forward`)."""
     spec = run.spec
     seg, _ = cliper_seg(run)
-    valid, bg = cam_scores(seg, seg.amax((-1, -2)), out_size or tuple(run.image.shape[:2]), Cam.parse(spec.extra("cam") or "0.3,0.3"))
+    final = seg.amax((-1, -2))
+    if spec.extra("fgc") is not None:
+        maps = sd_self_attention(diffusion_pipeline(run.clip.device), run.image, Fgc.parse(spec.extra("fgc")), spec.norm)
+        seg = fgc_refine(seg, maps.to(seg.device), Fuse.parse(spec.extra("fuse")).threshold)
+        final = seg.amax((-1, -2)) * 0.5 + final * 0.5
+    valid, bg = cam_scores(seg, final, out_size or tuple(run.image.shape[:2]), Cam.parse(spec.extra("cam") or "0.3,0.3"))
     lead = background_arg(spec.extra("bg") or "background")
     lead = lead if isinstance(lead, int) else 0
     return DenseMap(torch.cat([bg.expand(lead, -1, -1), valid]))
@@ -340,6 +520,8 @@ class FusedForward(Forward):
             raise UserValueError(f"spec {plan.spec}: CLIPer's fused forward runs open_clip ViTs with a CLS token")
         if -Fuse.parse(plan.spec.extra("fuse")).layer > depth:
             raise UserValueError(f"spec {plan.spec}: fuse's layer is past this model's {depth} blocks")
+        if plan.spec.extra("fgc") is not None:
+            check_diffusion(clip.device)
 
     def pixels(self, image: np.ndarray, clip, settings: InferenceSettings) -> torch.Tensor:
         H, W = image.shape[:2]
@@ -365,9 +547,9 @@ FORWARDS.register(FORWARD, FusedForward(), help="CLIPer: every block's input thr
 
 
 # -- presets and protocols -------------------------------------------------------------------------------------------
-def _spec(threshold: float, score: float, background: float, norm: bool, bg: int | str, layer: int = -1) -> str:
+def _spec(threshold: float, score: float, background: float, norm: bool, bg: int | str, layer: int = -1, fgc: bool = True) -> str:
     cam = Cam(score, background, norm)
-    return f"{BASE}/fuse:{Fuse(threshold, layer)}/cam:{cam}/bg:{bg}"
+    return f"{BASE}/fuse:{Fuse(threshold, layer)}/cam:{cam}/bg:{bg}" + (f"/fgc:{Fgc()}" if fgc else "")
 
 
 # scripts/config/vit-b-16/*.yaml: (attention_thr, score_threshold, bkg_thre, is_normalize, background, select_layer), the
@@ -388,7 +570,8 @@ L14 = {
 }  # fmt: skip
 RESOLUTION = {"B16": {"cityscapes": 560}, "L14": {"cityscapes": 448}}  # size: 336, Cityscapes 560 (L/14 448)
 
-NOFGC = _spec(*B16["ade20k"][0])
+CLIPER = _spec(*B16["ade20k"][0])
+NOFGC = _spec(*B16["ade20k"][0], fgc=False)
 CLIPER_NOTES = (
     "copied: blocks 1..11 as they are, each head's softmax(s q k^T) over CLS + patches summed over them (M); the last "
     "block run on ln_1 of every block's input (ln_1 of the last block applied again: a double LayerNorm) and on x_11, "
@@ -399,35 +582,49 @@ CLIPER_NOTES = (
     "their head-mean maps placed on the image's grid (1e-5 added to the overlap count, rows normalised), softmaxed, "
     "half and half with the whole image's; the chosen layer (-1; some L/14 sets -2) thresholded at attention_thr x its "
     "class maximum in place (so the layer mean sees the threshold too), propagated by the head-mean of the last input's "
-    "A (p @ A), plus the mean of the 12 layers; resized bilinearly to the image, divided by its maximum + 1e-5 and "
-    "times its patch-grid maximum; cam_to_label: names whose maximum is <= score_threshold dropped, min-max normalised "
-    "(VOC21), below bkg_thre 0, argmax or background; the short side resized to 336 (Cityscapes 560) with PIL's "
-    "bicubic, each side rounded to the nearest multiple of 16; positional embeddings resized bilinearly and rounded to "
-    "fp16; logit scale 100 (COCO-Object and COCO-Stuff 50); "
-    "fixed: a pixel whose names all score 0 on a set without a background class is the first class here (the code's "
-    "label 0, scored wrong); a line with commas (VOC21's `person with clothes, people, human`) is three names here, "
-    "one prompt there; "
-    "not copied: fp16 on GPU; the 15 `car_template.txt` templates of VOC, Context, COCO-Stuff and ADE20K (the "
-    "protocol cannot set templates: pass them with --templates); FGC, the Stable Diffusion self-attention refinement "
-    "(not implemented yet)"
+    "A (p @ A), plus the mean of the 12 layers; FGC: the image resized to 512 x 512 by diffusers' processor (nearest, "
+    "aspect not kept), its SD 2.1-base latent noised to step 45 of 50, one UNet pass with the empty prompt, the self-"
+    "attention maps of up_blocks[3].attentions[1] and [0] (every head), each divided by its column maxima + 1e-5, "
+    "entries below attention_thr 0, rows divided by their sums + 1e-5, their chained product applied to the map "
+    "resized bilinearly to 64 x 64; each name's score the mean of its maximum before and after; resized bilinearly "
+    "to the image, divided by its maximum + 1e-5 and times its score; cam_to_label: names whose score is <= "
+    "score_threshold dropped, min-max normalised (VOC21), below bkg_thre 0, argmax or background; the short side "
+    "resized to 336 (Cityscapes 560) with PIL's bicubic, each side rounded to the nearest multiple of 16; positional "
+    "embeddings resized bilinearly and rounded to fp16; logit scale 100 (COCO-Object and COCO-Stuff 50); "
+    "fixed: FGC's noise is drawn from a generator seeded by fgc's SEED (0; the code's randn_tensor is unseeded, so its "
+    "numbers vary run to run); the chained product is applied right to left to the map's columns (the same product, "
+    "without the code's 4096 x 4096 intermediate products) and the UNet stops once the two maps are read; a pixel "
+    "whose names all score 0 on a set without a background class is the first class here (the code's label 0, scored "
+    "wrong); a line with commas (VOC21's `person with clothes, people, human`) is three names here, one prompt there; "
+    "not copied: fp16 for CLIP on GPU (SD runs fp16 on CUDA as published, fp32 elsewhere); the 15 `car_template.txt` "
+    "templates of VOC, Context, COCO-Stuff and ADE20K (the protocol cannot set templates: pass them with --templates)"
 )
+register_preset(
+    "cliper",
+    CLIPER,
+    "CLIPer (ICCV 2025), ViT-B/16: every block's input through the last block with the fused attention of blocks "
+    "1..11, per-layer logits, the last layer's propagated, refined by Stable Diffusion 2.1-base's self-attention (FGC, "
+    "needs diffusers; ADE20K's constants: the cliper protocols set each dataset's)",
+    CLIPER_NOTES,
+)
+register_entmax_variant("cliper")
 register_preset(
     "cliper-nofgc",
     NOFGC,
-    "CLIPer (ICCV 2025) without FGC, ViT-B/16: every block's input through the last block with the fused attention of "
-    "blocks 1..11, per-layer logits, the last layer's propagated (ADE20K's constants: the cliper-nofgc protocol sets each "
-    "dataset's)",
+    "CLIPer (ICCV 2025) without FGC (the README's values in parentheses), ViT-B/16: cliper without the Stable "
+    "Diffusion refinement",
     CLIPER_NOTES,
 )
 register_entmax_variant("cliper-nofgc")
 
-SOURCE = "linsun449/cliper.code@c05fa41 scripts/config/{}/*.yaml, modified_clip/model.py, ovs/main_ovs.py, util/miou.py"
+SOURCE = "linsun449/cliper.code@c05fa41 scripts/config/{}/*.yaml, modified_clip/model.py, ovs/, diffusion_model/, util/miou.py"
 
 
 def _protocol(name: str, preset: str, table: dict, resolution: dict, sliding: bool, help: str, model: str | None = None) -> Protocol:
     per_dataset = {ds: dict(logit_scale=scale, window=crop if sliding else 0) for ds, (_, scale, crop) in table.items()}
     for ds, side in resolution.items():
         per_dataset[ds]["resolution"] = side
+    fgc = preset == "cliper"
     protocol = Protocol(
         name=name,
         attention=preset,
@@ -435,32 +632,35 @@ def _protocol(name: str, preset: str, table: dict, resolution: dict, sliding: bo
         source=SOURCE.format("vit-l-14" if model else "vit-b-16"),
         defaults=dict(resolution=336, window=0, stride=112, logit_scale=100.0),
         per_dataset=per_dataset,
-        attention_per_dataset={ds: _spec(*c) for ds, (c, _, _) in table.items()},
+        attention_per_dataset={ds: _spec(*c, fgc=fgc) for ds, (c, _, _) in table.items()},
         model=model,
         pretrained="openai" if model else None,
     )
     return PROTOCOLS.register(name, protocol, help=help)
 
 
-NOFGC_PROTOCOL = _protocol("cliper-nofgc", "cliper-nofgc", B16, RESOLUTION["B16"], False,
-                           "CLIPer without FGC, ViT-B/16, whole image: short side 336 (Cityscapes 560), its per-dataset thresholds and logit scales")
-NOFGC_SLIDING = _protocol("cliper-nofgc-sliding", "cliper-nofgc", B16, RESOLUTION["B16"], True,
-                          "CLIPer without FGC, ViT-B/16, whole image and 224 windows (VOC 336) at stride 112, half and half")
-NOFGC_L14 = _protocol("cliper-nofgc-l14", "cliper-nofgc", L14, RESOLUTION["L14"], False,
-                      "CLIPer without FGC, ViT-L/14 (OpenAI), whole image: short side 336 (Cityscapes 448), its L/14 constants", model="ViT-L-14")
-NOFGC_L14_SLIDING = _protocol("cliper-nofgc-l14-sliding", "cliper-nofgc", L14, RESOLUTION["L14"], True,
-                              "CLIPer without FGC, ViT-L/14 (OpenAI), whole image and windows, half and half", model="ViT-L-14")
-
-# Reported mIoU without FGC (the README's values in parentheses; OpenAI CLIP). Not measured here.
-_README = "linsun449/cliper.code@c05fa41 ReadMe.md (Results, the values in parentheses: without FGC)"
-_NOTE = "the car templates are not the protocol's (pass --templates); VOC21's comma line is three names here"
-# README order: VOC, Context, Object, VOC20, Context59, Stuff, ADE, City (B16's keys). The README prints no average: the
-# one given is the cells' (research/peers-t4.md 5; the brief's 41.9 for B/16 w/o FGC)
-for protocol, row, average in (
-    (NOFGC_PROTOCOL, (60.7, 34.7, 36.3, 84.3, 38.4, 25.4, 19.8, 35.9), 41.9),
-    (NOFGC_SLIDING, (62.1, 35.7, 37.5, 85.0, 39.6, 26.4, 20.6, 38.3), 43.2),
-    (NOFGC_L14, (62.5, 34.8, 40.4, 88.7, 39.6, 26.3, 22.1, 37.9), 44.0),
-    (NOFGC_L14_SLIDING, (64.0, 35.7, 41.4, 89.0, 40.9, 27.1, 22.9, 39.4), 45.1),
-):
-    where = ("ViT-L/14" if protocol.model else "ViT-B/16") + ("*" if protocol.per_dataset["voc21"]["window"] else "")
-    register_published(protocol, dict(zip(B16, row)), f"{_README}, row {where}", note=_NOTE, printed_average=average)
+# name -> (preset, table, resolutions, sliding, model, README row with FGC, without (in parentheses)); README order: VOC,
+# Context, Object, VOC20, Context59, Stuff, ADE, City (B16's keys)
+_ROWS = {
+    "B16": ((66.4, 37.5, 39.2, 85.5, 41.6, 27.6, 21.5, 37.0), (60.7, 34.7, 36.3, 84.3, 38.4, 25.4, 19.8, 35.9)),
+    "B16*": ((66.5, 38.3, 40.0, 86.0, 42.4, 28.6, 22.0, 38.7), (62.1, 35.7, 37.5, 85.0, 39.6, 26.4, 20.6, 38.3)),
+    "L14": ((71.6, 39.0, 44.4, 90.3, 44.0, 29.7, 24.5, 41.6), (62.5, 34.8, 40.4, 88.7, 39.6, 26.3, 22.1, 37.9)),
+    "L14*": ((72.2, 39.5, 44.7, 89.8, 44.6, 30.4, 25.0, 42.5), (64.0, 35.7, 41.4, 89.0, 40.9, 27.1, 22.9, 39.4)),
+}  # fmt: skip
+# the README prints no average: these are its cells' (B/16 44.5, sliding 45.3, L/14 48.1 / 48.6; without FGC 41.9)
+_AVERAGES = {"B16": (44.5, 41.9), "B16*": (45.3, 43.2), "L14": (48.1, 44.0), "L14*": (48.6, 45.1)}
+_README = "linsun449/cliper.code@c05fa41 ReadMe.md (Results)"
+_NOTE = "the car templates are not the protocol's (pass --templates); VOC21's comma line is three names here; FGC's noise seeded"
+PROTOCOL_OF: dict[tuple[str, str], Protocol] = {}
+for row, (table, res, model) in {"B16": (B16, RESOLUTION["B16"], None), "B16*": (B16, RESOLUTION["B16"], None),
+                                 "L14": (L14, RESOLUTION["L14"], "ViT-L-14"), "L14*": (L14, RESOLUTION["L14"], "ViT-L-14")}.items():  # fmt: skip
+    sliding = row.endswith("*")
+    suffix = ("-l14" if model else "") + ("-sliding" if sliding else "")
+    what = f"ViT-{'L/14 (OpenAI)' if model else 'B/16'}, whole image" + (" and 224 windows (VOC 336) at stride 112, half and half" if sliding else "")
+    for i, preset in enumerate(("cliper", "cliper-nofgc")):
+        protocol = _protocol(preset + suffix, preset, table, res, sliding, f"CLIPer{' without FGC' if i else ''}, {what}: short side 336 "
+                             f"(Cityscapes {res['cityscapes']}), its per-dataset thresholds and logit scales", model=model)
+        PROTOCOL_OF[preset, row] = protocol
+        register_published(protocol, dict(zip(B16, _ROWS[row][i])), f"{_README}, row ViT-{row[0]}/{row[1:3]}{row[3:]}"
+                           + (" (values in parentheses: without FGC)" if i else ""), note=_NOTE, printed_average=_AVERAGES[row][i])
+PROTOCOL = PROTOCOL_OF["cliper", "B16"]

@@ -1,8 +1,9 @@
-"""CLIPer (presets `cliper-nofgc`, `cliper-nofgc-entmax`, options `fuse`, `cam`, `bg`, forward `fused`, protocols
-`cliper-nofgc*`) against a transcription of linsun449/cliper.code@c05fa41 (`modified_clip/model.py`: `upsample_pos_emb`,
+"""CLIPer (presets `cliper`, `cliper-nofgc` and their `-entmax`, options `fuse`, `cam`, `bg`, `fgc`, forward `fused`,
+protocols `cliper*`) against a transcription of linsun449/cliper.code@c05fa41 (`modified_clip/model.py`: `upsample_pos_emb`,
 `forward_visual`, `forward_transformer`, `custom_attn` ('fused-attn'), `classify`, `forward`, `forward_slide`,
-`_resize`; `ovs/pipeline.py` (refinement None); `ovs/main_ovs.py`; `util/miou.py`: `cam_to_label`), run on random
-weights through the model's own modules (nn.MultiheadAttention with need_weights for blocks 1..L-1)."""
+`_resize`; `ovs/pipeline.py` (`refinement`: None and 'SFSA'); `diffusion_model/stable_diffusion.py`, `Processor.py`;
+`ovs/main_ovs.py`; `util/miou.py`: `cam_to_label`), run on random weights through the models' own modules
+(nn.MultiheadAttention with need_weights for blocks 1..L-1; a tiny random diffusers StableDiffusionPipeline)."""
 
 from __future__ import annotations
 
@@ -202,7 +203,7 @@ def test_cliper_scores_and_labels_equal_the_published_code(tiny_clip, case):
     layer, crop = (-2 if case == "layer2" else -1), (64 if case == "slide" else 0)
     pixels = structured(1, (64, 96), seed=4)
     want_valid, want_labels = ref_main(tiny_clip.visual, pixels, fg, bg, (50, 70), *consts, select_layer=layer, crop=crop, stride=32)
-    spec = cliper._spec(*consts, 3, layer)
+    spec = cliper._spec(*consts, 3, layer, fgc=False)
     got = _engine(tiny_clip, pixels, spec, torch.cat([bg, fg]), (50, 70), window=crop, stride=32)
     assert got.shape == (7, 50, 70)
     assert (got[3:] - want_valid).abs().max() < 1e-4 and got[:3].abs().max() == 0
@@ -219,7 +220,7 @@ def test_a_zero_background_threshold_gives_the_background_channel(tiny_clip):
     fg, bg = _texts(3, 2, seed=5)
     pixels = structured(1, (64, 64), seed=6)
     want_valid, _ = ref_main(tiny_clip.visual, pixels, fg, bg, (40, 40), 0.2, 0.0, 0.0, False)
-    got = _engine(tiny_clip, pixels, cliper._spec(0.2, 0.0, 0.0, False, 2), torch.cat([bg, fg]), (40, 40))
+    got = _engine(tiny_clip, pixels, cliper._spec(0.2, 0.0, 0.0, False, 2, fgc=False), torch.cat([bg, fg]), (40, 40))
     assert (got[:2] - want_valid[0]).abs().max() < 1e-4 and (got[2:] - want_valid[1:]).abs().max() < 1e-4
 
 
@@ -232,7 +233,7 @@ def test_background_words_are_embedded_with_the_run_templates(tiny_clip):
     words = embed_names(tiny_clip, list(cliper.BACKGROUND_WORDS["voc"]), templates)
     pixels = structured(1, (64, 64), seed=2)
     want, _ = ref_main(tiny_clip.visual, pixels, fg, words, (64, 64), 0.1, 0.0, 0.001, False)
-    run = window_run(tiny_clip, pixels, cliper._spec(0.1, 0.0, 0.001, False, "voc"), fg, window=0, logit_scale=100.0)
+    run = window_run(tiny_clip, pixels, cliper._spec(0.1, 0.0, 0.001, False, "voc", fgc=False), fg, window=0, logit_scale=100.0)
     run.templates = templates
     got = cliper.fused_scores(run, (64, 64)).values
     assert got.shape == (3, 64, 64) and (got - want).abs().max() < 1e-4
@@ -251,6 +252,219 @@ def test_the_resize_is_cliper_s(tiny_clip):
     settings = Plan.of("cliper-nofgc").settings.replace(resolution=64)
     got = cliper.FusedForward().pixels(image, tiny_clip, settings)
     assert got.shape == (1, 3, 64, 112) and (got[0] - want).abs().max() < 1e-6
+
+
+# -- FGC: diffusion_model/stable_diffusion.py, Processor.py, ovs/pipeline.py (refinement 'SFSA') on a tiny SD ------------
+@pytest.fixture(scope="module")
+def tiny_sd(tmp_path_factory):
+    """A random StableDiffusionPipeline with SD's block layout (4 up blocks, up_blocks[3] with two attentions), 8 channels,
+    2 heads: 512 px images give 64 x 64 latents (4096 tokens), as SD 2.1-base's."""
+    import json
+
+    diffusers = pytest.importorskip("diffusers")
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    (folder / "vocab.json").write_text(json.dumps({"<|startoftext|>": 0, "<|endoftext|>": 1, "!": 2, "a</w>": 3}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), pad_token="!", model_max_length=77)
+    torch.manual_seed(0)
+    text = CLIPTextModel(CLIPTextConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                        max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=2))
+    vae = diffusers.AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                                  latent_channels=4, norm_num_groups=4, layers_per_block=1)
+    unet = diffusers.UNet2DConditionModel(sample_size=64, block_out_channels=(8,) * 4, layers_per_block=1, cross_attention_dim=16, attention_head_dim=2,
+                                          norm_num_groups=4, down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                                          up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
+    scheduler = diffusers.PNDMScheduler(skip_prk_steps=True, steps_offset=1, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    return diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=scheduler, safety_checker=None,
+                                             feature_extractor=None, requires_safety_checker=False)
+
+
+DIFFUSION_LAYERS_USED = {-4: "up_blocks[3].attentions[1].transformer_blocks[0].attn1", -6: "up_blocks[3].attentions[0].transformer_blocks[0].attn1"}
+
+
+class RefAttnProcessorForCallBack:
+    """Processor.py's AttnProcessorForCallBack."""
+
+    def __init__(self, model, layer):
+        self.model = model
+        self.layer = layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs):
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+        batch_size, sequence_length, _ = hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        elif attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+        query = attn.head_to_batch_dim(query)
+        key = attn.head_to_batch_dim(key)
+        value = attn.head_to_batch_dim(value)
+        attention_probs = attn.get_attention_scores(query, key, attention_mask)
+        hidden_states = torch.bmm(attention_probs, value)
+        hidden_states = attn.batch_to_head_dim(hidden_states)
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        hidden_states = hidden_states / attn.rescale_output_factor
+        head_size = attn.heads
+        batch_size, q_len, v_len = attention_probs.shape
+        self.model.attention_maps[self.layer] = attention_probs.reshape(batch_size // head_size, head_size, q_len, v_len)
+        return hidden_states
+
+
+class RefDiffusion:
+    """stable_diffusion.py's `diffusion` (time_step 45) on a given pipeline, its processors restored afterwards."""
+
+    def __init__(self, pipe, layers=(-4, -6), time_step=45):
+        self.model, self.layers, self.time_step, self.attention_maps = pipe, layers, time_step, {}
+        self.dtype = pipe.unet.dtype
+
+    def one_step(self, latents, prompts):
+        from diffusers.utils.torch_utils import randn_tensor
+
+        self.model.scheduler.set_timesteps(50, device="cpu")
+        t = self.model.scheduler.timesteps[self.time_step]
+        noise = randn_tensor(latents.shape, device=latents.device, dtype=latents.dtype)
+        latents = self.model.scheduler.add_noise(latents, noise, t)
+        prompt_embeds, _ = self.model.encode_prompt(prompts, "cpu", 1, do_classifier_free_guidance=False, negative_prompt=None,
+                                                    prompt_embeds=None, negative_prompt_embeds=None, lora_scale=None, clip_skip=None)
+        self.model.unet(latents, t, encoder_hidden_states=prompt_embeds, return_dict=False)
+
+    def __call__(self, img, prompts=""):
+        attns = {idx: self.model.unet.get_submodule(DIFFUSION_LAYERS_USED[idx].replace("[", ".").replace("]", "")) for idx in self.layers}
+        before = {idx: a.processor for idx, a in attns.items()}
+        for idx, a in attns.items():
+            a.processor = RefAttnProcessorForCallBack(self, idx)
+        try:
+            latent = self.model.image_processor.preprocess(img, height=512, width=512).to(self.dtype)
+            latent = self.model.vae.encode(latent)[0].mean * self.model.vae.config.scaling_factor
+            self.one_step(latent, prompts=prompts)
+        finally:
+            for idx, a in attns.items():
+                a.processor = before[idx]
+
+
+def ref_refinement(sd, ori_img, pred_mask, attention_thr, layers=(-4, -6)):
+    """Pipeline.refinement with refinement 'SFSA'."""
+    from functools import reduce
+
+    pred_mask = F.interpolate(pred_mask[None], size=(64, 64), mode="bilinear", align_corners=False)[0].flatten(-2).float()
+    cross_att = pred_mask.transpose(0, 1)
+    sd(ori_img, "")
+    self_att = torch.cat([sd.attention_maps[idx][0] for idx in layers]).float()
+    self_att /= torch.amax(self_att, dim=-2, keepdim=True) + 1e-5
+    self_att = torch.where(self_att < attention_thr, 0, self_att)
+    self_att /= self_att.sum(dim=-1, keepdim=True) + 1e-5
+    self_att = reduce(torch.matmul, self_att, torch.eye(self_att.shape[-1], device=self_att.device))
+    return (self_att @ cross_att).transpose(0, 1).reshape(-1, 64, 64)
+
+
+@torch.no_grad()
+def ref_main_fgc(visual, sd, image, img, fg, bg, thr, score, bkg, norm, seed, logit_scale=100.0):
+    """Pipeline.forward with FGC (the noise drawn after torch.manual_seed(seed)) and main_ovs.py's labels."""
+    ori_img = torch.from_numpy(image).float().permute(2, 0, 1)[None] / 255.0
+    seg = ref_forward(visual, img, fg, bg, logit_scale, thr)
+    final_score = seg.amax(dim=(-1, -2))
+    torch.manual_seed(seed)
+    pred_mask = ref_refinement(sd, ori_img, seg, thr)
+    final_score = pred_mask.amax(dim=(-1, -2)) * 0.5 + final_score * 0.5
+    pred_mask = F.interpolate(pred_mask[None], size=image.shape[:2], mode="bilinear")[0]
+    pred_mask = pred_mask / (pred_mask.amax((-1, -2), keepdim=True) + 1e-5) * final_score[..., None, None]
+    valid, labels = ref_cam_to_label(pred_mask[None].clone(), final_score[None], bkg_thre=bkg, cls_thre=score, is_normalize=norm)
+    return valid[0], labels[0]
+
+
+def _image(seed, size=(60, 84)):
+    """A uint8 image of a few smooth blobs."""
+    g = torch.Generator().manual_seed(seed)
+    x = F.interpolate(torch.rand(1, 3, 3, 3, generator=g), size=size, mode="bilinear")[0] + 0.1 * torch.rand(3, *size, generator=g)
+    return (x.clamp(0, 1) * 255).byte().permute(1, 2, 0).numpy()
+
+
+def test_fgc_maps_are_the_published_processor_s(tiny_sd):
+    """The recorded maps (layers -4, -6, every head) equal the published processor's on the same seeded noise."""
+    image = _image(1)
+    sd = RefDiffusion(tiny_sd)
+    torch.manual_seed(3)
+    sd(torch.from_numpy(image).float().permute(2, 0, 1)[None] / 255.0, "")
+    want = torch.cat([sd.attention_maps[idx][0] for idx in (-4, -6)]).float()
+    got = cliper.sd_self_attention(tiny_sd, image, cliper.Fgc(45, 3))
+    assert got.shape == (4, 4096, 4096) and (got - want).abs().max() < 1e-6
+
+
+def test_cliper_with_fgc_equals_the_published_pipeline(tiny_clip, tiny_sd, monkeypatch):
+    """The whole method with FGC on a tiny CLIP and a tiny SD (VOC21's constants): valid cams within 1e-4, labels
+    equal off near-ties."""
+    consts = (0.1, 0.7, 0.6, True)
+    image = _image(2)
+    fg, bg = _texts(4, 3, seed=7)
+    forward = cliper.FusedForward()
+    pixels = forward.pixels(image, tiny_clip, Plan.of("cliper").settings.replace(resolution=64))
+    want_valid, want_labels = ref_main_fgc(tiny_clip.visual, RefDiffusion(tiny_sd), image, pixels, fg, bg, *consts, seed=0)
+    monkeypatch.setattr(cliper, "_PIPELINES", {})
+    cliper.use_diffusion(tiny_sd, "cpu")
+    run = window_run(tiny_clip, pixels, cliper._spec(*consts, 3), torch.cat([bg, fg]), window=0, logit_scale=100.0)
+    run.image = image
+    got = cliper.fused_scores(run).values
+    assert (got[3:] - want_valid).abs().max() < 1e-4
+    top2 = torch.cat([torch.zeros(1, *image.shape[:2]), want_valid]).topk(2, dim=0).values
+    sure = ((top2[0] - top2[1]) > 1e-4) | (top2[0] == 0)
+    labels = torch.from_numpy(ClassMaps(DenseMap(got), [0, 0, 0, 1, 2, 3, 4], 5, 100.0).labels(0.0))
+    assert sure.float().mean() > 0.9 and torch.equal(labels[sure], want_labels[sure])
+
+
+def test_fgc_refine_is_the_chained_product():
+    """Right to left on the names' columns = the published eye @ S_1 @ ... @ S_n @ cross (float64)."""
+    g = torch.Generator().manual_seed(0)
+    maps = torch.rand(3, 16, 16, generator=g, dtype=torch.float64).softmax(-1)
+    seg = torch.rand(2, 3, 5, generator=g, dtype=torch.float64)
+    cross = F.interpolate(seg[None], size=(4, 4), mode="bilinear", align_corners=False)[0].flatten(-2).T
+    S = maps / (maps.amax(-2, keepdim=True) + 1e-5)
+    S = torch.where(S < 0.2, 0, S)
+    S = S / (S.sum(-1, keepdim=True) + 1e-5)
+    chain = torch.eye(16, dtype=torch.float64)
+    for s in S:
+        chain = chain @ s
+    assert torch.allclose(cliper.fgc_refine(seg.float(), maps.float(), 0.2), (chain @ cross).T.reshape(2, 4, 4).float(), atol=1e-5)
+
+
+def test_fgc_entmax_slot(tiny_sd, monkeypatch):
+    """entmax in the two recorded SD maps (at 128 px: 16 x 16 latents, for speed)."""
+    monkeypatch.setattr(cliper, "SD_SIZE", 128)
+    image = _image(4)
+    maps = {n: cliper.sd_self_attention(tiny_sd, image, cliper.Fgc(), n) for n in ("softmax", "entmax:1.0001", "entmax:1.5")}
+    assert (maps["entmax:1.0001"] - maps["softmax"]).abs().max() < 1e-3
+    assert (maps["entmax:1.5"] == 0).float().mean() > 0.5 and (maps["softmax"] == 0).float().mean() < 0.01
+
+
+def test_fgc_without_its_weights_is_one_line(tiny_clip, monkeypatch):
+    """No SD 2.1-base in the cache and the Hub unreachable: the run stops before any image with one line."""
+    from clipseg_sparse.runtime.weights import WeightsUnavailableError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", "/nonexistent-hf-home")
+    monkeypatch.setattr(cliper, "_PIPELINES", {})
+    with pytest.raises(WeightsUnavailableError, match="stabilityai/stable-diffusion-2-1-base") as error:
+        Plan.of("cliper", clip=tiny_clip)
+    assert "\n" not in str(error.value) and "cliper-nofgc" in str(error.value)
+    Plan.of("cliper-nofgc", clip=tiny_clip)
 
 
 # -- entmax, checks, protocols, grid -------------------------------------------------------------------------------
@@ -315,20 +529,21 @@ def test_cliper_protocols_match_the_published_configs(dataset):
     from clipseg_sparse.evaluation.protocols import PROTOCOLS
 
     want = CLIPER_B16[dataset]
-    for name, crop in (("cliper-nofgc", 0), ("cliper-nofgc-sliding", want["crop"])):
+    for name, crop in (("cliper", 0), ("cliper-sliding", want["crop"]), ("cliper-nofgc", 0), ("cliper-nofgc-sliding", want["crop"])):
         protocol = PROTOCOLS.get(name)
         spec = protocol.spec_for(dataset)
+        assert (spec.extra("fgc") is None) == ("nofgc" in name) and spec.extra("fgc") in (None, "45,0")
         fuse, cam = cliper.Fuse.parse(spec.extra("fuse")), cliper.Cam.parse(spec.extra("cam"))
         assert (fuse.threshold, fuse.layer, cam.score, cam.background, cam.normalize) == (want["thr"], -1, want["score"], want["bkg"], want["norm"])
         assert cliper.background_arg(spec.extra("bg")) == want["bg"]
         s = protocol.settings(dataset)
         assert (s.resolution, s.logit_scale, s.window, s.stride, s.bg_threshold, s.area_threshold) == (want["size"], want["scale"], crop, 112, 0, 0)
-        assert protocol.spec_for(dataset, "cliper-nofgc-entmax").normalizer == "entmax:1.5"
+        assert protocol.spec_for(dataset, f"{protocol.attention}-entmax").normalizer == "entmax:1.5"
     vocab, _ = class_vocabulary(dataset, "cliper")
     lead = want["bg"] if isinstance(want["bg"], int) else 0
     assert len(vocab.names[0]) == max(lead, 1) and (lead == 0 or len(vocab.flat_names) > lead)
     thr, score, bkg, norm, layer, scale, size = CLIPER_L14[dataset]
-    l14 = PROTOCOLS.get("cliper-nofgc-l14")
+    l14 = PROTOCOLS.get("cliper-l14")
     spec = l14.spec_for(dataset)
     assert (cliper.Fuse.parse(spec.extra("fuse")), cliper.Cam.parse(spec.extra("cam"))) == (cliper.Fuse(thr, layer), cliper.Cam(score, bkg, norm))
     assert (l14.settings(dataset).logit_scale, l14.settings(dataset).resolution, l14.clip_weights()) == (scale, size, ("ViT-L-14", "openai"))
@@ -340,12 +555,13 @@ def test_cliper_grid_and_published_numbers():
     from clipseg_sparse.sweeps.grid import GRIDS, read_grid_file
 
     g = read_grid_file(GRIDS.get("cliper")).grid
-    assert g.protocol == "cliper-nofgc" and list(g.presets) == ["cliper-nofgc"] and list(g.normalizers) == ["softmax", "entmax:1.5"]
+    assert g.protocol == "cliper" and list(g.presets) == ["cliper"] and list(g.normalizers) == ["softmax", "entmax:1.5"]
     assert set(g.datasets) == set(DATASETS.names())
-    for name, avg in (("cliper-nofgc", 41.9), ("cliper-nofgc-sliding", 43.2), ("cliper-nofgc-l14", 44.0), ("cliper-nofgc-l14-sliding", 45.05)):
+    for name, avg in (("cliper", 44.5), ("cliper-sliding", 45.3), ("cliper-l14", 48.1), ("cliper-l14-sliding", 48.6),
+                      ("cliper-nofgc", 41.9), ("cliper-nofgc-sliding", 43.2), ("cliper-nofgc-l14", 44.0), ("cliper-nofgc-l14-sliding", 45.05)):
         row = PUBLISHED.get(name)
         assert set(row.miou) == set(DATASETS.names())
-        assert row.average == pytest.approx(avg, abs=0.05)
+        assert row.average == pytest.approx(avg, abs=0.05) and row.clip == ("ViT-L-14:openai" if "l14" in name else "ViT-B-16:openai")
 
 
 def test_segment_cli_runs_cliper(tmp_path):
