@@ -41,7 +41,7 @@ def calibrate(
     from ..segment.vocabulary import Vocabulary
 
     check_out(out, folder=False)
-    activesam_ecd.check_out(out)
+    activesam_ecd.signature_path(out)
     if sum(x is not None for x in (dataset, classes, classes_file)) != 1:
         fail("give exactly one of --dataset, --classes and --classes-file")
     if dataset is not None:

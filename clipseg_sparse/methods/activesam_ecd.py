@@ -310,11 +310,13 @@ class EcdSegmenter(ActiveSamSegmenter):
                  signatures: Signatures | None = None, preview: int = PREVIEW, preview_layers: int = PREVIEW_LAYERS,
                  preview_queries: int = PREVIEW_QUERIES, tau: float = TAU, sigma: float = SIGMA, source: str | None = None) -> None:  # fmt: skip
         super().__init__(prompter, vocabulary, settings, normalizer, preview)
+        if signatures is not None and self.settings.bg_threshold:
+            raise UserValueError(f"activesam-ecd decodes the background as ECD's null concept: bg_threshold must be 0 (got {self.settings.bg_threshold})")
         self.preview_layers, self.preview_queries, self.tau, self.sigma = preview_layers, preview_queries, tau, sigma
         self.name_class = torch.tensor(vocabulary.name_to_class, device=prompter.device)
         self.background = background_label(vocabulary)
         self.always = self.name_class == (-1 if self.background is None else self.background)
-        self.signatures, self.source = signatures, source
+        self.source = source
         self.decoder = None if signatures is None else Decoder(signatures, sigma, self.background, device=prompter.device)
 
     def config(self) -> dict:
@@ -399,6 +401,7 @@ class EcdSegmenter(ActiveSamSegmenter):
 
 
 def file_hash(path: str | Path) -> str:
+    """The signature file's content hash, which result files record."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
@@ -408,7 +411,8 @@ def partial_path(out: Path) -> Path:
     return out.with_name(out.name.removesuffix(".npz") + ".partial.npz")
 
 
-def check_out(out: str | Path) -> Path:
+def signature_path(out: str | Path) -> Path:
+    """`out` as a Path, or one line when it is not named .npz."""
     out = Path(out)
     if out.suffix != ".npz":
         raise UserValueError(f"{out}: a signature file is named .npz (numpy appends .npz to any other name)")
@@ -428,7 +432,7 @@ def calibration_config(segmenter: EcdSegmenter | str, vocabulary: Vocabulary, im
 def open_calibration(out: str | Path, config: dict, overwrite: bool = False) -> dict | None:
     """The state of a calibration in progress to resume (None: start afresh). One line when `out` is finished
     (without overwrite) or its run in progress has another configuration (without overwrite: say so)."""
-    out = check_out(out)
+    out = signature_path(out)
     if out.exists() and not overwrite:
         raise UserValueError(f"{out}: exists; --overwrite recomputes it")
     partial = partial_path(out)
@@ -451,7 +455,7 @@ def calibrate(segmenter: EcdSegmenter, images: Sequence[str | Path], out: str | 
     """Estimate `segmenter`'s vocabulary's signatures on the unlabeled `images` (in order; no label is read) and
     write them to `out` (.npz). Resumable: the sums are saved every 25 images to FILE.partial.npz, and the same
     call resumes there. An image that cannot be read is skipped with a `note` and listed in the file's meta."""
-    out, images = check_out(out), [Path(p) for p in images]
+    out, images = signature_path(out), [Path(p) for p in images]
     vocabulary = segmenter.vocabulary
     config = calibration_config(segmenter, vocabulary, images, weights, min_pixels)
     state = open_calibration(out, config, overwrite)

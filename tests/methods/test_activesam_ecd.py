@@ -25,6 +25,7 @@ from clipseg_sparse.methods.activesam import hypernym_table
 from clipseg_sparse.methods.activesam_ecd import Decoder, EcdSegmenter, SignatureEstimator, Signatures, background_label, calibrate, nearest_signature
 from clipseg_sparse.models.sam3.hf import run_prompts
 from clipseg_sparse.segment.pipelines import find_pipeline
+from clipseg_sparse.segment.settings import InferenceSettings
 from clipseg_sparse.segment.vocabulary import Vocabulary
 from fake_benchmarks import make_benchmark
 from test_activesam import package_ids, published_canonicalize, published_pooled
@@ -530,6 +531,12 @@ def test_bad_calibrate_input_is_one_line_before_the_model(tmp_path):
     activesam_ecd.partial_path(tmp_path / "s.npz").write_bytes(b"junk")
     code, _, lines = invoke(*base, "--classes", "cat,dog", "--out", tmp_path / "s.npz")
     assert code == 2 and len(lines) == 1 and "not a calibration in progress" in lines[0], lines
+
+
+def test_a_background_threshold_beside_the_null_concept_is_refused(prompter):
+    sig = Signatures(**vars(random_signatures(torch.Generator().manual_seed(5), 3)))
+    with pytest.raises(ValueError, match="bg_threshold must be 0"):
+        EcdSegmenter(prompter, Vocabulary.parse("background,cat,sky"), InferenceSettings(bg_threshold=0.4), signatures=sig)
 
 
 def test_bad_signature_files_are_one_line_before_the_model(tmp_path):
