@@ -40,8 +40,9 @@ Quirks copied: a screened-out name keeps its first-layer presence, which enters 
 null concept is tested against R_a even where R_a and R_e agreed; the 2000-pixel threshold counts pooled pixels
 (16 image pixels each); the uncalibrated test reads the argmax group's size only; classes scoring 0 at a pixel
 cannot win it, a pixel where none scores keeps the argmax (class order breaks ties); a background class's names
-skip the preview, not the screen. Fixed: np.savez silently appends `.npz` to another name, so the file must be
-named `.npz`; calibrate.py overwrites its output and cannot resume (here: refused without --overwrite, and a
+skip the preview, not the screen; the pool images are read in their stored orientation (calibrate.py's PIL
+loading applies no EXIF rotation; `eval` applies it, as for every pipeline here). Fixed: np.savez silently
+appends `.npz` to another name, so the file must be named `.npz`; calibrate.py overwrites its output and cannot resume (here: refused without --overwrite, and a
 stopped run resumes from `FILE.partial.npz`); a file calibrated without a background class gives m_bg NaN,
 which the published decoder turns into a null concept that never wins (here refused: its background class must
 match the vocabulary's); an unreadable pool image stops calibrate.py (here skipped with a note, listed in the
@@ -474,7 +475,7 @@ def calibrate(segmenter: EcdSegmenter, images: Sequence[str | Path], out: str | 
         task = bar.add_task("calibrate", total=len(images), completed=done) if bar else None
         for path in images[done:]:
             try:
-                rgb = load_image(path)
+                rgb = load_image(path, exif_transpose=False)  # calibrate.py's PIL `convert("RGB")`: the stored orientation
             except (UserError, OSError) as e:
                 note(f"{path}: skipped, cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
                 skipped.append(str(path))

@@ -394,14 +394,21 @@ def test_calibration_and_ecd_labels_equal_the_published_ones(prompter, tmp_path)
     for i in range(4):
         Image.fromarray(image(10 + i, 40, 52)).save(path := tmp_path / f"{i}.png")
         pool.append(path)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees to display; calibrate.py reads the stored pixels
+    Image.fromarray(image(14, 40, 52)).save(pool[3], format="PNG", exif=exif)
     ours = calibrate(seg, pool, tmp_path / "s.npz", min_pixels=20)
     est = PubEstimator(len(vocab), min_pixels=20)
     for path in pool:
-        maps, _, active, *_ = pub_class_maps(prompter, vocab.flat_names, vocab.name_to_class, np.array(Image.open(path)), 0.12, 84, 2, 5, 0)
+        rgb = np.array(Image.open(path).convert("RGB"))  # ActiveSAM.load_image
+        maps, _, active, *_ = pub_class_maps(prompter, vocab.flat_names, vocab.name_to_class, rgb, 0.12, 84, 2, 5, 0)
         est.add(maps, active)
     want = est.signatures(0)
     for key in ("R_a", "R_e", "log_mass", "mass_argmax", "mass_excl", "m_bg"):
         np.testing.assert_allclose(getattr(ours, key), getattr(want, key), atol=1e-4, rtol=0, err_msg=key)
+    from clipseg_sparse.segment.images import load_image
+
+    assert load_image(pool[3]).shape == (52, 40, 3)  # eval would rotate it
     assert ours.meta["classes"] == [list(n) for n in vocab.names] and ours.meta["n_images"] == 4 and 0 < (~ours.uncalibrated).sum()
     loaded = Signatures.load(tmp_path / "s.npz")
     rgb = image(20)
