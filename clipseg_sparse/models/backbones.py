@@ -270,6 +270,12 @@ def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(B, N, heads, C // heads).transpose(1, 2)
 
 
+# SAM windows encoded per pass: timm's SAM ViT materialises each global block's 4096 x 4096 scores per head with
+# their relative-position bias (about 2.4 GB a window for ViT-B at 1024 px, fp32), so ProxyCLIP's batch of 16
+# windows needed over 14 GB and was killed out of memory on a 24 GB machine; one at a time costs no time on CPU.
+SAM_WINDOWS = 1
+
+
 class Backbone:
     """A frozen backbone and its registry entry. `features(pixels)` takes images normalised with
     `info.mean`/`info.std` (see `from_clip_pixels`)."""
@@ -308,8 +314,10 @@ class Backbone:
         if unknown:
             raise ValueError(f"backbone {self.info.name} does not expose {', '.join(sorted(unknown))}; it has {', '.join(self.info.features)}")
         pixels = pixels.to(device=self.device, dtype=self.dtype)
-        if self.info.kind == "samvit":
-            return self._sam_features(pixels, want)
+        if self.info.kind == "samvit":  # one window at a time (SAM_WINDOWS)
+            parts = [self._sam_features(chunk, want) for chunk in pixels.split(SAM_WINDOWS)]
+            return BackboneFeatures(parts[0].grid, **{f: torch.cat([getattr(p, f) for p in parts]) if getattr(parts[0], f) is not None else None
+                                                      for f in ("tokens", "q", "k", "v", "penult", "attn")})  # fmt: skip
         if self.info.kind == _DENSE:
             feats = self.feature_map(pixels)
             out = BackboneFeatures(tuple(feats.shape[-2:]))

@@ -150,6 +150,23 @@ def test_sam_features_match_timm_and_attention_reproduces_the_block():
     torch.testing.assert_close(ours, direct, atol=1e-5, rtol=1e-5)
 
 
+def test_sam_windows_are_encoded_one_at_a_time_with_the_batchs_features(monkeypatch):
+    """Memory: SAM's global blocks hold a window's 4096^2 scores per head, so windows go through one by one; each
+    window's features equal its own forward (timm's batched forward_features)."""
+    import clipseg_sparse.models.backbones as backbones
+
+    torch.manual_seed(0)
+    model = tiny_sam(64, window_size=2)
+    info = BackboneInfo("tinysam", "samvit", "tiny", 16, (0.5,) * 3, (0.25,) * 3, ("tokens", "qkv", "attn"), "fixed", "test", 64)
+    x = torch.randn(3, 3, 64, 64)
+    sizes = []
+    run = Backbone._sam_features
+    monkeypatch.setattr(Backbone, "_sam_features", lambda self, px, want: sizes.append(len(px)) or run(self, px, want))
+    f = Backbone(info, model).features(x, want=("tokens", "qkv", "attn"))
+    assert sizes == [backbones.SAM_WINDOWS] * 3 and f.attn.shape[0] == f.q.shape[0] == f.tokens.shape[0] == 3 and f.penult is None
+    torch.testing.assert_close(f.tokens, model.forward_features(x).flatten(2).transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
 def test_from_clip_pixels_renormalises_and_resizes_sam_input():
     bb = Backbone(dino_info(), tiny_vit())
     raw = torch.rand(1, 3, 8, 8)
