@@ -320,12 +320,14 @@ def test_bad_arguments_are_refused(bad):
         AttentionSpec.parse(bad)
 
 
-def test_the_textadjust_forward_runs_no_match_stage_and_the_widths_must_agree(tiny_clip):
+def test_the_textadjust_forward_runs_no_match_stage_and_the_tap_needs_patches_and_equal_widths(tiny_clip):
     with pytest.raises(UserValueError):
         Plan.of("cass/hook:surgery")
     assert Plan.of("cass").forward_name == "textadjust" and Plan.of("spectral:10,20,10/softmax").forward_name == "windows"
     with installed_backbones(dino_like(64, 2), clips=(tiny_clip,)), pytest.raises(UserValueError, match="widths"):
         tiny_clip.encode_dense(structured(1, (64, 64), seed=0), "cass")
+    with pytest.raises(UserValueError, match="cls:C"):
+        tiny_clip.encode_dense(structured(1, (64, 64), seed=0), "spectral:10,20,10/softmax/nores")
 
 
 def test_segment_cli_runs_the_preset_end_to_end(tiny_clip, tiny_dino, tmp_path):
