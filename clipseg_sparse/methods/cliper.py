@@ -225,8 +225,11 @@ def fused_features(clip, crops: torch.Tensor, normalizer: str | Normalizer = "so
 
 
 def text_rows(run: ImageRun, bg: int | str) -> tuple[torch.Tensor, int]:
-    """(T x D rows the softmax runs over: the names, the background words, the names' mean; how many names lead)."""
+    """(T x D rows the softmax runs over: the names, the background words, the names' mean; the number of names, the
+    rows kept)."""
     text = run.text.to(run.clip.device).float()
+    if isinstance(bg, int) and bg >= len(text):
+        raise UserValueError(f"bg:{bg}: the vocabulary has {len(text)} names, so none would be left after the {bg} background words")
     if isinstance(bg, int):
         names, words = text[bg:], text[:bg]
     else:

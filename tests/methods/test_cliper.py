@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from conftest import window_run
-from sclip_line_reference import labels_off_ties, structured
+from sclip_line_reference import structured
 from clipseg_sparse.attention import AttentionSpec
 from clipseg_sparse.errors import UserValueError
 from clipseg_sparse.methods import cliper
@@ -562,6 +562,23 @@ def test_cliper_grid_and_published_numbers():
         row = PUBLISHED.get(name)
         assert set(row.miou) == set(DATASETS.names())
         assert row.average == pytest.approx(avg, abs=0.05) and row.clip == ("ViT-L-14:openai" if "l14" in name else "ViT-B-16:openai")
+
+
+def test_eval_runs_each_datasets_constants(tiny_clip, tmp_path):
+    """evaluate under the cliper-nofgc protocol on a fake VOC21: CLIPer's class files (25 background words), the
+    dataset's constants, labels scored; too many background names is one line."""
+    from fake_benchmarks import make_benchmark
+
+    from clipseg_sparse.evaluation.segmentation import evaluate
+
+    make_benchmark("voc21", tmp_path, n=1, size=(40, 56))
+    record = evaluate(tiny_clip, "voc21", tmp_path, protocol="cliper-nofgc", class_names=None, progress=False, templates="single", overrides={"resolution": 64},
+                      cache_dir=tmp_path / "cache")  # fmt: skip
+    assert record["config"]["attention"] == "qk/softmax/nores/noffn/bg:25/cam:0.7,0.6,norm/fuse:0.1"
+    assert record["config"]["class_names_version"].startswith("cliper/voc21.txt@") and record["metrics"]["mIoU"] is not None
+    run = window_run(tiny_clip, structured(1, (64, 64), seed=1), "cliper-nofgc/bg:3", torch.randn(3, 64), window=0)
+    with pytest.raises(UserValueError, match="bg:3"):
+        cliper.fused_scores(run, (64, 64))
 
 
 def test_segment_cli_runs_cliper(tmp_path):
