@@ -330,6 +330,20 @@ def test_the_textadjust_forward_runs_no_match_stage_and_the_tap_needs_patches_an
         tiny_clip.encode_dense(structured(1, (64, 64), seed=0), "spectral:10,20,10/softmax/nores")
 
 
+def test_explain_reads_the_spectral_attention_of_each_window(tiny_clip, tiny_dino):
+    """The forward's attention is the plain windows': per window the mixed, Gaussian-biased softmax over the patches,
+    equal to the transcription's map of that window."""
+    pixels = structured(1, (64, 96), seed=1)
+    text, _ = names()
+    with installed_backbones(tiny_dino, clips=(tiny_clip,)):
+        run = window_run(tiny_clip, pixels, tiny_spec((0.1, 0.1, 0.1)), text, window=64, stride=32, remainder="drop", pos_interp="scale")
+        windows = list(cass.TextAdjustForward().attention(run))
+    assert [w.box for w in windows] == [(0, 64, 0, 64), (0, 64, 32, 96)] and windows[0].maps.shape == (3, 16, 16)
+    torch.manual_seed(cass.SEED)
+    _, _, want = ref_encode_image(tiny_clip.visual, tiny_dino.model, pixels[..., 32:96], "ade20k")
+    assert (windows[1].maps - want).abs().max() < 1e-5
+
+
 def test_segment_cli_runs_the_preset_end_to_end(tiny_clip, tiny_dino, tmp_path):
     from typer.testing import CliRunner
 
