@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from . import analysis, bank, bench, calibrate, dna, evaluate, ls, segment, sweep
+from . import analysis, bank, bench, calibrate, dna, evaluate, floss, ls, segment, sweep
 from .common import flags_show_no_value_type
 from ..runtime.progress import err_console
 
@@ -46,6 +46,7 @@ def build_app() -> typer.Typer:
     root.add_typer(evaluate.convert_app, name="convert")
     root.add_typer(dna.dna_app, name="dna")
     root.add_typer(bank.bank_app, name="bank")
+    root.add_typer(floss.floss_app, name="floss")
     return root
 
 

@@ -138,8 +138,18 @@ TINY_SPECS = {
 }
 
 
+def _floss_ranks(folder, names=("sky", "tree", "grass")):
+    """A FLOSS rank file for `names` (FLOSS's presets read one: `floss:auto` would look for `floss rank`'s)."""
+    import json
+
+    rows = [{"template_id": t, "entropy": 0.1 * t, "pixel_percentage": 1.0, "rank": t + 1} for t in range(80)]
+    path = folder / "ranks.json"
+    path.write_text(json.dumps({"classes": {n: {"entropy_ranking": rows[i:] + rows[:i]} for i, n in enumerate(names)}}))
+    return path
+
+
 @pytest.mark.parametrize("name", ["trident", "pearl", *sorted(SEGMENTER_ONLY)])
-def test_presets_with_stages_segment_in_bf16(pair, bank, name):
+def test_presets_with_stages_segment_in_bf16(pair, bank, name, tmp_path):
     """The whole Segmenter (windows; global, windows and post stages that run other backbones or read the
     text; OV-Stitcher's stitched forward and CorrCLIPv2's whole-image features) on the bf16 model; labels
     agree with fp32 on most pixels (random weights: class maps close together, so this is no accuracy
@@ -151,8 +161,10 @@ def test_presets_with_stages_segment_in_bf16(pair, bank, name):
         spec = str(PRESETS.get(name).spec)
         retrieval = "retrieve" in spec
         settings = STITCH_SETTINGS if "stitch:" in spec else SETTINGS
+        if "floss:auto" in spec:
+            spec = spec.replace("floss:auto", f"floss:{_floss_ranks(tmp_path)}")
         seg = Segmenter(
-            clip, "sky,tree,grass", spec=TINY_SPECS.get(name, name), settings=settings, templates="single", regions=lambda image, source: regions, bank=bank if retrieval else None
+            clip, "sky,tree,grass", spec=TINY_SPECS.get(name, spec), settings=settings, templates="single", regions=lambda image, source: regions, bank=bank if retrieval else None
         )
         labels.append(seg.predict_labels(rgb))
     assert labels[0].shape == labels[1].shape == (50, 70)
