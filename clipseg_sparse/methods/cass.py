@@ -129,40 +129,11 @@ def head_spectra(scores: torch.Tensor, eigen: int) -> torch.Tensor:
 
 
 def assignment(cost: torch.Tensor) -> list[int]:
-    """The column of each row of a square cost matrix in the assignment of least total cost (Hungarian algorithm
-    with potentials; `scipy.optimize.linear_sum_assignment` on the published code's 12 x 12)."""
-    c = cost.double().tolist()
-    n = len(c)
-    u, v, match, way = [0.0] * (n + 1), [0.0] * (n + 1), [0] * (n + 1), [0] * (n + 1)
-    for i in range(1, n + 1):
-        match[0], j0 = i, 0
-        slack, used = [math.inf] * (n + 1), [False] * (n + 1)
-        while True:
-            used[j0] = True
-            i0, delta, j1 = match[j0], math.inf, 0
-            for j in range(1, n + 1):
-                if not used[j]:
-                    cur = c[i0 - 1][j - 1] - u[i0] - v[j]
-                    if cur < slack[j]:
-                        slack[j], way[j] = cur, j0
-                    if slack[j] < delta:
-                        delta, j1 = slack[j], j
-            for j in range(n + 1):
-                if used[j]:
-                    u[match[j]] += delta
-                    v[j] -= delta
-                else:
-                    slack[j] -= delta
-            j0 = j1
-            if match[j0] == 0:
-                break
-        while j0:
-            j1 = way[j0]
-            match[j0], j0 = match[j1], j1
-    cols = [0] * n
-    for j in range(1, n + 1):
-        cols[match[j] - 1] = j - 1
-    return cols
+    """The column of each row of a square cost matrix in the assignment of least total cost: the published
+    code's `scipy.optimize.linear_sum_assignment` (rows come back in order)."""
+    from scipy.optimize import linear_sum_assignment
+
+    return linear_sum_assignment(cost.double().cpu().numpy())[1].tolist()
 
 
 def low_rank(a: torch.Tensor, start: torch.Tensor, iterations: int = POWER_ITERATIONS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 Read from MICV-yonsei/CASS@228ecdd (`cass_segmentor.py`: `hierarchical_clustering`, `hierarchical_prompt`,
 `forward_feature`; Ward linkage) and liblacklucy/RF-CLIP@c2b333e (`custom_segmentor.py`: the same code with complete
 linkage). Once per vocabulary the names' text embeddings are clustered (`linkage_clusters`: agglomerative
-clustering of their cosine distances, cut at a distance, as scipy's `linkage` + `fcluster(t, 'distance')`). Per
+clustering of their cosine distances, cut at a distance with scipy's `linkage` + `fcluster(t, 'distance')`, as published). Per
 window (`Presence.logits`), with g the cosine of a global image embedding with every name (the whole image's CLS, or
 the window's): in each cluster the name with the largest g is moved towards the image, t <- normalize((1 - alpha) t +
 alpha m), m the L2-normalised mean of the `top` patch features most similar to t, and the window's logits are
@@ -34,38 +34,20 @@ def cosine_distances(text: torch.Tensor) -> torch.Tensor:
 
 def linkage_clusters(text: torch.Tensor, linkage: str, threshold: float) -> torch.Tensor:
     """Q int64 flat-cluster ids (0..K-1, numbered by first member) of Q text embeddings: agglomerative clustering
-    of their cosine distances with `linkage` (complete: the largest pairwise distance; ward: the Lance-Williams
-    update scipy applies to the given distances), every merge at a distance <= `threshold` kept (scipy's
-    `fcluster(linkage(squareform(d), method), t=threshold, criterion='distance')`, a partition; both linkages are
-    monotone, so the merges below the cut are the first ones)."""
+    of their cosine distances with `linkage` cut at `threshold`, as published:
+    `fcluster(linkage(squareform(d), method), t=threshold, criterion='distance')`."""
+    from scipy.cluster.hierarchy import fcluster
+    from scipy.cluster.hierarchy import linkage as merges
+    from scipy.spatial.distance import squareform
+
     if linkage not in LINKAGES:
         raise UserValueError(f"unknown linkage {linkage!r}; choose {', '.join(LINKAGES)}")
-    d = cosine_distances(text)
-    n = d.shape[0]
-    size = torch.ones(n, dtype=torch.float64)
-    label = torch.arange(n)
-    active = torch.ones(n, dtype=torch.bool)
-    work = d.clone().fill_diagonal_(float("inf"))
-    for _ in range(n - 1):
-        masked = work.masked_fill(~(active[:, None] & active[None, :]), float("inf"))
-        flat = int(masked.argmin())
-        i, j = divmod(flat, n)
-        dij = float(masked[i, j])
-        if not dij <= threshold:
-            break
-        i, j = min(i, j), max(i, j)
-        if linkage == "complete":
-            merged = torch.maximum(work[i], work[j])
-        else:
-            ni, nj = size[i], size[j]
-            merged = (((ni + size) * work[i] ** 2 + (nj + size) * work[j] ** 2 - size * dij**2) / (ni + nj + size)).clamp_(min=0).sqrt_()
-        work[i], work[:, i] = merged, merged
-        work[i, i] = float("inf")
-        size[i] += size[j]
-        active[j] = False
-        label[label == j] = i
-    _, ids = torch.unique(label, return_inverse=True)  # ids by smallest member index
-    return ids
+    d = cosine_distances(text).numpy()
+    if len(d) < 2:
+        return torch.zeros(len(d), dtype=torch.int64)
+    flat = fcluster(merges(squareform(d, checks=False), method=linkage), t=threshold, criterion="distance")
+    first: dict[int, int] = {}
+    return torch.tensor([first.setdefault(int(c), len(first)) for c in flat], dtype=torch.int64)
 
 
 @dataclass(frozen=True)

@@ -284,15 +284,6 @@ def test_dino_pixels_are_the_published_uint8_image(tiny_dino):
         assert (ours - want).abs().max() < 1e-5
 
 
-def test_assignment_is_scipys():
-    g = torch.Generator().manual_seed(0)
-    for n in (1, 2, 5, 12):
-        for _ in range(20):
-            cost = torch.rand(n, n, generator=g)
-            _, cols = linear_sum_assignment(cost.numpy())
-            assert cass.assignment(cost) == list(cols)
-
-
 def test_low_rank_is_svd_lowrank_with_the_same_draws():
     a = torch.randn(30, 12, dtype=torch.float64)
     a = a @ a.T
