@@ -58,7 +58,7 @@ def eval_cmd(
     attn: AttnOpt = None,
     protocol: Annotated[str, typer.Option("--protocol", help="Settings of a published evaluation: sclip, clearclip, naclip, proxyclip, corrclip-metaclip, ... (see `ls protocols`); also picks the attention preset, class names and CLIP weights unless given.")] = "sclip",
     class_names: Annotated[Optional[str], typer.Option("--class-names", help="Prompt names: sclip (synonyms, stuff words for background), plain (ClearCLIP's), or a file with one class per line; default: the protocol's.")] = None,
-    templates: TemplatesOpt = "openai",
+    templates: Annotated[Optional[str], typer.Option("--templates", help="Prompt templates: openai (80), single, none, or a file with one {}-template per line; default: the protocol's (CLIPer's per dataset), else openai.")] = None,
     prompts: PromptsOpt = None,
     resolution: Annotated[Optional[int], typer.Option("--resolution", help="Short side images are resized to (0 = keep size).")] = None,
     window: Annotated[Optional[int], typer.Option("--window", help="Sliding-window size in pixels (0 = whole image).")] = None,

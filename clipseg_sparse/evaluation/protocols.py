@@ -56,6 +56,10 @@ class Protocol:
     # the CLIP the paper reports with this protocol (open_clip name, pretrained tag); None: the library default
     model: str | None = None
     pretrained: str | None = None
+    # the prompt templates the repository embeds names with (`resolve_templates`: a named set or a file), for every
+    # dataset and per dataset where they differ (CLIPer's); None: the caller's default (eval: openai)
+    templates: str | None = None
+    templates_per_dataset: Mapping[str, str] = field(default_factory=dict)
 
     def describe(self, help: str) -> dict[str, str]:
         """`ls protocols`: the attention preset, class names and CLIP weights it pairs with (model and tag, where
@@ -88,6 +92,10 @@ class Protocol:
         if base != self.attention:
             return text
         return self.attention_per_dataset.get(dataset, base) + slash + normalizer
+
+    def templates_for(self, dataset: str) -> str | None:
+        """The templates the protocol embeds `dataset`'s names with (None: it sets none)."""
+        return self.templates_per_dataset.get(dataset, self.templates)
 
     def clip_weights(self, model: str | None = None, pretrained: str | None = None) -> tuple[str, str]:
         """(model, pretrained) to load, each the given value (command line, grid) if not None, else the

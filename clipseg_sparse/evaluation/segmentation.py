@@ -57,7 +57,7 @@ def evaluate(
     progress: bool = True,
     *,
     overwrite: bool = False,
-    templates: str = "openai",
+    templates: str | None = None,
     cache_dir: str | Path | None = None,
     regions: Callable | None = None,
     prompts: Prompts | str | Path | None = None,
@@ -79,6 +79,8 @@ def evaluate(
     stages that read region maps (CorrCLIP; see `Segmenter`), called with each sample's id. prompts: a
     prompt file of sentences per class name (`Segmenter`), recorded in the config. bank: the image
     bank of retrieval stages (CorrCLIPv2; `segment.bank.ImageBank`), recorded by its content hash.
+    templates: the prompt templates (`resolve_templates`); None: the protocol's for the dataset (CLIPer's), else
+    the 80 OpenAI templates.
     resources: these inputs and the external backbones' weights in one object (`segment.Resources`), in place
     of regions, prompts and bank.
 
@@ -94,6 +96,7 @@ def evaluate(
     which = class_names or proto.class_names
     vocabulary, names_version = class_vocabulary(bench.name, which)
     settings = proto.settings(bench.name, overrides)
+    templates = templates if templates is not None else proto.templates_for(bench.name) or "openai"
     if not bench.background and (settings.bg_threshold or settings.area_threshold):
         raise UserValueError(f"{bench.name} has no background class: bg_threshold and area_threshold must be 0")
     rank, world = rank_and_world()

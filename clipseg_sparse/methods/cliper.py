@@ -43,6 +43,7 @@ import dataclasses
 import math
 import re
 import weakref
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -572,6 +573,13 @@ L14 = {
     "ade20k": ((0.2, 0.2, 0.2, False, "background"), 50.0, 224), "cityscapes": ((0.35, 0.0, 0.0001, False, "background"), 100.0, 224),
 }  # fmt: skip
 RESOLUTION = {"B16": {"cityscapes": 560}, "L14": {"cityscapes": 448}}  # size: 336, Cityscapes 560 (L/14 448)
+# semantic_templates: template/car_template.txt (15 sentences, shipped as data/templates/cliper_car.txt) or
+# openai_template.txt (the 80 OpenAI ImageNet templates, the engine's `openai`)
+CAR_TEMPLATES = str(Path(__file__).resolve().parent.parent / "data" / "templates" / "cliper_car.txt")
+TEMPLATES = {
+    "B16": {"coco-object": "openai", "cityscapes": "openai"},  # else car
+    "L14": {"context60": "openai", "coco-object": "openai", "coco-stuff": "openai", "ade20k": "openai"},
+}
 
 CLIPER = _spec(*B16["ade20k"][0])
 NOFGC = _spec(*B16["ade20k"][0], fgc=False)
@@ -593,14 +601,15 @@ CLIPER_NOTES = (
     "to the image, divided by its maximum + 1e-5 and times its score; cam_to_label: names whose score is <= "
     "score_threshold dropped, min-max normalised (VOC21), below bkg_thre 0, argmax or background; the short side "
     "resized to 336 (Cityscapes 560) with PIL's bicubic, each side rounded to the nearest multiple of 16; positional "
-    "embeddings resized bilinearly and rounded to fp16; logit scale 100 (COCO-Object and COCO-Stuff 50); "
+    "embeddings resized bilinearly and rounded to fp16; logit scale 100 (COCO-Object and COCO-Stuff 50); the names "
+    "embedded with the configs' templates (B/16: the 15 car_template.txt sentences, COCO-Object and Cityscapes the 80 "
+    "OpenAI ones; L/14 per its configs); "
     "fixed: FGC's noise is drawn from a generator seeded by fgc's SEED (0; the code's randn_tensor is unseeded, so its "
     "numbers vary run to run); the chained product is applied right to left to the map's columns (the same product, "
     "without the code's 4096 x 4096 intermediate products) and the UNet stops once the two maps are read; a pixel "
     "whose names all score 0 on a set without a background class is the first class here (the code's label 0, scored "
     "wrong); a line with commas (VOC21's `person with clothes, people, human`) is three names here, one prompt there; "
-    "not copied: fp16 for CLIP on GPU (SD runs fp16 on CUDA as published, fp32 elsewhere); the 15 `car_template.txt` "
-    "templates of VOC, Context, COCO-Stuff and ADE20K (the protocol cannot set templates: pass them with --templates)"
+    "not copied: fp16 for CLIP on GPU (SD runs fp16 on CUDA as published, fp32 elsewhere)"
 )
 register_preset(
     "cliper",
@@ -623,7 +632,7 @@ register_entmax_variant("cliper-nofgc")
 SOURCE = "linsun449/cliper.code@c05fa41 scripts/config/{}/*.yaml, modified_clip/model.py, ovs/, diffusion_model/, util/miou.py"
 
 
-def _protocol(name: str, preset: str, table: dict, resolution: dict, sliding: bool, help: str, model: str | None = None) -> Protocol:
+def _protocol(name: str, preset: str, table: dict, resolution: dict, templates: dict, sliding: bool, help: str, model: str | None = None) -> Protocol:
     per_dataset = {ds: dict(logit_scale=scale, window=crop if sliding else 0) for ds, (_, scale, crop) in table.items()}
     for ds, side in resolution.items():
         per_dataset[ds]["resolution"] = side
@@ -638,6 +647,8 @@ def _protocol(name: str, preset: str, table: dict, resolution: dict, sliding: bo
         attention_per_dataset={ds: _spec(*c, fgc=fgc) for ds, (c, _, _) in table.items()},
         model=model,
         pretrained="openai" if model else None,
+        templates=CAR_TEMPLATES,
+        templates_per_dataset=templates,
     )
     return PROTOCOLS.register(name, protocol, help=help)
 
@@ -653,15 +664,15 @@ _ROWS = {
 # the README prints no average: these are its cells' (B/16 44.5, sliding 45.3, L/14 48.1 / 48.6; without FGC 41.9)
 _AVERAGES = {"B16": (44.5, 41.9), "B16*": (45.3, 43.2), "L14": (48.1, 44.0), "L14*": (48.6, 45.1)}
 _README = "linsun449/cliper.code@c05fa41 ReadMe.md (Results)"
-_NOTE = "the car templates are not the protocol's (pass --templates); VOC21's comma line is three names here; FGC's noise seeded"
+_NOTE = "VOC21's comma line is three names here; FGC's noise seeded; CLIP in fp32"
 PROTOCOL_OF: dict[tuple[str, str], Protocol] = {}
-for row, (table, res, model) in {"B16": (B16, RESOLUTION["B16"], None), "B16*": (B16, RESOLUTION["B16"], None),
-                                 "L14": (L14, RESOLUTION["L14"], "ViT-L-14"), "L14*": (L14, RESOLUTION["L14"], "ViT-L-14")}.items():  # fmt: skip
+for row, (table, model) in {"B16": (B16, None), "B16*": (B16, None), "L14": (L14, "ViT-L-14"), "L14*": (L14, "ViT-L-14")}.items():
+    res, templates = RESOLUTION[row[:3]], TEMPLATES[row[:3]]
     sliding = row.endswith("*")
     suffix = ("-l14" if model else "") + ("-sliding" if sliding else "")
     what = f"ViT-{'L/14 (OpenAI)' if model else 'B/16'}, whole image" + (" and 224 windows (VOC 336) at stride 112, half and half" if sliding else "")
     for i, preset in enumerate(("cliper", "cliper-nofgc")):
-        protocol = _protocol(preset + suffix, preset, table, res, sliding, f"CLIPer{' without FGC' if i else ''}, {what}: short side 336 "
+        protocol = _protocol(preset + suffix, preset, table, res, templates, sliding, f"CLIPer{' without FGC' if i else ''}, {what}: short side 336 "
                              f"(Cityscapes {res['cityscapes']}), its per-dataset thresholds and logit scales", model=model)
         PROTOCOL_OF[preset, row] = protocol
         register_published(protocol, dict(zip(B16, _ROWS[row][i])), f"{_README}, row ViT-{row[0]}/{row[1:3]}{row[3:]}"

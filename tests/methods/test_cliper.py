@@ -502,19 +502,36 @@ def test_explain_reads_the_last_input_s_fused_map(tiny_clip):
     assert torch.allclose(window.maps.sum(-1), torch.ones(3, 25))
 
 
+# linsun449/cliper.code@c05fa41 template/car_template.txt
+CAR_TEMPLATE = """a clean origami {}.
+a photo of a {}.
+This is a photo of a {}
+There is a {} in the scene
+There is the {} in the scene
+a photo of a {} in the scene
+a photo of a small {}.
+a photo of a medium {}.
+a photo of a large {}.
+This is a photo of a small {}.
+This is a photo of a medium {}.
+This is a photo of a large {}.
+There is a small {} in the scene.
+There is a medium {} in the scene.
+There is a large {} in the scene."""
 # typed from linsun449/cliper.code@c05fa41 scripts/config/vit-b-16/*.yaml (attention_thr, score_threshold, bkg_thre,
 # is_normalize, select_layer, logit_scale, size, the sliding_crop_size line) and data/*/cls_*.txt's first lines
 CLIPER_B16 = {
-    "voc21": dict(thr=0.1, score=0.7, bkg=0.6, norm=True, bg=25, scale=100, size=336, crop=336),
-    "context60": dict(thr=0.2, score=0.45, bkg=0.45, norm=False, bg=1, scale=100, size=336, crop=224),
-    "coco-object": dict(thr=0.2, score=0.3, bkg=0.3, norm=False, bg=23, scale=50, size=336, crop=224),
-    "voc20": dict(thr=0.1, score=0.0, bkg=0.001, norm=False, bg="voc", scale=100, size=336, crop=336),
-    "context59": dict(thr=0.2, score=0.3, bkg=0.3, norm=False, bg="background", scale=100, size=336, crop=224),
-    "coco-stuff": dict(thr=0.2, score=0.1, bkg=0.1, norm=False, bg="background", scale=50, size=336, crop=224),
-    "ade20k": dict(thr=0.2, score=0.3, bkg=0.3, norm=False, bg="background", scale=100, size=336, crop=224),
-    "cityscapes": dict(thr=0.35, score=0.0, bkg=0.0001, norm=False, bg="background", scale=100, size=560, crop=224),
+    "voc21": dict(thr=0.1, score=0.7, bkg=0.6, norm=True, bg=25, scale=100, size=336, crop=336, tpl="car"),
+    "context60": dict(thr=0.2, score=0.45, bkg=0.45, norm=False, bg=1, scale=100, size=336, crop=224, tpl="car"),
+    "coco-object": dict(thr=0.2, score=0.3, bkg=0.3, norm=False, bg=23, scale=50, size=336, crop=224, tpl="openai"),
+    "voc20": dict(thr=0.1, score=0.0, bkg=0.001, norm=False, bg="voc", scale=100, size=336, crop=336, tpl="car"),
+    "context59": dict(thr=0.2, score=0.3, bkg=0.3, norm=False, bg="background", scale=100, size=336, crop=224, tpl="car"),
+    "coco-stuff": dict(thr=0.2, score=0.1, bkg=0.1, norm=False, bg="background", scale=50, size=336, crop=224, tpl="car"),
+    "ade20k": dict(thr=0.2, score=0.3, bkg=0.3, norm=False, bg="background", scale=100, size=336, crop=224, tpl="car"),
+    "cityscapes": dict(thr=0.35, score=0.0, bkg=0.0001, norm=False, bg="background", scale=100, size=560, crop=224, tpl="openai"),
 }  # fmt: skip
-# scripts/config/vit-l-14/*.yaml: (thr, score, bkg, norm, select_layer, scale, size)
+# scripts/config/vit-l-14/*.yaml: (thr, score, bkg, norm, select_layer, scale, size); semantic_templates
+CLIPER_L14_TEMPLATES = {'voc21': 'car', 'context60': 'openai', 'coco-object': 'openai', 'voc20': 'car', 'context59': 'car', 'coco-stuff': 'openai', 'ade20k': 'openai', 'cityscapes': 'car'}
 CLIPER_L14 = {
     "voc21": (0.1, 0.5, 0.4, True, -2, 50, 336), "context60": (0.2, 0.3, 0.3, False, -2, 50, 336),
     "coco-object": (0.1, 0.5, 0.5, False, -2, 50, 336), "voc20": (0.2, 0.1, 0.0001, False, -1, 70, 336),
@@ -527,6 +544,7 @@ CLIPER_L14 = {
 def test_cliper_protocols_match_the_published_configs(dataset):
     from clipseg_sparse.datasets import class_vocabulary
     from clipseg_sparse.evaluation.protocols import PROTOCOLS
+    from clipseg_sparse.segment.vocabulary import resolve_templates
 
     want = CLIPER_B16[dataset]
     for name, crop in (("cliper", 0), ("cliper-sliding", want["crop"]), ("cliper-nofgc", 0), ("cliper-nofgc-sliding", want["crop"])):
@@ -539,6 +557,8 @@ def test_cliper_protocols_match_the_published_configs(dataset):
         s = protocol.settings(dataset)
         assert (s.resolution, s.logit_scale, s.window, s.stride, s.bg_threshold, s.area_threshold) == (want["size"], want["scale"], crop, 112, 0, 0)
         assert protocol.spec_for(dataset, f"{protocol.attention}-entmax").normalizer == "entmax:1.5"
+        templates = resolve_templates(protocol.templates_for(dataset))
+        assert templates == (tuple(CAR_TEMPLATE.splitlines()) if want["tpl"] == "car" else resolve_templates("openai"))
     vocab, _ = class_vocabulary(dataset, "cliper")
     lead = want["bg"] if isinstance(want["bg"], int) else 0
     assert len(vocab.names[0]) == max(lead, 1) and (lead == 0 or len(vocab.flat_names) > lead)
@@ -547,6 +567,7 @@ def test_cliper_protocols_match_the_published_configs(dataset):
     spec = l14.spec_for(dataset)
     assert (cliper.Fuse.parse(spec.extra("fuse")), cliper.Cam.parse(spec.extra("cam"))) == (cliper.Fuse(thr, layer), cliper.Cam(score, bkg, norm))
     assert (l14.settings(dataset).logit_scale, l14.settings(dataset).resolution, l14.clip_weights()) == (scale, size, ("ViT-L-14", "openai"))
+    assert resolve_templates(l14.templates_for(dataset)) == (tuple(CAR_TEMPLATE.splitlines()) if CLIPER_L14_TEMPLATES[dataset] == "car" else resolve_templates("openai"))
 
 
 def test_cliper_grid_and_published_numbers():
@@ -572,9 +593,14 @@ def test_eval_runs_each_datasets_constants(tiny_clip, tmp_path):
     from clipseg_sparse.evaluation.segmentation import evaluate
 
     make_benchmark("voc21", tmp_path, n=1, size=(40, 56))
-    record = evaluate(tiny_clip, "voc21", tmp_path, protocol="cliper-nofgc", class_names=None, progress=False, templates="single", overrides={"resolution": 64},
+    record = evaluate(tiny_clip, "voc21", tmp_path, protocol="cliper-nofgc", class_names=None, progress=False, overrides={"resolution": 64},
                       cache_dir=tmp_path / "cache")  # fmt: skip
     assert record["config"]["attention"] == "qk/softmax/nores/noffn/bg:25/cam:0.7,0.6,norm/fuse:0.1"
+    car = [line.strip() for line in CAR_TEMPLATE.splitlines()]
+    assert record["config"]["templates"] == car  # the config's car_template.txt
+    given = evaluate(tiny_clip, "voc21", tmp_path, protocol="cliper-nofgc", class_names=None, progress=False, overrides={"resolution": 64},
+                     templates="single", out=tmp_path / "single.json", cache_dir=tmp_path / "cache")  # fmt: skip
+    assert given["config"]["templates"] == "single"  # given templates win over the protocol's
     assert record["config"]["class_names_version"].startswith("cliper/voc21.txt@") and record["metrics"]["mIoU"] is not None
     run = window_run(tiny_clip, structured(1, (64, 64), seed=1), "cliper-nofgc/bg:3", torch.randn(3, 64), window=0)
     with pytest.raises(UserValueError, match="bg:3"):
