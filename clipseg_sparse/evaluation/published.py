@@ -23,6 +23,7 @@ from typing import Any, Mapping
 from ..attention.spec import AttentionSpec
 from ..datasets import DATASETS
 from ..registry import ENTRY_POINT_GROUP, Registry, caller_module
+from ..segment.vocabulary import resolve_templates, templates_id
 from .protocols import PROTOCOLS, Protocol
 
 # The eight benchmarks of the field's comparison tables, in their usual column order; avg-8 is their mean.
@@ -82,6 +83,9 @@ class Published:
             out.append(f"attention {attention}")
         settings = dataclasses.asdict(protocol.settings(dataset))
         out += [f"{k}={config[k]}" for k, v in settings.items() if k in config and _normal(config[k]) != _normal(v)]
+        named = protocol.templates_for(dataset)  # only where the protocol names its templates (CLIPer's)
+        if named is not None and "templates" in config and config["templates"] != templates_id(resolve_templates(named)):
+            out.append("templates not the protocol's")
         return out
 
     def compare(self, config: Mapping[str, Any], value: float, tolerance: float = TOLERANCE) -> Comparison | None:

@@ -601,6 +601,11 @@ def test_eval_runs_each_datasets_constants(tiny_clip, tmp_path):
     given = evaluate(tiny_clip, "voc21", tmp_path, protocol="cliper-nofgc", class_names=None, progress=False, overrides={"resolution": 64},
                      templates="single", out=tmp_path / "single.json", cache_dir=tmp_path / "cache")  # fmt: skip
     assert given["config"]["templates"] == "single"  # given templates win over the protocol's
+    from clipseg_sparse.evaluation.published import PUBLISHED
+
+    published = PUBLISHED.get("cliper-nofgc")
+    assert "templates not the protocol's" in published.differences(given["config"])
+    assert "templates not the protocol's" not in published.differences(record["config"])
     assert record["config"]["class_names_version"].startswith("cliper/voc21.txt@") and record["metrics"]["mIoU"] is not None
     run = window_run(tiny_clip, structured(1, (64, 64), seed=1), "cliper-nofgc/bg:3", torch.randn(3, 64), window=0)
     with pytest.raises(UserValueError, match="bg:3"):
