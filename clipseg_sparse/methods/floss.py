@@ -121,23 +121,30 @@ def expert_texts(clip, names: Sequence[str], experts: Sequence[Sequence[int]]) -
 
 
 # -- the online fusion ------------------------------------------------------------------------------------------------
-def fuse(probs: Iterable[torch.Tensor], default: torch.Tensor) -> torch.Tensor:
-    """FLOSS's `expert_fusion` over N x H x W probabilities: expert e (the e-th of `probs`, one per name) claims the
-    pixels where its argmax is e; exactly one claimant -> its probabilities, none -> `default`'s, several -> the
-    claimant with the highest own-name probability (the first on ties)."""
+def fuse(probs: Iterable[torch.Tensor | None], default: torch.Tensor) -> torch.Tensor:
+    """FLOSS's `expert_fusion` over N x H x W probabilities: expert e (the e-th of `probs`, one per name; None: one
+    that claims no pixel) claims the pixels where its argmax is e; exactly one claimant -> its probabilities, none
+    -> `default`'s, several -> the claimant with the highest own-name probability (the first on ties)."""
     best = torch.full(default.shape[1:], -1.0, device=default.device, dtype=default.dtype)
     out = default.clone()
     for e, p in enumerate(probs):
+        if p is None:
+            continue
         take = (p.argmax(0) == e) & (p[e] > best)
         best = torch.where(take, p[e], best)
         out = torch.where(take[None], p, out)
     return out
 
 
-def _upsampled(cos: torch.Tensor, scale: float, size: tuple[int, int]) -> torch.Tensor:
-    """h x w x N cosine -> N x H x W softmax(scale x cosine) over names, bilinear to `size` (align_corners False)."""
-    probs = torch.softmax(scale * cos.float(), dim=-1).permute(2, 0, 1)
-    return F.interpolate(probs[None], size=size, mode="bilinear", align_corners=False)[0]
+def _upsampled(cos: torch.Tensor, scale: float, size: tuple[int, int], expert: int | None = None) -> torch.Tensor | None:
+    """h x w x N cosine -> N x H x W softmax(scale x cosine) over names, bilinear to `size` (align_corners False).
+    With `expert` e: None where no pixel can have e as its argmax. Bilinear values are convex combinations of
+    patches, so a pixel's p_e is at most the window's largest patch p_e, and its top value at least 1 / N: below
+    1 / N at every patch, e claims nothing (exact; it skips most experts of most windows)."""
+    probs = torch.softmax(scale * cos.float(), dim=-1)
+    if expert is not None and float(probs[..., expert].max()) < 1 / probs.shape[-1]:
+        return None
+    return F.interpolate(probs.permute(2, 0, 1)[None], size=size, mode="bilinear", align_corners=False)[0]
 
 
 class FlossForward(WindowsForward):
@@ -181,7 +188,7 @@ class FlossForward(WindowsForward):
             cos = torch.einsum("bhwd,nd->bhwn", feats, texts)
             for window in cos:
                 per = window.unflatten(-1, (-1, n))  # h x w x (E + 1) x N
-                probs = (_upsampled(per[..., e, :], s.logit_scale, size) for e in range(per.shape[2] - 1))
+                probs = (_upsampled(per[..., e, :], s.logit_scale, size, e) for e in range(per.shape[2] - 1))
                 fused.append(fuse(probs, _upsampled(per[..., -1, :], s.logit_scale, size)).permute(1, 2, 0))
         return window_cosine_map(run, boxes, torch.stack(fused), run.out_size)
 

@@ -230,6 +230,17 @@ def test_fuse_plain_rule():
     assert torch.equal(floss.fuse([e0, e0.flip(0)], default), e0)  # e1 = [0.4, 0.6] claims too, 0.6 is not > 0.6: first
     assert torch.equal(floss.fuse([e0, e1], default), e1)
     assert torch.equal(floss.fuse([e1, e0], default), default)  # expert 0's argmax is 1, expert 1's is 0: no claim
+    assert torch.equal(floss.fuse([None, e1], default), e1)  # a skipped expert claims nothing
+
+
+def test_an_expert_below_one_over_n_everywhere_is_skipped_and_could_claim_nothing():
+    torch.manual_seed(0)
+    cos = torch.randn(3, 4, 5) * 0.05
+    cos[..., 2] -= 1  # name 2's probability is far below 1 / 5 at every patch
+    assert floss._upsampled(cos, 100.0, (48, 64), 2) is None
+    full = floss._upsampled(cos, 100.0, (48, 64))
+    assert not bool((full.argmax(0) == 2).any())
+    assert torch.equal(floss._upsampled(cos, 100.0, (48, 64), 0), full) or floss._upsampled(cos, 100.0, (48, 64), 0) is None
 
 
 def test_entmax_near_one_is_close_to_softmax(tiny_clip, rank_json):
