@@ -58,6 +58,9 @@ FORWARD = "floss"
 TOP = 4  # naclip.py: top_n=4
 AUTO = "auto"
 EPSILON = 1e-10  # entropy_metric.py: log(p + 1e-10)
+# naclip.py `_apply_quick_and_dirty_fix`: VOC20's names in SCLIP's class file -> the dataset's class names its
+# rankings are keyed by (the person and monitor synonyms reach theirs through their class's other names)
+VOC20_KEYS = {"ship": "boat", "table": "diningtable", "television monitor": "tvmonitor"}
 
 
 # -- the rank file ----------------------------------------------------------------------------------------------------
@@ -93,11 +96,15 @@ def read_rankings(path: Path) -> dict[str, list[dict]]:
 def top_templates(rankings: Mapping[str, list[dict]], vocabulary, top: int = TOP) -> list[list[int]]:
     """Each name's expert templates: the first `top` of its class's ranking with a pixel share above 0
     (`_load_template_rankings`). A class is looked up by the name, then its class's label and other names, each
-    also without spaces (FLOSS's NACLIP rankings key `pottedplant`; its VOC20 fix maps synonyms to their class)."""
+    then compared without spaces, underscores and case (FLOSS's NACLIP rankings key `pottedplant`, its MaskCLIP ones
+    `potted plant`; its VOC20 fix maps synonyms to their class), and
+    VOC20's `ship`, `table`, `television monitor` as `boat`, `diningtable`, `tvmonitor` (`VOC20_KEYS`)."""
     out, missing = [], []
+    squeezed = {_squeeze(k): v for k, v in rankings.items()}
     for name, cls in zip(vocabulary.flat_names, vocabulary.name_to_class):
         keys = [name, vocabulary.labels[cls], *vocabulary.names[cls]]
-        found = next((rankings[k] for key in keys for k in (key, key.replace(" ", "")) if k in rankings), None)
+        keys += [VOC20_KEYS[k] for k in keys if k in VOC20_KEYS]
+        found = next((rankings[k] for k in keys if k in rankings), None) or next((squeezed[_squeeze(k)] for k in keys if _squeeze(k) in squeezed), None)
         if found is None:
             missing.append(name)
             continue
@@ -108,6 +115,10 @@ def top_templates(rankings: Mapping[str, list[dict]], vocabulary, top: int = TOP
     if missing:
         raise UserValueError(f"FLOSS rankings: no ranking for {', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''} (ranked: {', '.join(list(rankings)[:5])} ...)")
     return out
+
+
+def _squeeze(key: str) -> str:
+    return "".join(key.replace("_", " ").split()).lower()
 
 
 def expert_texts(clip, names: Sequence[str], experts: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -365,6 +365,22 @@ def test_bad_rank_files_give_one_line_errors(tiny_clip, tmp_path):
         _segmenter(tiny_clip, "naclip/floss:")
 
 
+def test_rankings_keyed_like_flosss_voc20_file_serve_sclips_voc20_names():
+    """FLOSS's VOC20 rankings key the dataset's names (boat, diningtable, pottedplant, tvmonitor); SCLIP's file says
+    ship, table, potted plant's `pottedplant`, `television monitor, tv monitor, ...` (`_apply_quick_and_dirty_fix`)."""
+    from clipseg_sparse.datasets.classnames import class_names_file
+
+    vocabulary = Vocabulary.from_file(class_names_file(dataset="voc20", which="sclip"))
+    keys = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "diningtable", "dog", "horse",
+            "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor"]  # fmt: skip
+    rankings = {k: [{"template_id": i, "pixel_percentage": 1.0}] for i, k in enumerate(keys)}
+    experts = floss.top_templates(rankings, vocabulary)
+    by_name = dict(zip(vocabulary.flat_names, experts))
+    assert by_name["ship"] == [3] and by_name["table"] == [10] and by_name["person in jacket"] == [14] and by_name["screen"] == [19]
+    spaced = {"traffic light": [{"template_id": 7, "pixel_percentage": 1.0}], "Road": [{"template_id": 8, "pixel_percentage": 1.0}]}
+    assert floss.top_templates(spaced, Vocabulary.from_names([["trafficlight"], ["road"]])) == [[7], [8]]  # FLOSS's MaskCLIP keys
+
+
 def test_presets_and_protocols_follow_the_published_configs():
     from clipseg_sparse.attention import PRESETS
 
