@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from ..attention import AttentionSpec, resolve_spec
 from ..attention.presets import PRESETS, register_entmax_variant, register_preset
 from ..attention.spec import register_option
-from ..errors import UserValueError
+from ..errors import UserError, UserValueError
 from ..evaluation.protocols import MMSEG_CODE, PROTOCOLS, SCLIP_LINE, Protocol
 from ..evaluation.published import register_published
 from ..segment.maps import CosineMap
@@ -276,6 +276,7 @@ def rank_templates(
     Resumable: the tally is saved next to `out` (`OUT.partial.json`) after every image, and a re-run with the same
     model, spec, settings and names goes on from it (another configuration: a one-line error). An image that cannot
     be read is skipped with a note. band: elements of cosine per band of rows (80 x names x rows x width)."""
+    from ..runtime.progress import inner_progress
     from ..segment.images import load_image
 
     out = Path(out)
@@ -299,16 +300,16 @@ def rank_templates(
     names = vocabulary.flat_names
     text = clip.encode_text([t.format(n) for t in templates for n in names])  # T N x D, single templates
     index = torch.as_tensor(vocabulary.name_to_class, device=clip.device)
-    todo = [(p, n) for p, n in images if n not in set(tally.done)]
-    bar = _bar(progress, len(images), len(images) - len(todo))
-    with bar:
-        task = bar.add_task("floss rank", total=len(images), completed=len(images) - len(todo))
-        for path, name in todo:
+    done = set(tally.done)
+    todo = [(p, n) for p, n in images if n not in done]
+    with inner_progress("images", "floss rank", show=progress) as tell:
+        tell(len(images) - len(todo), len(images))
+        for i, (path, name) in enumerate(todo, len(images) - len(todo) + 1):
             try:
                 rgb = load_image(path)
-            except UserValueError as e:
+            except UserError as e:  # an unreadable image: skipped, said
                 note(f"skipped {name}: {e}")
-                bar.advance(task)
+                tell(i, len(images))
                 continue
             run = dataclasses.replace(segmenter.image_run(rgb), text=text)
             with torch.inference_mode():
@@ -326,31 +327,13 @@ def rank_templates(
             tally.pixels += height * width
             tally.done.append(name)
             _write_json(partial, {"meta": meta, "sums": tally.sums.tolist(), "counts": tally.counts.tolist(), "pixels": tally.pixels, "done": tally.done})
-            bar.advance(task)
+            tell(i, len(images))
     if not tally.done:
         raise UserValueError("floss rank: no image could be read; nothing was ranked")
     result = rankings_json(tally, vocabulary.labels, {**meta, "images": len(tally.done)})
     _write_json(out, result)
     partial.unlink(missing_ok=True)
     return result
-
-
-def _bar(show: bool, total: int, done: int):
-    from contextlib import nullcontext
-
-    from ..runtime.progress import progress_bar
-
-    if show:
-        return progress_bar("images")
-
-    class Quiet(nullcontext):
-        def add_task(self, *a, **k):
-            return 0
-
-        def advance(self, *a, **k):
-            pass
-
-    return Quiet()
 
 
 # -- presets, protocols, published numbers ----------------------------------------------------------------------------

@@ -324,6 +324,14 @@ def test_rank_resumes_after_a_stop(tiny_clip, tmp_path, monkeypatch):
         floss.rank_templates(other, images, tmp_path / "o.json")
 
 
+def test_rank_skips_an_unreadable_image_with_a_note(tiny_clip, tmp_path):
+    images = _images(tmp_path / "images", 1)
+    (tmp_path / "images" / "broken.png").write_bytes(b"not a png")
+    notes = []
+    result = floss.rank_templates(_segmenter(tiny_clip, "naclip"), [*images, (tmp_path / "images" / "broken.png", "broken.png")], tmp_path / "r.json", note=notes.append)
+    assert result["clipseg_sparse"]["images"] == 1 and notes and notes[0].startswith("skipped broken.png")
+
+
 # -- command line, presets, protocols, errors -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def checkpoint(tiny_clip, tmp_path_factory):
