@@ -157,11 +157,12 @@ class PipelineReport:
     parts: tuple[Part, ...]
     whole: float
     networks: float
+    model: str = "ViT-B-16"
 
     def as_dict(self) -> dict:
         return {
             "family": self.family, "preset": self.preset, "protocol": self.protocol, "classes": self.classes, "size": list(self.size),
-            "whole": self.whole, "networks": self.networks, "parts": [vars(p) for p in self.parts],
+            "whole": self.whole, "networks": self.networks, "model": self.model, "parts": [vars(p) for p in self.parts],
         }  # fmt: skip
 
 
@@ -240,13 +241,47 @@ def timed_library(timer: PartTimer) -> Iterator[None]:
         yield
 
 
+#: where the measured cost of every preset is kept (`benchmarks/pipeline.py --cost-file`): what `ls presets` shows
+COST_FILE = Path(__file__).resolve().parent.parent / "data" / "preset_cost.json"
+
+
+def preset_target(name: str) -> tuple[str, str]:
+    """(preset, protocol) that `bench_pipeline` runs for `name`: a family of FAMILIES, or any attention preset
+    with the protocol its paper publishes (the one of its own name first), SCLIP's where no protocol runs it."""
+    from ..attention import PRESETS
+    from ..errors import UserValueError
+    from ..evaluation.protocols import PROTOCOLS
+
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if name not in PRESETS.names():
+        raise UserValueError(f"unknown pipeline family or preset {name!r}; families: {', '.join(FAMILIES)}; presets: `clipseg-sparse ls presets`")
+    base = name.removesuffix("-entmax")
+    own = [p for p in PROTOCOLS.names() if PROTOCOLS.get(p).attention == base]
+    return name, base if base in own else (own[0] if own else "sclip")
+
+
+def preset_costs() -> dict:
+    """The measured costs (COST_FILE): {"presets": {name: {"whole": s, "networks": s, "model": ...}}, and how
+    they were measured}; empty where nothing was measured."""
+    return json.loads(COST_FILE.read_text(encoding="utf-8")) if COST_FILE.is_file() else {"presets": {}}
+
+
+def relative_cost(name: str, costs: dict | None = None) -> float | None:
+    """Preset `name`'s whole run over `sclip`'s, as measured (COST_FILE); None where either was not measured."""
+    rows = (costs or preset_costs())["presets"]
+    return rows[name]["whole"] / rows["sclip"]["whole"] if name in rows and "sclip" in rows else None
+
+
 def bench_pipeline(
-    family: str, classes: int = 150, size: tuple[int, int] = (480, 640), model: str = "ViT-B-16", device: str = "cpu",
-    cpu_time: bool = False,
+    family: str, classes: int = 150, size: tuple[int, int] = (480, 640), model: str | None = None, device: str = "cpu",
+    cpu_time: bool = False, memory: bool = True,
 ) -> PipelineReport:
-    """One image of `size` through `family`'s preset and protocol (FAMILIES) with `classes` classes, by part
-    (module docstring): run twice, the first for memory (each part's freed heap returned before it: its peak
-    counts the pages it touches), the second for time (the allocator warm, as a run over many images).
+    """One image of `size` through the preset and protocol of `family` (a FAMILIES name or a preset:
+    `preset_target`) with `classes` classes, by part (module docstring): run twice, the first for memory (each
+    part's freed heap returned before it: its peak counts the pages it touches), the second for time (the
+    allocator warm, as a run over many images); `memory=False` runs the second alone (no peaks).
+    model: None is ViT-B/16, or the protocol's CLIP where the preset needs more blocks (`-l14` presets).
     cpu_time: time by this process's CPU time (one thread: the work, whatever else loads the machine)."""
     from ..evaluation.protocols import PROTOCOLS
     from ..files import outputs
@@ -257,14 +292,14 @@ def bench_pipeline(
     from ..segment.segmenter import Segmenter
     from .timing import keep_freed_memory, smooth_image
 
-    from ..errors import UserValueError
+    from ..attention.blocks import min_depth
 
-    if family not in FAMILIES:
-        raise UserValueError(f"unknown pipeline family {family!r}; choose from {', '.join(FAMILIES)}")
-    preset, protocol_name = FAMILIES[family]
+    preset, protocol_name = preset_target(family)
     protocol = PROTOCOLS.get(protocol_name)
     settings = protocol.settings("ade20k")
     spec = protocol.spec_for("ade20k", preset)
+    if model is None:
+        model = "ViT-B-16" if min_depth(spec) <= 12 else protocol.clip_weights()[0]
     keep_freed_memory()
     torch.manual_seed(0)
     clip = load_clip(model, pretrained=None, device=device)
@@ -282,19 +317,19 @@ def bench_pipeline(
         Image.fromarray(rgb).save(image)
         options = outputs.OutputOptions(overwrite=True)
         clock = time.process_time if cpu_time else time.perf_counter
-        runs = [PartTimer(trim=True), PartTimer(clock=clock)]  # memory (freed heap returned at each part), then time (warm)
+        runs = [PartTimer(trim=True)] * memory + [PartTimer(clock=clock)]  # memory (freed heap returned at each part), then time (warm)
         for i, timer in enumerate(runs):
             with timed_library(timer), timer.part("whole run", OTHER):
                 outputs.write_outputs(Path(tmp) / f"out{i}", image, rgb, seg.predict(image), options)
-    memory, timer = runs
+    timer, peaks = runs[-1], runs[0].parts if memory else {}
     whole = timer.parts.pop("whole run")
     networks = sum(p.own for p in timer.parts.values() if p.kind == NETWORK)
     for name, part in timer.parts.items():
-        part.peak_mib = memory.parts[name].peak_mib if name in memory.parts else None
+        part.peak_mib = peaks[name].peak_mib if name in peaks else None
     parts = tuple(sorted(timer.parts.values(), key=lambda p: ({NETWORK: 0, STAGE: 1, OTHER: 2}[p.kind], -p.own)))
     rest = whole.seconds - sum(p.own for p in parts)
     parts += (Part("rest of predict (untimed glue)", OTHER, 1, rest, rest),)
-    return PipelineReport(family, preset, protocol_name, classes, size, parts, whole.seconds, networks)
+    return PipelineReport(family, preset, protocol_name, classes, size, parts, whole.seconds, networks, model)
 
 
 def rich_pipeline_table(report: PipelineReport):

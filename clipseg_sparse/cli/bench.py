@@ -19,7 +19,7 @@ def bench(
     precision: PrecisionOpt = Precision.fp32,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Benchmark only this model (name or config JSON).")] = None,
     suites: Annotated[str, typer.Option("--suites", help="Comma-separated: normalizer, forward, segment, ttfm (time to first mask), windows (the published window loop), bf16 (benchmarks/README.md); pipeline, not by default (one image's run by part).")] = "normalizer,forward,segment,ttfm,windows,bf16",
-    families: Annotated[str, typer.Option("--families", help="pipeline: comma-separated preset families (sclip, naclip+pamr, proxyclip, trident, trident+samrefine, corrclip, ovstitcher, corrclipv2+bank, lposs, lposs+, pearl).")] = "sclip",
+    families: Annotated[str, typer.Option("--families", help="pipeline: comma-separated preset families (sclip, naclip+pamr, proxyclip, trident, trident+samrefine, corrclip, ovstitcher, corrclipv2+bank, lposs, lposs+, pearl) or any presets (each with its paper's protocol).")] = "sclip",
     classes: Annotated[str, typer.Option("--classes", help="pipeline: comma-separated class counts.")] = "21,150",
     size: Annotated[str, typer.Option("--size", help="pipeline: the image's HEIGHTxWIDTH.")] = "480x640",
 ) -> None:
@@ -47,4 +47,4 @@ def bench(
             fail(f"--size {size!r} / --classes {classes!r}: expected HEIGHTxWIDTH and comma-separated integers")
         for family in (f.strip() for f in families.split(",") if f.strip()):
             for count in counts:
-                console.print(rich_pipeline_table(bench_pipeline(family, count, (height, width), model or "ViT-B-16", dev)))
+                console.print(rich_pipeline_table(bench_pipeline(family, count, (height, width), model, dev)))

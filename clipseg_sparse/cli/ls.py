@@ -4,7 +4,8 @@ Every kind but `models` is a registry of the package (defined next to its entrie
 a row is the entry's own description plus its help, and for the plug-in kinds (presets, stages, taps, spec
 options) a "defined in" column names the module that registered each entry. Presets also say what a run of
 them needs besides CLIP (`preset_needs`, read off the run's plan) and what their papers report
-(`preset_published`, from `evaluation.published`). `models` lists open_clip's configurations,
+(`preset_published`, from `evaluation.published`) and their measured time over sclip's (`preset_cost`, from
+`bench.pipeline`'s COST_FILE). `models` lists open_clip's configurations,
 each with the family of the registry `models.tower.FAMILIES` it belongs to. `--markdown` prints a registry's
 table as markdown (the docs' preset guide is that output, tests/cli/test_ls.py checks it).
 """
@@ -104,9 +105,20 @@ def preset_published(name: str) -> str:
     return ", ".join(f"{e.average:.1f} ({e.clip})" if e.average is not None else f"{len(e.miou)} of 8 ({e.clip})" for e in entries)
 
 
+def preset_cost(name: str) -> str:
+    """Preset `name`'s measured CPU time for one image over `sclip`'s (`bench.pipeline.relative_cost`: 480 x 640,
+    150 classes, random weights, its paper's protocol); empty where it was not measured."""
+    from ..bench.pipeline import relative_cost
+
+    cost = relative_cost(name)
+    return "" if cost is None else f"{cost:.1f}x"
+
+
 # ls KIND -> columns added after "defined in": name -> {column: text}
 EXTRA_COLUMNS: dict[Listable, Callable[[str], dict[str, str]]] = {
-    Listable.presets: lambda name: {"needs": preset_needs(name), "published avg-8 (CLIP)": preset_published(name)},
+    Listable.presets: lambda name: {
+        "needs": preset_needs(name), "published avg-8 (CLIP)": preset_published(name), "CPU time (x sclip)": preset_cost(name),
+    },
 }
 
 

@@ -53,4 +53,49 @@ def test_bench_pipeline_command(tmp_path):
     assert result.exit_code == 0, result.output
     assert "sclip (sclip, protocol sclip): 3 classes, 32x48" in result.output and "CLIP tiny-vit forward" in result.output
     bad = CliRunner().invoke(app, ["bench", "--suites", "pipeline", "--families", "nope", "--classes", "3", "--model", TINY_CONFIG])
-    assert bad.exit_code == 2 and "unknown pipeline family 'nope'" in bad.output
+    assert bad.exit_code == 2 and "unknown pipeline family or preset 'nope'" in bad.output
+
+
+def test_any_preset_runs_with_its_papers_protocol():
+    """A preset's own protocol (an -entmax twin: its base's), SCLIP's where no protocol runs it; unknown names refused."""
+    from clipseg_sparse.bench.pipeline import preset_target
+    from clipseg_sparse.errors import UserValueError
+
+    assert preset_target("naclip+pamr") == ("naclip", "naclip")  # a family
+    assert preset_target("resclip") == ("resclip", "resclip") and preset_target("resclip-entmax") == ("resclip-entmax", "resclip")
+    assert preset_target("clip") == ("clip", "sclip")
+    with pytest.raises(UserValueError, match="unknown pipeline family or preset 'nope'"):
+        preset_target("nope")
+    report = bench_pipeline("naclip-entmax", classes=3, size=(32, 48), model=TINY_CONFIG, memory=False)
+    assert (report.preset, report.protocol, report.model) == ("naclip-entmax", "naclip", TINY_CONFIG)
+    assert all(p.peak_mib is None for p in report.parts)  # no memory run
+
+
+def test_relative_cost_is_the_whole_run_over_sclips(tmp_path, monkeypatch):
+    import clipseg_sparse.bench.pipeline as pipeline
+
+    costs = {"presets": {"sclip": {"whole": 2.0, "networks": 1.5}, "proxyclip": {"whole": 45.0, "networks": 44.0}}}
+    assert pipeline.relative_cost("proxyclip", costs) == 22.5 and pipeline.relative_cost("lposs", costs) is None
+    assert pipeline.relative_cost("proxyclip", {"presets": {"proxyclip": {"whole": 45.0}}}) is None  # no sclip row
+    monkeypatch.setattr(pipeline, "COST_FILE", tmp_path / "none.json")
+    assert pipeline.preset_costs() == {"presets": {}} and pipeline.relative_cost("sclip") is None
+
+
+def test_the_benchmark_merges_each_run_into_the_cost_file(tmp_path):
+    """benchmarks/pipeline.py --cost-file: runs merge by preset (a resumed sweep keeps earlier rows), sorted."""
+    import argparse
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline.py"
+    spec = importlib.util.spec_from_file_location("pipeline_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = argparse.Namespace(size="480x640", threads=1, cpu_time=True)
+    file = tmp_path / "cost.json"
+    module.keep_cost(file, {"preset": "sclip", "classes": 150, "whole": 2.0004, "networks": 1.5, "model": "ViT-B-16"}, args)
+    module.keep_cost(file, {"preset": "naclip", "classes": 150, "whole": 3.0, "networks": 1.6, "model": "ViT-B-16"}, args)
+    module.keep_cost(file, {"preset": "sclip", "classes": 150, "whole": 2.5, "networks": 1.5, "model": "ViT-B-16"}, args)
+    costs = json.loads(file.read_text())
+    assert list(costs["presets"]) == ["naclip", "sclip"] and costs["presets"]["sclip"]["whole"] == 2.5
+    assert "150 classes" in costs["measured"] and "process CPU time" in costs["measured"] and not file.with_suffix(".tmp").exists()

@@ -66,3 +66,17 @@ def test_ls_markdown_prints_the_registry_as_a_markdown_table():
     assert markdown_table(["preset", "spec", "follows"], [["a", "x[cos]", "b | c [d] *e*\nf"]]) == (
         "| preset | spec | follows |\n|---|---|---|\n| `a` | `x[cos]` | b \\| c \\[d\\] \\*e\\*<br>f |\n"
     )
+
+
+def test_ls_presets_shows_the_measured_time_over_sclips(tmp_path, monkeypatch):
+    import json
+
+    import clipseg_sparse.bench.pipeline as pipeline
+
+    file = tmp_path / "cost.json"
+    file.write_text(json.dumps({"presets": {"sclip": {"whole": 2.0, "networks": 1.6}, "trident": {"whole": 59.0, "networks": 50.0}}}))
+    monkeypatch.setattr(pipeline, "COST_FILE", file)
+    out = CliRunner().invoke(app, ["ls", "presets", "--markdown"]).stdout.splitlines()
+    header, sclip, trident, naclip = (next(r for r in out if r.startswith(f"| {n} ")) for n in ("preset", "`sclip`", "`trident`", "`naclip`"))
+    column = [c.strip() for c in header.split("|")].index("CPU time (x sclip)")
+    assert [[c.strip() for c in r.split("|")][column] for r in (sclip, trident, naclip)] == ["1.0x", "29.5x", ""]
