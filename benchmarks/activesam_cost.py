@@ -1,6 +1,7 @@
 """ActiveSAM against the sam3 pipeline (SegEarth-OV3's): cost per image on this machine, at 21 and 150 names.
 
-Random weights (none can be downloaded here), one random 480 x 640 image, fp32 on the CPU.
+Random weights (none can be downloaded here), one random 480 x 640 image, on the CPU in fp32 or (`--precision
+bf16`) under the pipeline's bf16 autocast, as `--precision bf16` runs it.
 
 - default: the full-size `Sam3Model` (840 M parameters, transformers' default config). One image at 150 names
   takes half an hour here, so its parts are timed once each and the per-image cost is composed from them: the
@@ -12,7 +13,11 @@ With random weights few instances pass the confidence, so the per-instance work 
 left out; it is the same in both pipelines for the names both decode. The tests' tiny model is no cost model:
 its time goes to image-size operations, not the network.
 
-    python benchmarks/activesam_cost.py [--threads 2] [--bucket 8]
+`--beside` adds the same image through the CLIP presets `sclip` and `corrclipv2` (with a synthetic bank of 1000
+regions and 30 given regions: `bench --suites pipeline`) at 21 and 150 classes, timed the same way (wall time,
+the same threads), for the table's scale.
+
+    python benchmarks/activesam_cost.py [--threads 2] [--bucket 8] [--precision bf16] [--beside]
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def full(bucket: int) -> None:
+def full(bucket: int, precision: str) -> None:
     from transformers import Sam3Config, Sam3Model
 
     from clipseg_sparse.methods.activesam import PREVIEW, ActiveSamSegmenter
@@ -49,7 +54,7 @@ def full(bucket: int) -> None:
     from clipseg_sparse.models.sam3.hf import offline_processor
 
     torch.manual_seed(0)
-    prompter = TransformersPrompter(Sam3Model(Sam3Config()).eval(), offline_processor())
+    prompter = TransformersPrompter(Sam3Model(Sam3Config()).eval(), offline_processor(), precision=precision)
     rgb = np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8)
     seg = ActiveSamSegmenter(prompter, vocabularies()[150])
     names, (tokens, valid) = seg.names[:bucket], seg.context
@@ -59,7 +64,7 @@ def full(bucket: int) -> None:
         parts["prompt decoded 1008"] = timed(lambda: prompter.run(full_state, names, extra=(tokens[:bucket], valid[:bucket]))) / bucket
         parts["prompt presence 672"] = timed(lambda: prompter.run(preview_state, names, with_masks=False)) / bucket
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"parts (s; a prompt: its share of a bucket of {bucket}): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + f"; peak RSS {peak:.0f} MiB")
+    print(f"{precision}: parts (s; a prompt: its share of a bucket of {bucket}): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + f"; peak RSS {peak:.0f} MiB")
     e, e6, p, q = parts["encode 1008"], parts["encode 672"], parts["prompt decoded 1008"], parts["prompt presence 672"]
     rows = [("sam3", 21, e + 21 * p), ("activesam", 21, e + 21 * p), ("sam3", 150, e + 150 * p),
             ("activesam", 150, e6 + 150 * q + e + 30 * p), ("activesam, no preview", 150, e + 150 * p)]  # fmt: skip
@@ -74,9 +79,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bucket", type=int, default=8)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--beside", action="store_true", help="also time sclip and corrclipv2 on the same image size")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    full(args.bucket)
+    if args.beside:
+        beside()
+    full(args.bucket, args.precision)
+
+
+def beside() -> None:
+    from clipseg_sparse.bench.pipeline import bench_pipeline
+
+    print("| preset | classes | s per image (wall) |")
+    print("|---|---|---|")
+    for family in ("sclip", "corrclipv2+bank"):
+        for classes in (21, 150):
+            print(f"| {family} | {classes} | {bench_pipeline(family, classes, (480, 640), memory=False).whole:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
