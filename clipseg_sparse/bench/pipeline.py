@@ -247,7 +247,8 @@ COST_FILE = Path(__file__).resolve().parent.parent / "data" / "preset_cost.json"
 
 def preset_target(name: str) -> tuple[str, str]:
     """(preset, protocol) that `bench_pipeline` runs for `name`: a family of FAMILIES, or any attention preset
-    with the protocol its paper publishes (the one of its own name first), SCLIP's where no protocol runs it."""
+    with the protocol its paper publishes (the one of its own name first; a variant `NAME-...` without its own,
+    NAME's), SCLIP's where no protocol runs it."""
     from ..attention import PRESETS
     from ..errors import UserValueError
     from ..evaluation.protocols import PROTOCOLS
@@ -257,8 +258,11 @@ def preset_target(name: str) -> tuple[str, str]:
     if name not in PRESETS.names():
         raise UserValueError(f"unknown pipeline family or preset {name!r}; families: {', '.join(FAMILIES)}; presets: `clipseg-sparse ls presets`")
     base = name.removesuffix("-entmax")
-    own = [p for p in PROTOCOLS.names() if PROTOCOLS.get(p).attention == base]
-    return name, base if base in own else (own[0] if own else "sclip")
+    while True:  # scclip-l14 runs with scclip's protocol where none is its own
+        own = [p for p in PROTOCOLS.names() if PROTOCOLS.get(p).attention == base]
+        if own or "-" not in base:
+            return name, base if base in own else (own[0] if own else "sclip")
+        base = base.rsplit("-", 1)[0]
 
 
 def preset_costs() -> dict:
@@ -273,6 +277,17 @@ def relative_cost(name: str, costs: dict | None = None) -> float | None:
     return rows[name]["whole"] / rows["sclip"]["whole"] if name in rows and "sclip" in rows else None
 
 
+def bench_model(spec, protocol) -> str:
+    """The CLIP a preset is timed on: ViT-B/16, else (a spec reading more blocks: `-l14` presets) the
+    protocol's CLIP or ViT-L/14, whichever has the blocks."""
+    import open_clip
+
+    from ..attention.blocks import min_depth
+
+    depth = min_depth(spec)
+    return next(m for m in ("ViT-B-16", protocol.model, "ViT-L-14") if m and open_clip.get_model_config(m)["vision_cfg"]["layers"] >= depth)
+
+
 def bench_pipeline(
     family: str, classes: int = 150, size: tuple[int, int] = (480, 640), model: str | None = None, device: str = "cpu",
     cpu_time: bool = False, memory: bool = True,
@@ -281,7 +296,7 @@ def bench_pipeline(
     `preset_target`) with `classes` classes, by part (module docstring): run twice, the first for memory (each
     part's freed heap returned before it: its peak counts the pages it touches), the second for time (the
     allocator warm, as a run over many images); `memory=False` runs the second alone (no peaks).
-    model: None is ViT-B/16, or the protocol's CLIP where the preset needs more blocks (`-l14` presets).
+    model: None is ViT-B/16, or where the preset needs more blocks (`-l14` presets) the protocol's CLIP or ViT-L/14.
     cpu_time: time by this process's CPU time (one thread: the work, whatever else loads the machine)."""
     from ..evaluation.protocols import PROTOCOLS
     from ..files import outputs
@@ -292,14 +307,12 @@ def bench_pipeline(
     from ..segment.segmenter import Segmenter
     from .timing import keep_freed_memory, smooth_image
 
-    from ..attention.blocks import min_depth
 
     preset, protocol_name = preset_target(family)
     protocol = PROTOCOLS.get(protocol_name)
     settings = protocol.settings("ade20k")
     spec = protocol.spec_for("ade20k", preset)
-    if model is None:
-        model = "ViT-B-16" if min_depth(spec) <= 12 else protocol.clip_weights()[0]
+    model = model or bench_model(spec, protocol)
     keep_freed_memory()
     torch.manual_seed(0)
     clip = load_clip(model, pretrained=None, device=device)

@@ -64,11 +64,22 @@ def test_any_preset_runs_with_its_papers_protocol():
     assert preset_target("naclip+pamr") == ("naclip", "naclip")  # a family
     assert preset_target("resclip") == ("resclip", "resclip") and preset_target("resclip-entmax") == ("resclip-entmax", "resclip")
     assert preset_target("clip") == ("clip", "sclip")
+    assert preset_target("scclip-l14-entmax") == ("scclip-l14-entmax", "scclip")  # a variant without its own: its base's
     with pytest.raises(UserValueError, match="unknown pipeline family or preset 'nope'"):
         preset_target("nope")
     report = bench_pipeline("naclip-entmax", classes=3, size=(32, 48), model=TINY_CONFIG, memory=False)
     assert (report.preset, report.protocol, report.model) == ("naclip-entmax", "naclip", TINY_CONFIG)
     assert all(p.peak_mib is None for p in report.parts)  # no memory run
+
+
+def test_presets_reading_more_blocks_are_timed_on_a_clip_that_has_them():
+    from clipseg_sparse.attention import resolve_spec
+    from clipseg_sparse.bench.pipeline import bench_model
+    from clipseg_sparse.evaluation.protocols import PROTOCOLS
+
+    assert bench_model(resolve_spec("sclip"), PROTOCOLS.get("sclip")) == "ViT-B-16"
+    assert bench_model(resolve_spec("scclip-l14"), PROTOCOLS.get("scclip")) == "ViT-L-14"  # blocks 9..19: no protocol CLIP
+    assert bench_model(resolve_spec("corrclip-l14"), PROTOCOLS.get("corrclip-l14-metaclip")) == "ViT-L-14-quickgelu"  # the protocol's
 
 
 def test_relative_cost_is_the_whole_run_over_sclips(tmp_path, monkeypatch):
