@@ -17,7 +17,7 @@ its time goes to image-size operations, not the network.
 regions and 30 given regions: `bench --suites pipeline`) at 21 and 150 classes, timed the same way (wall time,
 the same threads), for the table's scale.
 
-    python benchmarks/activesam_cost.py [--threads 2] [--bucket 8] [--precision bf16] [--beside]
+    python benchmarks/activesam_cost.py [--threads 2] [--bucket 8] [--precision fp32 bf16] [--beside]
 """
 
 from __future__ import annotations
@@ -46,15 +46,21 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def full(bucket: int, precision: str) -> None:
+def full(bucket: int, precisions: list[str]) -> None:
     from transformers import Sam3Config, Sam3Model
 
+    torch.manual_seed(0)
+    model = Sam3Model(Sam3Config()).eval()
+    for precision in precisions:  # one model, one process: the precisions timed minutes apart
+        parts_of(model, bucket, precision)
+
+
+def parts_of(model, bucket: int, precision: str) -> None:
     from clipseg_sparse.methods.activesam import PREVIEW, ActiveSamSegmenter
     from clipseg_sparse.models.sam3 import TransformersPrompter
     from clipseg_sparse.models.sam3.hf import offline_processor
 
-    torch.manual_seed(0)
-    prompter = TransformersPrompter(Sam3Model(Sam3Config()).eval(), offline_processor(), precision=precision)
+    prompter = TransformersPrompter(model, offline_processor(), precision=precision)
     rgb = np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8)
     seg = ActiveSamSegmenter(prompter, vocabularies()[150])
     names, (tokens, valid) = seg.names[:bucket], seg.context
@@ -64,11 +70,11 @@ def full(bucket: int, precision: str) -> None:
         parts["prompt decoded 1008"] = timed(lambda: prompter.run(full_state, names, extra=(tokens[:bucket], valid[:bucket]))) / bucket
         parts["prompt presence 672"] = timed(lambda: prompter.run(preview_state, names, with_masks=False)) / bucket
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"{precision}: parts (s; a prompt: its share of a bucket of {bucket}): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + f"; peak RSS {peak:.0f} MiB")
+    print(f"{precision}: parts (s; a prompt: its share of a bucket of {bucket}): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + f"; peak RSS so far {peak:.0f} MiB")
     e, e6, p, q = parts["encode 1008"], parts["encode 672"], parts["prompt decoded 1008"], parts["prompt presence 672"]
     rows = [("sam3", 21, e + 21 * p), ("activesam", 21, e + 21 * p), ("sam3", 150, e + 150 * p),
             ("activesam", 150, e6 + 150 * q + e + 30 * p), ("activesam, no preview", 150, e + 150 * p)]  # fmt: skip
-    print("| pipeline | names | s per image (composed) | ratio to sam3 |")
+    print(f"| pipeline ({precision}) | names | s per image (composed) | ratio to sam3 |")
     print("|---|---|---|---|")
     for name, n, seconds in rows:
         print(f"| {name} | {n} | {seconds:.0f} | {seconds / (e + n * p):.2f} |")
@@ -79,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bucket", type=int, default=8)
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32"], help="one table each, in this order")
     parser.add_argument("--beside", action="store_true", help="also time sclip and corrclipv2 on the same image size")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
