@@ -188,6 +188,7 @@ def blocky_regions(size: tuple[int, int], count: int = 30, cell: int = 32, seed:
 
 def synthetic_bank(folder: Path, clip, backbones, key_backbone: str, rows: int = 1000, seed: int = 0):
     """A bank folder for `clip` and the key backbone's random weights: random unit keys and values, flat index."""
+    from ..runtime.fingerprint import file_stamp
     from ..segment import bank as banks
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -199,7 +200,9 @@ def synthetic_bank(folder: Path, clip, backbones, key_backbone: str, rows: int =
     np.save(folder / banks.values_file(0), (values / np.linalg.norm(values, axis=1, keepdims=True)).astype(np.float16))
     banks._faiss().write_index(banks.build_index(keys, "flat"), str(folder / banks.INDEX))
     record = backbones.config([key_backbone])[key_backbone]
-    manifest = {"format": banks.BANK_FORMAT, "keys": {"backbone": key_backbone, **record}, "values": [{"clip": banks.clip_id(clip)}], "rows": rows, "hash": "bench"}
+    manifest = {"format": banks.BANK_FORMAT, "keys": {"backbone": key_backbone, **record}, "values": [{"clip": banks.clip_id(clip)}], "rows": rows,
+                "files": {name: file_stamp(folder / name) for name in (banks.KEYS, banks.values_file(0), banks.INDEX)}}  # fmt: skip
+    manifest["hash"] = banks.content_hash(manifest)  # what opening a bank checks
     (folder / banks.MANIFEST).write_text(json.dumps(manifest))
     return banks.ImageBank.open(folder)
 

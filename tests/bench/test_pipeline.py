@@ -110,3 +110,16 @@ def test_the_benchmark_merges_each_run_into_the_cost_file(tmp_path):
     costs = json.loads(file.read_text())
     assert list(costs["presets"]) == ["naclip", "sclip"] and costs["presets"]["sclip"]["whole"] == 2.5
     assert "150 classes" in costs["measured"] and "process CPU time" in costs["measured"] and not file.with_suffix(".tmp").exists()
+
+
+def test_the_synthetic_bank_opens_as_a_built_one(tmp_path):
+    """The bench's bank (corrclipv2+bank) passes the checks opening a bank makes (its manifest's stamps and hash)."""
+    from types import SimpleNamespace
+
+    from clipseg_sparse.bench.pipeline import synthetic_bank
+
+    dense = SimpleNamespace(image_feature_map=lambda rgb: torch.zeros(1, 8, 2, 2))
+    backbones = SimpleNamespace(get=lambda name, device: dense, config=lambda names: {n: {"weights": "none"} for n in names})
+    clip = SimpleNamespace(device="cpu", visual=SimpleNamespace(proj=torch.zeros(16, 4)), model_name="ViT-B-16", pretrained="none")
+    bank = synthetic_bank(tmp_path / "bank", clip, backbones, "c_radio_v3_l", rows=20)
+    assert bank.keys.shape == (20, 8) and bank.manifest["rows"] == 20
