@@ -211,7 +211,7 @@ def synthetic_bank(folder: Path, clip, backbones, key_backbone: str, rows: int =
 def timed_library(timer: PartTimer) -> Iterator[None]:
     """Wrap the library callables that make the parts (see the module docstring)."""
     from ..files import outputs
-    from ..methods import ovstitcher
+    from ..methods import cliper, ovstitcher, rfclip
     from ..models.backbones import Backbone
     from ..models.clip import DenseCLIP
     from ..segment import images, segmenter
@@ -226,6 +226,8 @@ def timed_library(timer: PartTimer) -> Iterator[None]:
         enter(DenseCLIP, "encode_dense", clip_label, NETWORK)
         enter(DenseCLIP, "dense_tokens", clip_label, NETWORK)
         enter(ovstitcher, "stitched_features", "CLIP stitched forward (image-wide attention included)", NETWORK)
+        enter(rfclip, "refocused", "CLIP refocus forward (every block, both guided inputs)", NETWORK)
+        enter(cliper, "fused_features", "CLIP fused forward (every block's input through the last)", NETWORK)
         enter(Backbone, "features", lambda b: f"{b.info.name} forward", NETWORK)
         enter(Backbone, "image_feature_map", lambda b: f"{b.info.name} whole-image forward", NETWORK)
         with contextlib.suppress(ImportError):
@@ -353,7 +355,7 @@ def rich_pipeline_table(report: PipelineReport):
     from rich.table import Table
 
     title = (f"{report.family} ({report.preset}, protocol {report.protocol}): {report.classes} classes, {report.size[0]}x{report.size[1]}, "
-             f"whole {report.whole:.2f} s = {report.whole / report.networks:.2f} x the networks' {report.networks:.2f} s")  # fmt: skip
+             f"whole {report.whole:.2f} s = {report.whole / max(report.networks, 1e-9):.2f} x the networks' {report.networks:.2f} s")  # fmt: skip
     table = Table("part", "kind", "calls", "own s", "share", "peak MiB", title=title)
     for p in report.parts:
         peak = f"{p.peak_mib:.0f}" if p.peak_mib is not None else "-"
