@@ -146,3 +146,33 @@ def test_the_preset_guide_names_the_best_published_averages():
     assert f"`{preset}`: {average:.1f}" in best
     average, preset, _ = max(r for r in rows if preset_needs(r[1]) == "CLIP only")
     assert f"`{preset}`: {average:.1f}" in clip_only
+
+
+def test_the_preset_guide_names_the_fastest_and_the_cpu_front():
+    """'Fastest' names the cheapest measured presets and 'Best on CPU' every preset no cheaper one beats in
+    published avg-8 on OpenAI ViT-B/16 (the entry of the protocol its cost was measured with): a new cost file or
+    paper's number that changes them fails here until the page says so."""
+    from clipseg_sparse.bench.pipeline import preset_costs, preset_target, relative_cost
+    from clipseg_sparse.evaluation.published import published_for_preset
+
+    text = PRESETS_MD.read_text(encoding="utf-8")
+    fastest = text.split("## Fastest", 1)[1].split("\n## ", 1)[0]
+    cpu = text.split("## Best on CPU", 1)[1].split("\n## ", 1)[0]
+    costs = preset_costs()
+    measured = sorted((relative_cost(p, costs), p) for p in PRESETS.names() if relative_cost(p, costs) is not None)
+    assert len(measured) >= len(PRESETS.names()) - 10  # the column covers the registry (the rest: said why on the page)
+    own = [(c, p) for c, p in measured if not p.endswith("-entmax")]
+    for cost, preset in own[:3]:  # the fastest presets (their twins alike)
+        assert f"`{preset}`" in fastest, preset
+    for cost, preset in own[-4:]:  # the slowest, with their cost
+        assert f"`{preset}` ({cost:.0f}x" in fastest, preset
+    rows = []
+    for p in PRESETS.names():
+        entries = [e for e in published_for_preset(p) if e.average is not None and e.clip == "ViT-B-16:openai" and e.protocol == preset_target(p)[1]]
+        if entries and not p.endswith("-entmax") and relative_cost(p, costs) is not None:
+            rows.append((relative_cost(p, costs), max(e.average for e in entries), p))
+    best = -1.0
+    for cost, average, preset in sorted(rows):
+        if average > best:
+            best = average
+            assert f"`{preset}` ({average:.1f}, {cost:.1f}x)" in " ".join(cpu.split()), preset
