@@ -64,7 +64,7 @@ COMMANDS = dict(commands(typer.main.get_command(app)))
 
 def test_every_command_carries_the_boundary():
     assert {"ls", "segment", "eval", "calibrate", "fgovd", "sweep", "report", "reproduce", "bench", "analyze", "explain", "demo",
-            "convert coco-stuff", "convert coco-object", "dna train", "dna stats", "bank build", "bank info"} == set(COMMANDS)
+            "floss rank", "convert coco-stuff", "convert coco-object", "dna train", "dna stats", "bank build", "bank info"} == set(COMMANDS)
     for name, command in COMMANDS.items():
         caught = getattr(command.callback, "user_errors", None)
         assert caught is not None, f"`{name}` is not wrapped by cli.common.user_errors"

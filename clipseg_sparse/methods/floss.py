@@ -208,8 +208,12 @@ FORWARDS.register(FORWARD, FlossForward(), help="FLOSS: the windows with C + 1 c
 
 
 def _floss_arg(arg: str) -> str:
-    if not arg:
-        raise UserValueError("bad option floss: write floss:auto (the rank file `floss rank` writes by default) or floss:PATH (a FLOSS rank file)")
+    """auto, a file that exists, or a `.json` path (a rank file still to be written): a typo such as `floss:atuo`
+    is refused when the spec is read, not after the model has loaded."""
+    if arg != AUTO and not (arg.endswith(".json") or Path(arg).is_file()):
+        raise UserValueError(
+            f"bad option floss:{arg}: write floss:auto (the rank file `floss rank` writes by default) or floss:PATH (a FLOSS rank file, .json)"
+        )
     return arg
 
 

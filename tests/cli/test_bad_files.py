@@ -126,6 +126,8 @@ CASES = {
     ("bank build", "output"): (["bank", "build", "{image}", "--regions", "{good_masks}", *MODEL, "--out", "OUT"], "OUT"),
     ("bank build", "region masks"): (["bank", "build", "{image}", "--regions", "{bad_masks}", *MODEL, "--out", "{tmp}/bank"], "{bad_masks}/a.npy"),
     ("bank info", "bank folder"): (["bank", "info", "{bad_bank}"], "{bad_bank}"),
+    ("floss rank", "output"): (["floss", "rank", "{image}", "--classes", "cat,sky", *MODEL, *FAST[2:], "--out", "OUT.json"], "OUT"),
+    ("floss rank", "class-names file"): (["floss", "rank", "{image}", "--classes-file", "{bad_names}", *MODEL, *FAST[2:]], "{bad_names}"),
     ("calibrate", "output"): (["calibrate", "{image}", "--classes", "cat,sky", "--proxy-weights", "sam3=none", "--out", "OUT.npz"], "OUT"),
     ("convert", "output"): (["convert", "coco-stuff", "{stuff}", "--out", "OUT"], "OUT"),
     ("convert", "label file"): (["convert", "coco-stuff", "{bad_stuff}", "--out", "{tmp}/conv"], "{bad_stuff}"),

@@ -369,8 +369,9 @@ def test_bad_rank_files_give_one_line_errors(tiny_clip, tmp_path):
         with pytest.raises(UserValueError, match=fragment) as e:
             _cosine(seg_for(path), pixels)
         assert "\n" not in str(e.value)
-    with pytest.raises(UserValueError, match="floss:auto"):
-        _segmenter(tiny_clip, "naclip/floss:")
+    for typo in ("", "atuo"):  # refused when the spec is read: neither auto, a file, nor a .json path
+        with pytest.raises(UserValueError, match=f"bad option floss:{typo}: write floss:auto"):
+            _segmenter(tiny_clip, f"naclip/floss:{typo}")
 
 
 def test_rankings_keyed_like_flosss_voc20_file_serve_sclips_voc20_names():
