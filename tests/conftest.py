@@ -153,3 +153,33 @@ def tiny_sam(img_size: int, window_size: int):
             blk.attn.rel_pos_h.normal_()
             blk.attn.rel_pos_w.normal_()
     return model
+
+
+def tiny_stable_diffusion(folder: Path):
+    """A random StableDiffusionPipeline with SD's block layout (4 up blocks, up_blocks[3] with two attentions), 8 channels,
+    2 heads: 512 px images give 64 x 64 latents (4096 tokens), as SD 2.1-base's. `folder` holds its tokenizer files;
+    CLIPer's FGC runs on it (`methods.cliper.use_diffusion`), its weights drawn from seed 0."""
+    import json
+
+    import diffusers
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    (folder / "vocab.json").write_text(json.dumps({"<|startoftext|>": 0, "<|endoftext|>": 1, "!": 2, "a</w>": 3}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), pad_token="!", model_max_length=77)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        text = CLIPTextModel(CLIPTextConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=2))
+        vae = diffusers.AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                                      latent_channels=4, norm_num_groups=4, layers_per_block=1)
+        unet = diffusers.UNet2DConditionModel(sample_size=64, block_out_channels=(8,) * 4, layers_per_block=1, cross_attention_dim=16, attention_head_dim=2,
+                                              norm_num_groups=4, down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                                              up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
+    with torch.no_grad():  # queries x 30: peaked self-attention, as trained SD's (drawn as they are, every row is near
+        for name, module in unet.named_modules():  # 1/4096, FGC's chained product is constant to 1e-6 and a min-max
+            if name.endswith("attn1"):  # map of it is float rounding; x 30: row maxima 0.2, no exact zeros)
+                module.to_q.weight.mul_(30)
+    scheduler = diffusers.PNDMScheduler(skip_prk_steps=True, steps_offset=1, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    return diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=scheduler, safety_checker=None,
+                                             feature_extractor=None, requires_safety_checker=False)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import installed_backbones, tiny_sam
+from conftest import installed_backbones, tiny_sam, tiny_stable_diffusion
 from test_dense_backbones import tiny_radio
 from clipseg_sparse import Segmenter, load_clip
 from clipseg_sparse.attention import PRESETS, precision
@@ -63,7 +63,7 @@ def _tiny_backbones(dtype: torch.dtype) -> list[Backbone]:
         img_size=28, patch_size=14, reg_tokens=4, no_embed_class=True, init_values=1e-5, dynamic_img_size=True, **vit
     )
     out = [
-        Backbone(BACKBONES.get("dino_vitb8"), vt.VisionTransformer(img_size=32, patch_size=8, **vit)),
+        Backbone(BACKBONES.get("dino_vitb8"), vt.VisionTransformer(img_size=32, patch_size=8, **dict(vit, embed_dim=64))),  # CASS: heads as wide as CLIP's
         Backbone(BACKBONES.get("dino_vitb16"), vt.VisionTransformer(img_size=32, patch_size=16, **vit)),
         Backbone(BACKBONES.get("dinov2_vitb14_reg"), dinov2),
         Backbone(dataclasses.replace(BACKBONES.get("sam_vitb"), input_size=SAM_SIDE), tiny_sam(SAM_SIDE, window_size=2)),
@@ -149,11 +149,16 @@ def _floss_ranks(folder, names=("sky", "tree", "grass")):
 
 
 @pytest.mark.parametrize("name", ["trident", "pearl", *sorted(SEGMENTER_ONLY)])
-def test_presets_with_stages_segment_in_bf16(pair, bank, name, tmp_path):
+def test_presets_with_stages_segment_in_bf16(pair, bank, name, tmp_path, monkeypatch):
     """The whole Segmenter (windows; global, windows and post stages that run other backbones or read the
-    text; OV-Stitcher's stitched forward and CorrCLIPv2's whole-image features) on the bf16 model; labels
-    agree with fp32 on most pixels (random weights: class maps close together, so this is no accuracy
-    measure; `bench --suites bf16` has one)."""
+    text; OV-Stitcher's stitched forward and CorrCLIPv2's whole-image features; CLIPer's FGC on a tiny Stable
+    Diffusion at 128 px) on the bf16 model; labels agree with fp32 on most pixels (random weights: class maps
+    close together, so this is no accuracy measure; `bench --suites bf16` has one)."""
+    if "fgc" in str(PRESETS.get(name).spec):
+        from clipseg_sparse.methods import cliper
+
+        monkeypatch.setattr(cliper, "_PIPELINES", {"cpu": tiny_stable_diffusion(tmp_path)})
+        monkeypatch.setattr(cliper, "SD_SIZE", 128)
     rgb = np.random.default_rng(0).integers(0, 255, (50, 70, 3), dtype=np.uint8)
     regions = (np.arange(50)[:, None] // 25 * 2 + np.arange(70)[None] // 35).astype(np.int64)
     labels = []
