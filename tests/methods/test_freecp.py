@@ -281,13 +281,16 @@ def test_descriptions_set_classifies_crops_with_the_shipped_sentences(tiny_clip)
     vocabulary = Vocabulary.from_names([[n] for n in names])
     sentences = freecp.read_descriptions("voc21")
     llm = torch.stack([F.normalize(tiny_clip.encode_text(list(sentences[n])).mean(0), dim=-1) for n in names])
-    pixels = _image(2)
+    # image 4: its purification decisions are >= 3e-3 from their thresholds (IoU 0.02, soft IoU 0.3) and the crops' top
+    # two descriptions 0.3 apart, and 1.7e-5 apart on an AVX2 CPU; image 2's IoU was 5e-4 from 0.02 and its maps
+    # 5e-4 apart there, and an AVX-512 CPU (CI) went past 1e-3
+    pixels = _image(4)
     seg, cos = _run(tiny_clip, "clearclip", ("freecp:0.02,0.3,voc21",), vocabulary, pixels)
     ref = Published(tiny_clip, "clearclip", names, 0, llm, 0.02, 0.3, False)
     ref.stride, ref.crop = 64, 128
     seg_ref, _ = ref.predict(pixels, len(names), False)
     assert ref.crops_classified > 0
-    assert torch.allclose(cos, seg_ref, atol=1e-3)  # per-name min-max magnifies float rounding where a map's range is small
+    assert torch.allclose(cos, seg_ref, atol=2e-4)  # per-name min-max magnifies float rounding where a map's range is small
 
 
 def test_purify_window_keeps_what_passes_both_purifications():

@@ -593,12 +593,13 @@ def ours_and_published(published, monkeypatch, dataset, size, overrides, stages,
     return seg.predict(img), runs, prepare(img, clip, settings, splices=True).shape[-2:]
 
 
-def assert_same_labels(labels: np.ndarray, want: torch.Tensor, probs: torch.Tensor, atol: float) -> None:
+def assert_same_labels(labels: np.ndarray, want: torch.Tensor, probs: torch.Tensor, atol: float, decided: int = 0) -> None:
     """Labels equal except at ties: where the published top two probabilities are within 2 x atol (the most
-    two probabilities each off by atol can reorder), at most 0.1 % of the pixels."""
+    two probabilities each off by atol can reorder), at most 0.1 % of the pixels; `decided`: how many pixels off
+    the ties may differ too (a discrete step downstream of the probabilities)."""
     top2 = probs.topk(2, dim=0).values
     differ = labels != want.numpy()
-    assert not (differ & ((top2[0] - top2[1]) > 2 * atol).numpy()).any()
+    assert (differ & ((top2[0] - top2[1]) > 2 * atol).numpy()).sum() <= decided
     assert differ.sum() <= differ.size // 1000
 
 
@@ -622,13 +623,16 @@ def test_voc21_with_sam_stage_and_refinement_equals_the_published_pipeline(publi
     1.2, background threshold 0.2, coarse_thresh 0.2, IoU threshold 0.475 (3 of the random SAM's 6 masks
     pass). SAM's values from timm and from segment_anything differ by float rounding (< 1e-6);
     at the stage's hard value-cosine threshold that flips 2 of the 19.7M entries of the filtered map here,
-    which moves some probabilities by up to 1.6e-4: hence 5e-4."""
+    which moves some probabilities by up to 1.6e-4: hence 5e-4. The refinement's regions are cut at hard thresholds
+    (coarse_thresh, 225 pixels) on those probabilities: on an AVX2-only CPU (AMD EPYC) the published code prompted
+    SAM with one region more than ours (its IoU 0.473 < 0.475, so it failed) and one pixel of 30,000 took another
+    label; on AVX-512 CPUs none. Hence up to 0.01 % of the pixels off the ties."""
     ours, ((labels, probs),), size = ours_and_published(
         published, monkeypatch, "voc21", (150, 200), dict(resolution=112, window=112, stride=48), ("sam:1.2", "samrefine:0.2:0.475"), coarse=0.2, iou=0.475
     )
     assert tuple(size) == (128, 160)
     got = torch.from_numpy(ours.probs)
     torch.testing.assert_close(got, probs, atol=5e-4, rtol=0)
-    assert_same_labels(ours.labels, labels, probs, 5e-4)
+    assert_same_labels(ours.labels, labels, probs, 5e-4, decided=labels.numel() // 10_000)
     plain = torch.where(probs.max(0).values < 0.2, 0, probs.argmax(0)).numpy()
     assert (ours.labels != plain).sum() > 500  # the refinement changed labels
