@@ -176,9 +176,11 @@ def tiny_stable_diffusion(folder: Path):
         unet = diffusers.UNet2DConditionModel(sample_size=64, block_out_channels=(8,) * 4, layers_per_block=1, cross_attention_dim=16, attention_head_dim=2,
                                               norm_num_groups=4, down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
                                               up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
-    with torch.no_grad():  # queries x 30: peaked self-attention, as trained SD's (drawn as they are, every row is near
-        for name, module in unet.named_modules():  # 1/4096, FGC's chained product is constant to 1e-6 and a min-max
-            if name.endswith("attn1"):  # map of it is float rounding; x 30: row maxima 0.2, no exact zeros)
+    # Self-attention queries x 30: peaked, as trained SD's. As drawn, every row is near 1/4096, FGC's chained product is
+    # constant to 1e-6 and a min-max map of it is float rounding; x 30: row maxima 0.2, no exact zeros.
+    with torch.no_grad():
+        for name, module in unet.named_modules():
+            if name.endswith("attn1"):
                 module.to_q.weight.mul_(30)
     scheduler = diffusers.PNDMScheduler(skip_prk_steps=True, steps_offset=1, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
     return diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=scheduler, safety_checker=None,

@@ -157,7 +157,8 @@ def test_presets_with_stages_segment_in_bf16(pair, bank, name, tmp_path, monkeyp
     if "fgc" in str(PRESETS.get(name).spec):
         from clipseg_sparse.methods import cliper
 
-        monkeypatch.setattr(cliper, "_PIPELINES", {"cpu": tiny_stable_diffusion(tmp_path)})
+        monkeypatch.setattr(cliper, "_PIPELINES", {})
+        cliper.use_diffusion(tiny_stable_diffusion(tmp_path), "cpu")
         monkeypatch.setattr(cliper, "SD_SIZE", 128)
     rgb = np.random.default_rng(0).integers(0, 255, (50, 70, 3), dtype=np.uint8)
     regions = (np.arange(50)[:, None] // 25 * 2 + np.arange(70)[None] // 35).astype(np.int64)
