@@ -170,6 +170,16 @@ def test_tlp_matches_published(grid):
     assert (ours - cos).abs().max() > 1e-4
 
 
+def test_tlp_reads_a_map_in_h_w_n_memory_as_a_contiguous_one():
+    # the windows forward hands post stages N x H x W maps laid out H x W x N; pooling reads them in place
+    g = torch.Generator().manual_seed(4)
+    text = torch.randn(6, 16, generator=g)
+    hwn = torch.randn(50, 70, 6, generator=g).permute(2, 0, 1)
+    guide = torch.randn(3, 50, 70, generator=g)
+    assert not hwn.is_contiguous()
+    assert torch.equal(pearl.tlp(hwn, guide, text, 10), pearl.tlp(hwn.contiguous(), guide, text, 10))
+
+
 def test_tlp_agreement_uses_the_diagonal_as_published():
     s = torch.tensor([[0.5, 0.5], [0.1, 0.9]])
     p = torch.tensor([0.3, 0.7]).view(1, 2, 1, 1)
