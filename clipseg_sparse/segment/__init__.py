@@ -18,7 +18,7 @@ _NAMES = {
     "preprocess": ("prepare", "resized_shape", "window_boxes", "round_up_pixels", "to_pixels", "window_geometry", "window_padding"),
     "plan": ("Plan", "FORWARDS", "Forward", "ImageRun", "AttentionWindow"),
     "resources": ("Resources",),
-    "maps": ("BAND_ELEMENTS", "ROW_BLOCK", "CosineMap", "DenseMap", "row_bands", "grid_cosine", "resized_cosine"),
+    "maps": ("BAND_ELEMENTS", "ROW_BLOCK", "CosineMap", "DenseMap", "ResizedMap", "row_bands", "grid_cosine", "resized_cosine"),
     "windows": ("iter_window_features", "dense_cosine", "GridSum"),
     "labels": ("class_probabilities", "probabilities_to_labels", "kept_classes", "masked_labels", "ClassMaps", "SegmentationResult"),
     "segmenter": ("Segmenter",),

@@ -22,7 +22,7 @@ from ..errors import UserValueError
 from ..models.clip import DenseCLIP
 from .images import load_image
 from .labels import ClassMaps, SegmentationResult
-from .maps import BAND_ELEMENTS, CosineMap, DenseMap, resized_cosine
+from .maps import BAND_ELEMENTS, CosineMap, DenseMap, ResizedMap, resized_cosine
 from .plan import ImageRun, Plan
 from .resources import RegionSource, Resources
 from .settings import InferenceSettings
@@ -149,14 +149,14 @@ class Segmenter:
         """One RGB uint8 image through this segmenter's plan (`plan.ImageRun`); regions: its H x W region ids."""
         return ImageRun.of(self.plan, self.clip, self.text, image, regions, self.resources, self.store_texts, self.vocabulary, self.templates)
 
-    def cosine(self, image: np.ndarray, regions: np.ndarray | None = None) -> CosineMap | DenseMap:
+    def cosine(self, image: np.ndarray, regions: np.ndarray | None = None) -> CosineMap | ResizedMap | DenseMap:
         """N_names x H x W cosine at the original image size, for an RGB uint8 image: factored (see
         CosineMap), or whole after the post stages (PAMR), which run on the whole full-size map (their
         memory then grows with names x pixels). regions: the image's H x W region ids (CorrCLIP), for specs
         that read them."""
         return self._cosine(self.image_run(image, regions))
 
-    def _cosine(self, run: ImageRun) -> CosineMap | DenseMap:
+    def _cosine(self, run: ImageRun) -> CosineMap | ResizedMap | DenseMap:
         """The forward, then the fixed chain: retrieval and input stages at the network input's size (the
         map resized bilinearly to the original size after them), post stages at the original size."""
         height, width = run.image.shape[:2]
@@ -168,7 +168,7 @@ class Segmenter:
                 cos = stage(cos, run)
             factored = DenseMap(cos) if at_input else resized_cosine(cos, (height, width))
         if at_input:
-            cos = factored.rows(0, run.size[0]) if isinstance(factored, CosineMap) else factored.values
+            cos = factored.values if isinstance(factored, DenseMap) else factored.rows(0, run.size[0])
             mean, std = (torch.tensor(v, device=cos.device).view(3, 1, 1) for v in (self.clip.mean, self.clip.std))
             rgb = run.pixels[0].to(cos.device) * std + mean  # the network input in [0, 1]
             for stage in at_input:

@@ -135,3 +135,34 @@ def test_segment_4000x3000_with_150_classes_under_a_memory_cap(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     labels = np.array(Image.open(tmp_path / "out" / "phone.png"))
     assert labels.shape == (3000, 4000) and labels.max() < 150
+
+
+@pytest.mark.parametrize("size", [((448, 597), (480, 640)), ((5, 7), (23, 19)), ((1, 9), (4, 20)), ((40, 50), (20, 21)), ((3, 1), (7, 2))])
+def test_resized_map_is_bilinear_resizing_in_any_band(size):
+    """The map after an input-size stage (retrieval, lp:pixel): two gathered taps a pass, not the dense factors
+    (h + w multiply-adds a value: 2.4 s at 150 names, 448 x 597 -> 480 x 640), any band the same rows."""
+    import torch
+    import torch.nn.functional as F
+
+    from clipseg_sparse.segment.maps import factored, resize_matrix, resized_cosine
+
+    (h, w), (H, W) = size
+    cos = torch.randn(6, h, w, generator=torch.Generator().manual_seed(h * w))
+    resized = resized_cosine(cos, (H, W))
+    whole = resized.rows(0, H)
+    assert resized.shape == (6, H, W) and whole.shape == (6, H, W)
+    torch.testing.assert_close(whole, F.interpolate(cos[None], size=(H, W), mode="bilinear", align_corners=False)[0], atol=1e-6, rtol=0)
+    dense = factored(cos.permute(1, 2, 0).contiguous(), resize_matrix(h, H), resize_matrix(w, W))  # what it replaces
+    torch.testing.assert_close(whole, dense.rows(0, H), atol=1e-6, rtol=0)
+    assert torch.equal(torch.cat([resized.rows(y, min(y + 3, H)) for y in range(0, H, 3)], 1), whole)
+    assert torch.equal(torch.cat([p for _, p in resized.pieces(0, H)], 1), whole)
+    assert torch.equal(resized.scaled(2.0).rows(0, H), whole * 2.0)
+
+
+def test_banded_prediction_after_an_input_stage_equals_whole_image(tiny_clip):
+    """lp:pixel runs at the network input's size; the labels and probabilities come from the resized map band by band."""
+    image = np.random.default_rng(2).integers(0, 255, (45, 61, 3), dtype=np.uint8)
+    whole, banded = segmenters(tiny_clip, resolution=48, window=0, stages=("lp:pixel:0.01:2",))
+    a, b = whole.predict(image), banded.predict(image)
+    assert len(b.maps.bands) > 1
+    assert np.array_equal(a.labels, b.labels) and np.array_equal(a.probs, b.probs)
