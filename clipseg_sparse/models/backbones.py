@@ -46,6 +46,11 @@ POS_RULES = ("dino", "antialias", "fixed", "timm")
 MASK_KINDS = ("sam2-masks", "sam3-masks")  # mask generators: region sources and the sam3 baseline, no features
 
 
+def resize_matrix(src: int, dst: int) -> torch.Tensor:
+    """dst x src weights of 1-D linear resizing (align_corners=False), the per-axis part of bilinear."""
+    return F.interpolate(torch.eye(src)[None], size=dst, mode="linear", align_corners=False)[0].T
+
+
 def resized_features(feature_map: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """B x C x h x w map resized bilinearly (align_corners False) to `size` and L2-normalised per pixel
     (CorrCLIPv2's whole-image features at the network input)."""

@@ -32,7 +32,7 @@ from ..errors import UserValueError
 from ..runtime.fingerprint import file_digest
 from ..stages import Needs
 from ..runtime.weights import hub_unavailable
-from .backbones import BACKBONES, MASK_KINDS, Backbone, hub_repo, hub_weights_cached, load_backbone
+from .backbones import BACKBONES, MASK_KINDS, Backbone, hub_repo, hub_weights_cached, load_backbone, resize_matrix
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -185,11 +185,59 @@ def ext_features(pixels: torch.Tensor, arg: str, backbones: ProxyBackbones) -> t
     return f[:, None].to(pixels.dtype)
 
 
-def window_image_features(crops: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """B x 1 x M x C: the windows' crops of whole-image features (B x C x h x w) resized bilinearly
-    (align_corners False) to `grid` and L2-normalised (CorrCLIPv2's forward_feature)."""
-    f = F.interpolate(crops.float(), size=tuple(grid), mode="bilinear", align_corners=False)
-    return F.normalize(f.flatten(2).transpose(1, 2), dim=-1)[:, None]
+@dataclass(frozen=True)
+class WholeImageFeatures:
+    """A dense backbone's whole-image features as CorrCLIPv2 reads them (`ext:NAME.image`): the raw patch-grid map
+    (`Backbone.image_feature_map`, 1 x C x h x w) resized bilinearly to the network input's `size` and
+    L2-normalised per pixel (`resized_features`), each window's crop of that (replicate-padded) resized
+    bilinearly to the tap's grid and L2-normalised again. Held as the raw map: a window computes only the
+    input-size pixels its grid's bilinear taps read (84 x 84 of a 336 x 336 window for a 42 x 42 grid), so
+    neither the C x H x W map at the input size (C-RADIOv3-L at 448 x 597: 1.1 GB) nor its crops are made."""
+
+    raw: torch.Tensor
+    size: tuple[int, int]
+
+    def windows(self, boxes: Sequence[tuple[int, int, int, int]], pad: tuple[int, int, int, int]) -> "WindowFeatures":
+        """The windows' crops (y1, y2, x1, x2 boxes of the input), padded (left, right, top, bottom) as
+        the windows forward pads them: replicating the border, negative amounts cutting (remainder `drop`)."""
+        return WindowFeatures(self, tuple(boxes), pad)
+
+
+@dataclass(frozen=True)
+class WindowFeatures:
+    """A batch of windows' crops of `WholeImageFeatures`, resized to a grid on demand (`at`)."""
+
+    source: WholeImageFeatures
+    boxes: tuple[tuple[int, int, int, int], ...]
+    pad: tuple[int, int, int, int]
+
+    def at(self, grid: tuple[int, int]) -> torch.Tensor:
+        """B x 1 x M x C (M = grid cells): each crop resized bilinearly (align_corners False) to `grid` and
+        L2-normalised, from the input-size pixels it reads alone (the same products within float rounding)."""
+        raw = self.source.raw[0].float()  # C x h x w
+        (h, w), (H, W) = raw.shape[1:], self.source.size
+        left, right, top, bottom = self.pad
+        out = []
+        for y1, y2, x1, x2 in self.boxes:
+            rows, ly = _window_taps(y1, y2, top, bottom, grid[0], H)
+            cols, lx = _window_taps(x1, x2, left, right, grid[1], W)
+            ry, rx = (resize_matrix(n, full)[need].to(raw) for n, full, need in ((h, H, rows), (w, W, cols)))
+            pixels = F.normalize(torch.matmul(torch.matmul(ry, raw), rx.T), dim=0)  # C x rows x cols of the input-size map
+            cells = torch.matmul(torch.matmul(ly.to(raw), pixels), lx.to(raw).T)  # C x grid
+            out.append(F.normalize(cells.flatten(1).T, dim=-1))
+        return torch.stack(out)[:, None]
+
+
+def _window_taps(start: int, stop: int, before: int, after: int, cells: int, full: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Along one axis of a window [start, stop) of an input of length `full`, padded by `before` / `after`
+    (replicate; negative: cut): (the input indices the crop's resize to `cells` reads, cells x len(indices)
+    weights). Replicated positions read the border index, so their weights add up on it."""
+    low, high = start + max(-before, 0), stop - max(-after, 0)
+    length = stop - start + before + after
+    source = (start - before + torch.arange(length)).clamp(low, high - 1)
+    weights = torch.zeros(cells, full).index_add_(1, source, resize_matrix(length, cells))
+    need = (weights != 0).any(0).nonzero()[:, 0]
+    return need, weights[:, need]
 
 
 def _ext_tap(ctx, arg: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +250,7 @@ def _ext_tap(ctx, arg: str) -> tuple[torch.Tensor, torch.Tensor]:
             if ("image", name) not in ctx.extra:
                 raise ValueError(f"ext:{arg} reads whole-image features: run it through Segmenter (it computes them once per image)")
             grid = proxy_grid(arg, tuple(ctx.pixels.shape[-2:]), ctx.grid)
-            ctx.extra[key] = window_image_features(ctx.extra[("image", name)], grid).to(ctx.pixels.dtype)
+            ctx.extra[key] = ctx.extra[("image", name)].at(grid).to(ctx.pixels.dtype)
         else:
             if "backbones" not in ctx.extra:
                 raise ValueError(f"ext:{arg} runs a backbone: give the block context the run's backbones (context={{'backbones': ...}}; DenseCLIP passes its own)")

@@ -27,9 +27,9 @@ import torch
 
 from ..attention import AttentionSpec, resolve_spec
 from ..errors import UserValueError
-from ..models.backbones import Backbone, resized_features
+from ..models.backbones import Backbone
 from ..models.clip import DenseCLIP
-from ..models.proxies import ProxyBackbones
+from ..models.proxies import ProxyBackbones, WholeImageFeatures
 from ..registry import ENTRY_POINT_GROUP, Registry
 from ..stages import Needs, Stage, merged_stages, resolve_stages
 from .maps import CosineMap
@@ -181,8 +181,8 @@ def whole_image_maps(image: np.ndarray, names, backbones: ProxyBackbones, device
 class ImageRun:
     """Everything one image's forward and stages read (the `stages.ImageRun` protocol): the plan, the model,
     the text, the original image, the network input (`Forward.pixels`), the image's region map at its size,
-    the run's backbones, the whole-image features of the spec's `ext:NAME.image` taps (`image_features`, cropped
-    like each window) and of the bank's key backbone (`key_features`), the image bank and its stores' text
+    the run's backbones, the whole-image features of the spec's `ext:NAME.image` taps (`image_features`, read
+    by each window) and of the bank's key backbone (`key_features`), the image bank and its stores' text
     embeddings, and the vocabulary the text embeds (FreeCP's class descriptions, FLOSS's rankings are per name).
 
     raw: the forward gives unnormalised projected features (`text` the identity: CorrCLIPv2's bank values).
@@ -218,7 +218,7 @@ class ImageRun:
         maps = whole_image_maps(image, names, resources.backbones, clip.device)  # each backbone run once
         return cls(
             plan, clip, text, image, pixels, input_regions(regions, size), resources.backbones,
-            {name: resized_features(maps[name], size) for name in plan.needs.image_features}, bank,
+            {name: WholeImageFeatures(maps[name], size) for name in plan.needs.image_features}, bank,
             maps[bank.proxy] if bank is not None else None, store_texts or {}, vocabulary=vocabulary, templates=tuple(templates),
         )  # fmt: skip
 

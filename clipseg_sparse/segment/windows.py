@@ -68,7 +68,7 @@ def iter_window_features(
             crop_regions = torch.stack([regions[y1:y2, x1:x2] for y1, y2, x1, x2 in chunk])
             crop_regions = F.pad(crop_regions, (left, right, top, bottom), value=int(regions.max()) + 1)
         if image_features:
-            crops_of = {name: pad_replicate(torch.cat([f[..., y1:y2, x1:x2] for y1, y2, x1, x2 in chunk]), (left, right, top, bottom)) for name, f in image_features.items()}
+            crops_of = {name: f.windows(chunk, (left, right, top, bottom)) for name, f in image_features.items()}
             context = dict(context, image_features=crops_of)
         if encode is not None:
             yield chunk, encode(crops, run.spec, pos_interp=s.pos_interp, regions=crop_regions, context=context)
@@ -84,12 +84,6 @@ def _told(done: int, total: int) -> None:
     listener = _WINDOW_LISTENER.get()
     if listener is not None:
         listener(done, total)
-
-
-def pad_replicate(x: torch.Tensor, pad: tuple[int, int, int, int]) -> torch.Tensor:
-    """F.pad (left, right, top, bottom) repeating the border for positive amounts; negative amounts cut."""
-    x = F.pad(x, tuple(min(p, 0) for p in pad))
-    return F.pad(x, tuple(max(p, 0) for p in pad), mode="replicate") if max(pad) > 0 else x
 
 
 def dense_cosine(run: ImageRun, out_size: tuple[int, int] | None = None) -> CosineMap:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from conftest import window_run
 from clipseg_sparse.models.backbones import BACKBONES, Backbone, load_backbone
-from clipseg_sparse.models.proxies import split_ext, window_image_features
+from clipseg_sparse.models.proxies import split_ext
 from clipseg_sparse.segment.windows import iter_window_features
 
 def tiny_radio() -> Backbone:
@@ -103,12 +103,46 @@ def test_image_feature_tap_needs_a_dense_backbone():
         split_ext("c_radio_v3_l.qk")
 
 
-def test_window_crops_of_whole_image_features(tiny_clip, monkeypatch):
-    """Each window gets its crop of the whole-image features, padded by replicating the border (the
-    published forward_slide pads with mode='replicate'), and the tap resizes it to 2x CLIP's grid."""
-    from clipseg_sparse.attention import resolve_spec
+def published_window_features(raw: torch.Tensor, size, box, pad, grid) -> torch.Tensor:
+    """CorrCLIPv2's forward_slide on the whole-image features, transcribed: the raw map resized to the input and
+    L2-normalised, the window's crop (negative pads cut, positive ones replicate the border), resized to the grid
+    and L2-normalised: M x C."""
+    y1, y2, x1, x2 = box
+    full = F.normalize(F.interpolate(raw, size=size, mode="bilinear", align_corners=False), dim=1)
+    crop = F.pad(full[..., y1:y2, x1:x2], tuple(min(p, 0) for p in pad))
+    if max(pad) > 0:
+        crop = F.pad(crop, tuple(max(p, 0) for p in pad), mode="replicate")
+    return F.normalize(F.interpolate(crop, grid, mode="bilinear", align_corners=False).flatten(2).transpose(1, 2), dim=-1)[0]
 
-    feats = torch.randn(1, 5, 40, 72)
+
+@pytest.mark.parametrize(
+    "size, box, pad, grid",
+    [
+        ((448, 597), (0, 336, 112, 448), (0, 0, 0, 0), (42, 42)),  # CorrCLIPv2's 336 windows at short side 448, 2 x 21
+        ((448, 597), (112, 448, 261, 597), (0, 0, 0, 0), (42, 42)),
+        ((40, 72), (18, 40, 36, 72), (0, 12, 0, 26), (6, 6)),  # padded bottom / right to whole patches
+        ((40, 72), (4, 40, 0, 36), (-2, -3, -1, -4), (5, 4)),  # remainder drop: cut
+        ((40, 72), (0, 40, 0, 72), (3, 1, 2, 5), (7, 9)),  # upsampling, padding on every side
+    ],
+)
+def test_window_features_read_only_the_pixels_their_grid_needs(size, box, pad, grid):
+    """`ext:NAME.image` without the C x H x W map at the input size (C-RADIOv3-L: 1.1 GB) or its crops: each
+    window's grid computed from the input-size pixels its bilinear taps read equals the published path."""
+    from clipseg_sparse.models.proxies import WholeImageFeatures
+
+    raw = torch.randn(1, 16, max(size[0] // 16, 3), max(size[1] // 16, 4), generator=torch.Generator().manual_seed(sum(box)))
+    got = WholeImageFeatures(raw, size).windows([box], pad).at(grid)
+    assert got.shape == (1, 1, grid[0] * grid[1], 16)
+    torch.testing.assert_close(got[0, 0], published_window_features(raw, size, box, pad, grid), atol=2e-6, rtol=0)
+
+
+def test_windows_forward_hands_each_batch_its_crops(tiny_clip, monkeypatch):
+    """Each batch of windows gets its boxes of the whole-image features and the padding of its crops (bottom /
+    right to whole patches, replicating the border as the published forward_slide)."""
+    from clipseg_sparse.attention import resolve_spec
+    from clipseg_sparse.models.proxies import WholeImageFeatures
+
+    whole = WholeImageFeatures(torch.randn(1, 5, 10, 18), (40, 72))
     pixels = torch.randn(1, 3, 40, 72)
     captured = []
     encode_dense = type(tiny_clip).encode_dense
@@ -118,13 +152,10 @@ def test_window_crops_of_whole_image_features(tiny_clip, monkeypatch):
         return encode_dense(self, crops, spec, *args, context=context, regions=regions, **kw)
 
     monkeypatch.setattr(type(tiny_clip), "encode_dense", spy)
-    windows = iter_window_features(window_run(tiny_clip, pixels, resolve_spec("sclip"), image_features={"x": feats}, window=36, stride=18, batch_size=2))
+    windows = iter_window_features(window_run(tiny_clip, pixels, resolve_spec("sclip"), image_features={"x": whole}, window=36, stride=18, batch_size=2))
     boxes = [b for chunk, _ in windows for b in chunk]
-    crops = torch.cat(captured)
-    assert len(boxes) == len(crops) == 6
-    for (y1, y2, x1, x2), crop in zip(boxes, crops):  # windows padded bottom/right to whole patches (48)
-        expected = F.pad(feats[..., y1:y2, x1:x2], (0, 48 - (x2 - x1), 0, 48 - (y2 - y1)), mode="replicate")[0]
-        assert torch.equal(crop, expected)
-    grid = window_image_features(crops, (6, 6))
-    expected = F.normalize(F.interpolate(crops, (6, 6), mode="bilinear", align_corners=False).flatten(2).transpose(1, 2), dim=-1)
-    torch.testing.assert_close(grid[:, 0], expected)
+    assert len(boxes) == 6 and [b for c in captured for b in c.boxes] == boxes
+    assert all(c.source is whole and c.pad == (0, 12, 0, 12) for c in captured)  # 36 x 36 windows, padded to 48 x 48
+    for (y1, y2, x1, x2), feats in zip(boxes, torch.cat([c.at((6, 6)) for c in captured])):
+        expected = published_window_features(whole.raw, (40, 72), (y1, y2, x1, x2), (0, 48 - (x2 - x1), 0, 48 - (y2 - y1)), (6, 6))
+        torch.testing.assert_close(feats[0], expected, atol=2e-6, rtol=0)
