@@ -42,6 +42,9 @@ FEATURES = ("tokens", "qkv", "attn")  # last normed patch tokens, last-block q/k
 # ViTs also give the penultimate block's output after the final norm (DINO's get_intermediate_layers(n=2)[0]):
 # OV-Stitcher re-runs the last block image-wide on it (the `stitched` forward, methods/ovstitcher.py)
 VIT_FEATURES = FEATURES + ("penult",)
+# SAM also gives the hidden state entering its last block, from which `Backbone.sam_embedding` finishes the pass:
+# Trident's `sam` stage reads the last block's q, k, v and leaves its prompt refinement the image embedding to finish
+SAM_FEATURES = FEATURES + ("last_input",)
 POS_RULES = ("dino", "antialias", "fixed", "timm")
 MASK_KINDS = ("sam2-masks", "sam3-masks")  # mask generators: region sources and the sam3 baseline, no features
 
@@ -120,7 +123,7 @@ _register(BackboneInfo(
     VIT_FEATURES, "antialias", "torch.hub facebookresearch/dinov2 dinov2_vitb14_reg (ProxyCLIP option)",
 ))
 _register(BackboneInfo(
-    "sam_vitb", "samvit", "samvit_base_patch16.sa1b", 16, IMAGENET_MEAN, IMAGENET_STD, FEATURES, "fixed",
+    "sam_vitb", "samvit", "samvit_base_patch16.sa1b", 16, IMAGENET_MEAN, IMAGENET_STD, SAM_FEATURES, "fixed",
     "segment_anything sam_vit_b_01ec64.pth image encoder at 1024 x 1024 (ProxyCLIP option, Trident)",
     input_size=1024, norm_eps=1e-6,
 ))
@@ -258,7 +261,8 @@ class BackboneFeatures:
     or SAM's neck output (256-d). penult: B x h*w x C, the penultimate block's output after the final
     norm (ViTs). q, k, v: B x heads x h*w x d of the last block (patch tokens only).
     attn: B x heads x h*w x h*w, the last block's attention over patch tokens (softmax including the
-    prefix tokens' columns, which are then dropped), or None when not requested.
+    prefix tokens' columns, which are then dropped), or None when not requested. last_input: B x h x w x C,
+    the hidden state entering SAM's last block (`Backbone.sam_embedding` finishes the pass from it).
     """
 
     grid: tuple[int, int]
@@ -268,6 +272,7 @@ class BackboneFeatures:
     v: torch.Tensor | None = None
     penult: torch.Tensor | None = None
     attn: torch.Tensor | None = None
+    last_input: torch.Tensor | None = None
 
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -322,7 +327,7 @@ class Backbone:
         if self.info.kind == "samvit":  # one window at a time (SAM_WINDOWS)
             parts = [self._sam_features(chunk, want) for chunk in pixels.split(SAM_WINDOWS)]
             return BackboneFeatures(parts[0].grid, **{f: torch.cat([getattr(p, f) for p in parts]) if getattr(parts[0], f) is not None else None
-                                                      for f in ("tokens", "q", "k", "v", "penult", "attn")})  # fmt: skip
+                                                      for f in ("tokens", "q", "k", "v", "penult", "attn", "last_input")})  # fmt: skip
         if self.info.kind == _DENSE:
             feats = self.feature_map(pixels)
             out = BackboneFeatures(tuple(feats.shape[-2:]))
@@ -417,9 +422,17 @@ class Backbone:
                 out.attn = sam_scores(a, q, k, (gh, gw)).softmax(-1)
             if "qkv" in want:
                 out.q, out.k, out.v = q, k, v
+        if "last_input" in want:
+            out.last_input = x
         if "tokens" in want:
-            out.tokens = m.neck(last(x).permute(0, 3, 1, 2)).flatten(2).transpose(1, 2)
+            out.tokens = self.sam_embedding(x).flatten(2).transpose(1, 2)
         return out
+
+    @torch.inference_mode()
+    def sam_embedding(self, last_input: torch.Tensor) -> torch.Tensor:
+        """SAM's image embedding (its neck's output, B x 256 x h x w: what segment_anything's image encoder
+        returns) from the hidden state entering its last block (`features(..., want=("last_input",))`)."""
+        return self.model.neck(self.model.blocks[-1](last_input).permute(0, 3, 1, 2))
 
 
 def sam_scores(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
