@@ -87,6 +87,7 @@ class ImageRun(Protocol):
     text: torch.Tensor  # N_names x D L2-normalised text embeddings
     regions: torch.Tensor | None  # H' x W' region ids at the network input's size (-1 unsegmented)
     vocabulary: Any  # segment.vocabulary.Vocabulary: the names `text` embeds (flat_names), their classes (name_to_class)
+    kept: dict[str, Any]  # what a stage leaves a later stage of this image, under a key of its own
 
     @property
     def clip(self) -> Any: ...  # the DenseCLIP (its `mean` / `std` normalise the pixels)

@@ -183,7 +183,9 @@ class ImageRun:
     the text, the original image, the network input (`Forward.pixels`), the image's region map at its size,
     the run's backbones, the whole-image features of the spec's `ext:NAME.image` taps (`image_features`, read
     by each window) and of the bank's key backbone (`key_features`), the image bank and its stores' text
-    embeddings, and the vocabulary the text embeds (FreeCP's class descriptions, FLOSS's rankings are per name).
+    embeddings, and the vocabulary the text embeds (FreeCP's class descriptions, FLOSS's rankings are per name);
+    `kept`: what one stage leaves for a later one on the same image, under a key of the method's own (so work
+    done once per image is not done again, and the engine names no method).
 
     raw: the forward gives unnormalised projected features (`text` the identity: CorrCLIPv2's bank values).
     """
@@ -202,6 +204,7 @@ class ImageRun:
     raw: bool = False
     vocabulary: Any = None  # segment.vocabulary.Vocabulary whose names `text` embeds (stages that read names)
     templates: tuple[str, ...] = ()  # the vocabulary's templates, for a forward that embeds words of its own (CLIPer's background)
+    kept: dict[str, Any] = field(default_factory=dict)  # what a stage leaves a later stage of this image (Trident's SAM encoding)
 
     @classmethod
     @torch.inference_mode()
