@@ -28,6 +28,7 @@ and `trident-laion-h14` (OpenCLIP ViT-H/14) name the other CLIPs of the publishe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -49,6 +50,23 @@ from ..stages import STAGES, Stage
 
 SAM_BACKBONE = "sam_vitb"
 SAM_PATCH = 16
+SAM_ENCODING = "trident.sam_encoding"  # the `sam` stage's SamEncoding of the image, in ImageRun.kept
+
+
+@dataclass(frozen=True)
+class SamEncoding:
+    """The `sam` stage's SAM pass over one whole image, kept for the prompt refinement of that image
+    (`trident_refine`): SamPredictor's state after `set_image(sam_image(image))` short of SAM's last block and
+    neck, which `embedding` runs only when the refinement prompts SAM."""
+
+    backbone: Backbone
+    last_input: torch.Tensor  # 1 x 64 x 64 x C, the hidden state entering SAM's last block
+    input_size: tuple[int, int]  # the image resized to longest side 1024 (SamPredictor.input_size)
+    original_size: tuple[int, int]  # sam_image(image)'s size (SamPredictor.original_size)
+
+    def embedding(self) -> torch.Tensor:
+        """SAM's image embedding, 1 x 256 x 64 x 64 (SamPredictor.features)."""
+        return self.backbone.sam_embedding(self.last_input)
 
 
 def sam_preprocess(image: np.ndarray, side: int = 1024) -> tuple[np.ndarray, tuple[int, int]]:
@@ -73,14 +91,18 @@ def sam_pixels(resized: np.ndarray, backbone: Backbone, side: int) -> torch.Tens
     return F.pad(x, (0, side - x.shape[-1], 0, side - x.shape[-2]))
 
 
-def sam_maps(image: np.ndarray, backbone: Backbone) -> tuple[torch.Tensor, Iterator[torch.Tensor], torch.Tensor, tuple[int, int]]:
+def sam_maps(
+    image: np.ndarray, backbone: Backbone, kept: dict | None = None
+) -> tuple[torch.Tensor, Iterator[torch.Tensor], torch.Tensor, tuple[int, int]]:
     """SAM's last block on one image (SamPredictor's input): (values 1 x heads x n x d on the valid
     grid, an iterator over the heads' 1 x N x N attention logits on the whole padded grid, the n indices
     of the valid tokens among the N, the valid grid (h, w) with n = h*w). The valid grid is the part SAM's
-    padded input covers (`get_sam_feat`: input_size // 16)."""
+    padded input covers (`get_sam_feat`: input_size // 16). kept: where to leave the pass (`SamEncoding`)."""
     side = backbone.info.input_size
     resized, size = sam_preprocess(image, side)
-    feats = backbone.features(sam_pixels(resized, backbone, side), want=("qkv",))
+    feats = backbone.features(sam_pixels(resized, backbone, side), want=("qkv",) if kept is None else ("qkv", "last_input"))
+    if kept is not None:
+        kept[SAM_ENCODING] = SamEncoding(backbone, feats.last_input, size, image.shape[:2])
     gh, gw = feats.grid
     valid = (size[0] // SAM_PATCH, size[1] // SAM_PATCH)
     keep = (torch.arange(valid[0])[:, None] * gw + torch.arange(valid[1])[None]).flatten().to(feats.q.device)
@@ -111,14 +133,16 @@ def sam_filtered_attention(
     return kept / kept.sum(-1, keepdim=True)
 
 
-def sam_attention(image: np.ndarray, backbone: Backbone, cos_fac: float, refine_neg_cos: bool, normalizer: str) -> tuple[torch.Tensor, tuple[int, int]]:
-    """The SAM stage's 1 x n x n map on the valid grid (h, w), n = h*w.
+def sam_attention(
+    image: np.ndarray, backbone: Backbone, cos_fac: float, refine_neg_cos: bool, normalizer: str, kept: dict | None = None
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The SAM stage's 1 x n x n map on the valid grid (h, w), n = h*w (kept: `sam_maps`).
 
     normalizer "softmax": Trident's: SAM's softmax over the whole padded grid, cropped to the valid grid,
     kept where the value cosine passes its threshold (`sam_filtered_attention`), heads averaged, rows
     divided by their sum. Any other normalizer (entmax:A, sparsemax) replaces that threshold and sum:
     the heads' logits on the valid grid, normalised by it, averaged over heads (cos_fac unused)."""
-    v, heads, keep, valid = sam_maps(image, backbone)
+    v, heads, keep, valid = sam_maps(image, backbone, kept)
     if Normalizer.parse(normalizer).kind == "softmax":
         cropped = (s.softmax(-1)[:, keep][:, :, keep] for s in heads)
         return sam_filtered_attention(cropped, v, cos_fac, refine_neg_cos), valid
@@ -142,16 +166,18 @@ def sam_image(image: np.ndarray) -> np.ndarray:
 
 def sam_smooth(
     tokens: torch.Tensor, image: np.ndarray, backbone: Backbone, normalizer: str = "softmax",
-    cos_fac: float = 1.2, refine_neg_cos: bool = True, halves: bool = False,
+    cos_fac: float = 1.2, refine_neg_cos: bool = True, halves: bool = False, kept: dict | None = None,
 ) -> torch.Tensor:
     """Trident's steps 4-5 on spliced tokens 1 x h x w x C (before ln_post): the original uint8 image
     resized up to multiples of 16 (cv2 bilinear), SAM's map on it (`sam_attention`; `halves`: on its left
     and right halves separately, Cityscapes), the tokens resized bilinearly (align_corners False) to the
-    SAM grid and multiplied by the map: 1 x h' x w' x C on the SAM grid (no W_v, W_o or residual)."""
+    SAM grid and multiplied by the map: 1 x h' x w' x C on the SAM grid (no W_v, W_o or residual).
+    kept: where SAM's pass over the whole image is left for the prompt refinement (`SamEncoding`; not with
+    `halves`, whose passes see other pixels than SamPredictor's)."""
     image = sam_image(image)
     w = image.shape[1]
     parts = [image[:, : w // 2], image[:, w // 2 :]] if halves else [image]
-    maps = [sam_attention(part, backbone, cos_fac, refine_neg_cos, normalizer) for part in parts]
+    maps = [sam_attention(part, backbone, cos_fac, refine_neg_cos, normalizer, None if halves else kept) for part in parts]
     grid = (maps[0][1][0], sum(valid[1] for _, valid in maps))
     x = F.interpolate(tokens.permute(0, 3, 1, 2).float(), size=grid, mode="bilinear", align_corners=False)
     out, x0 = [], 0
@@ -177,7 +203,7 @@ def _sam_stage(args: str) -> Stage:
     name = f"sam:{cos_fac:g}" + ("" if refine_neg_cos else ":neg0.6") + (":halves" if halves else "")
 
     def run(tokens: torch.Tensor, image) -> torch.Tensor:
-        return sam_smooth(tokens, image.image, image.backbone(SAM_BACKBONE), image.normalizer, cos_fac, refine_neg_cos, halves)
+        return sam_smooth(tokens, image.image, image.backbone(SAM_BACKBONE), image.normalizer, cos_fac, refine_neg_cos, halves, image.kept)
 
     return Stage("global", name, run, backbones=(SAM_BACKBONE,), forward="splice")
 

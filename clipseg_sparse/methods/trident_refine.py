@@ -21,9 +21,13 @@ Copied from YuHengsss/Trident@a93b346 `seg_utils/utils.py` `sam_refinement` (wit
    stays. Masks that fail the IoU test change no label (the published `map_failed_regions` only lifts
    the returned probabilities: its label test compares them with a maximum that already includes them).
 `--protocol trident-samrefine` adds the stage with the config's coarse_thresh per dataset (`TRIDENT_COARSE`).
-Not copied: the saved probabilities are the ones before refinement; SAM's encoder runs again inside
-SamPredictor, in fp32 (the published code reuses its fp16 features of the `sam` stage). Grid: none of its own
-(`sweeps/grids/trident.toml` runs without it).
+SAM's encoder runs once per image: where the `sam` stage ran on the whole image (not `halves`) with the
+predictor's weights (`same_encoder`: a checkpoint file through timm's converter; not weights "none", whose
+random draws differ, nor bf16 / fp16), the predictor gets that pass's image embedding (`set_encoding`: the
+last block and neck finished from its `trident.SamEncoding`, equal to segment_anything's to float rounding,
+tests/methods/test_trident_refine.py), else `SamPredictor.set_image` encodes the image (fp32).
+Not copied: the saved probabilities are the ones before refinement; the embedding is fp32 (the published code
+reuses its fp16 features of the `sam` stage). Grid: none of its own (`sweeps/grids/trident.toml` runs without it).
 """
 
 from __future__ import annotations
@@ -157,12 +161,38 @@ def refine_labels(
     return torch.where(top > 0, torch.as_tensor(classes)[arg], labels)
 
 
-def sam_predict(predictor, image: np.ndarray, half: tuple[int, int]) -> Predict:
+def same_encoder(predictor, backbone) -> bool:
+    """Whether the predictor's image encoder holds exactly the weights of `backbone` (timm's SAM ViT, the
+    `sam` stage's), mapped by timm's converter of SAM checkpoints: then that stage's pass is set_image's."""
+    from timm.models.vision_transformer_sam import checkpoint_filter_fn
+
+    ours = backbone.model.state_dict()
+    theirs = checkpoint_filter_fn({f"image_encoder.{k}": v for k, v in predictor.model.image_encoder.state_dict().items()}, backbone.model)
+    return ours.keys() == theirs.keys() and all(
+        ours[k].dtype == theirs[k].dtype and ours[k].shape == theirs[k].shape and torch.equal(ours[k], theirs[k].to(ours[k].device)) for k in ours
+    )
+
+
+def set_encoding(predictor, encoding: trident.SamEncoding) -> None:
+    """SamPredictor's state after `set_image(trident.sam_image(image))` from the `sam` stage's pass over that
+    image (`set_torch_image`'s assignments, its encoder's output replaced by the encoding's embedding)."""
+    predictor.reset_image()
+    predictor.original_size = encoding.original_size
+    predictor.input_size = encoding.input_size
+    predictor.features = encoding.embedding().to(predictor.device)
+    predictor.is_image_set = True
+
+
+def sam_predict(predictor, image: np.ndarray, half: tuple[int, int], encoding: trident.SamEncoding | None = None) -> Predict:
     """`Predict` through a segment_anything SamPredictor set to `trident.sam_image(image)` (the `sam`
-    stage's image; encoded once): boxes and points (label 1) of the `half`-size frame mapped by SAM's
-    transform as if that were the image, the class's mask input, multimask_output False; the
-    low-resolution logits upsampled by SAM to its image's size, then bilinearly to the original size."""
-    predictor.set_image(trident.sam_image(image))
+    stage's image): from `encoding`, that stage's pass over it, when given (its encoder must hold the
+    predictor's weights: `same_encoder`), else by `set_image`; boxes and points (label 1) of the `half`-size
+    frame mapped by SAM's transform as if that were the image, the class's mask input, multimask_output
+    False; the low-resolution logits upsampled by SAM to its image's size, then bilinearly to the original size."""
+    if encoding is not None:
+        set_encoding(predictor, encoding)
+    else:
+        predictor.set_image(trident.sam_image(image))
     size = image.shape[:2]
     device = predictor.device
 
@@ -212,9 +242,12 @@ def sam_predictor(backbones, device: torch.device | str):
     return backbones.held(("sam_predictor", weights, str(torch.device(device))), lambda: load_sam_predictor(weights, torch.device(device)))
 
 
-def sam_refine(labels: torch.Tensor, maps, image: np.ndarray, predictor, coarse_thresh: float = 0.2, iou_thresh: float = 0.8) -> torch.Tensor:
+def sam_refine(
+    labels: torch.Tensor, maps, image: np.ndarray, predictor, coarse_thresh: float = 0.2, iou_thresh: float = 0.8,
+    encoding: trident.SamEncoding | None = None,
+) -> torch.Tensor:
     """The refine stage on one image: H x W labels, its ClassMaps, the H x W x 3 uint8 image, a SamPredictor
-    (`sam_predictor`) -> labels."""
+    (`sam_predictor`), the `sam` stage's pass over the image when it may serve (`kept_encoding`) -> labels."""
     H, W = labels.shape
     half = (H // 2, W // 2)
     probs_half = half_probabilities(maps)
@@ -223,7 +256,18 @@ def sam_refine(labels: torch.Tensor, maps, image: np.ndarray, predictor, coarse_
     if not prompts:
         return labels
     with torch.inference_mode():
-        return refine_labels(labels, maps, probs_half, prompts, sam_predict(predictor, image, half), coarse_thresh, iou_thresh)
+        return refine_labels(labels, maps, probs_half, prompts, sam_predict(predictor, image, half, encoding), coarse_thresh, iou_thresh)
+
+
+def kept_encoding(run, predictor) -> trident.SamEncoding | None:
+    """The `sam` stage's pass over this run's image (`trident.SAM_ENCODING`) when its encoder holds the
+    predictor's weights (`same_encoder`, checked once per pair and held with the run's backbones): always with
+    a checkpoint file, never with weights "none" (segment_anything's and timm's random draws differ)."""
+    encoding = run.kept.get(trident.SAM_ENCODING)
+    if encoding is None:
+        return None
+    same = run.backbones.held(("sam_same_encoder", predictor, encoding.backbone), lambda: same_encoder(predictor, encoding.backbone))
+    return encoding if same else None
 
 
 # -- the refine stage `samrefine[:COARSE[:IOU]]` (step 6) ---------------------------------------------------
@@ -238,7 +282,8 @@ def _samrefine_stage(args: str) -> Stage:
         raise UserValueError(f"bad stage 'samrefine:{args}': {usage}")
 
     def run(labels: torch.Tensor, maps, image) -> torch.Tensor:
-        return sam_refine(labels, maps, image.image, sam_predictor(image.backbones, maps.rows(0, 1).device), coarse, iou)
+        predictor = sam_predictor(image.backbones, maps.rows(0, 1).device)
+        return sam_refine(labels, maps, image.image, predictor, coarse, iou, kept_encoding(image, predictor))
 
     # its weights: --proxy-weights sam_vitb=...; SAM's predictor, not the `sam_vitb` encoder, is what it loads
     return Stage("refine", f"samrefine:{coarse:g}:{iou:g}", run, backbones=(trident.SAM_BACKBONE,), load=sam_predictor)

@@ -2,12 +2,15 @@
 against F.interpolate, the score rule by hand with a stubbed predictor, and the stage end to end through
 Segmenter with a tiny random-init SAM (segment_anything's modules with a 1-block, 32-wide image encoder; its
 prompt encoder and mask decoder at their real sizes). The whole rule against a transcription of the
-published `sam_refinement`: tests/methods/test_trident_published.py."""
+published `sam_refinement`: tests/methods/test_trident_published.py. One SAM encoder pass for both Trident
+stages: the `sam` stage's pass against set_image, and the predictor's own encoder counted in a Trident run."""
 
 from __future__ import annotations
 
 import sys
 from collections import deque
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -210,3 +213,122 @@ def test_trident_samrefine_protocol_adds_the_stage_per_dataset():
         base = plain.settings(dataset, {})
         assert refined.settings(dataset, {}) == base.replace(stages=(*base.stages, f"samrefine:{c}:0.8"))
     assert plain.settings("voc21", {}).stage_texts() == ("sam:1.2",)  # off by default, as the published config
+
+
+# -- one SAM encoder pass for both stages -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shared_sam(tiny_clip):
+    """A tiny DINO as dino_vitb16 and a tiny segment_anything SAM at SAM's real 1024-px geometry (2 blocks of
+    width 32, the second global, random relative positions) as the predictor and, through timm's converter, as
+    sam_vitb: both stages read the same weights, as with --proxy-weights sam_vitb=sam_vit_b_01ec64.pth."""
+    import timm.models.vision_transformer as vt
+    from segment_anything import SamPredictor
+    from segment_anything.build_sam import _build_sam
+
+    from conftest import installed_backbones
+    from test_trident_published import timm_sam_from
+    from clipseg_sparse.models.backbones import BACKBONES, Backbone
+
+    torch.manual_seed(0)
+    dino = vt.VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True).eval()
+    sam = _build_sam(encoder_embed_dim=32, encoder_depth=2, encoder_num_heads=2, encoder_global_attn_indexes=[1]).eval()
+    with torch.no_grad():
+        for name, p in sam.image_encoder.named_parameters():
+            if "rel_pos" in name:
+                p.normal_()
+        sam.mask_decoder.iou_prediction_head.layers[-1].bias += 0.6  # predicted IoUs near 0.5
+    sam_bb = Backbone(BACKBONES.get("sam_vitb"), timm_sam_from(sam.state_dict(), 1024, 14, 256))
+    with installed_backbones(Backbone(BACKBONES.get("dino_vitb16"), dino), sam_bb, clips=[tiny_clip]):
+        yield tiny_clip, sam_bb, SamPredictor(sam)
+
+
+def test_the_sam_stages_encoding_equals_set_image(shared_sam):
+    """The `sam` stage's pass (timm's SAM, eps 1e-6) finished by `SamEncoding.embedding` gives SamPredictor's
+    state after set_image on the same image: sizes exactly, the 1 x 256 x 64 x 64 embedding to float rounding.
+    (SAM ViT-B itself, random weights through a saved checkpoint and the timm loader, 480 x 640: max |diff|
+    1.2e-5 of values up to 4.8; benchmarks/README.md, Trident's SAM stages.)"""
+    from clipseg_sparse.methods import trident
+
+    _, sam_bb, predictor = shared_sam
+    image = trident.sam_image(np.random.default_rng(3).integers(0, 256, (150, 200, 3), dtype=np.uint8))
+    kept = {}
+    trident.sam_maps(image, sam_bb, kept)
+    encoding = kept[trident.SAM_ENCODING]
+    predictor.set_image(image)
+    assert (encoding.input_size, encoding.original_size) == (predictor.input_size, predictor.original_size) == ((788, 1024), (160, 208))
+    embedding = encoding.embedding()
+    assert embedding.shape == predictor.features.shape == (1, 256, 64, 64)
+    torch.testing.assert_close(embedding, predictor.features, atol=1e-5, rtol=1e-5)
+    assert sr.same_encoder(predictor, sam_bb)
+
+
+def test_same_encoder_needs_the_very_weights(shared_sam):
+    """A different draw (weights "none": segment_anything's and timm's random SAMs) or another precision is not
+    the predictor's encoder, so its pass would not be set_image's."""
+    import copy
+
+    _, sam_bb, predictor = shared_sam
+    other = copy.deepcopy(predictor)
+    with torch.no_grad():
+        other.model.image_encoder.blocks[1].attn.rel_pos_h[0, 0] += 1e-3
+    assert not sr.same_encoder(other, sam_bb)
+    assert not sr.same_encoder(copy.deepcopy(predictor), type(sam_bb)(sam_bb.info, copy.deepcopy(sam_bb.model).bfloat16()))
+
+
+def scene(seed: int, size: tuple[int, int]) -> np.ndarray:
+    """Four flat colour blocks with noise: large same-class regions, so the refinement has components."""
+    rng = np.random.default_rng(seed)
+    h, w = size
+    img = np.zeros((h, w, 3), dtype=np.int64)
+    img[: h // 2, : w // 2], img[: h // 2, w // 2 :] = (200, 40, 40), (40, 200, 60)
+    img[h // 2 :, : w // 3], img[h // 2 :, w // 3 :] = (30, 60, 210), (220, 220, 90)
+    return np.clip(img + rng.integers(-25, 26, img.shape), 0, 255).astype(np.uint8)
+
+
+def trident_segmenter(clip, sam_stage: str) -> Segmenter:
+    """VOC21's trident protocol scaled to the tiny models (150 x 200 -> 128 x 160, 112-px windows at stride 48),
+    with the `sam` stage given and the refinement at IoU 0.45 (some of the random SAM's masks pass)."""
+    from clipseg_sparse.evaluation.protocols import PROTOCOLS
+
+    settings = PROTOCOLS.get("trident").settings("voc21", dict(resolution=112, window=112, stride=48, stages=(sam_stage, "samrefine:0.2:0.45")))
+    return Segmenter(clip, "background,cat,dog,grass", spec="trident", settings=settings, templates="single")
+
+
+@contextmanager
+def encoder_calls(predictor) -> Iterator[list]:
+    """The calls of the predictor's own image encoder inside the block."""
+    calls = []
+    hook = predictor.model.image_encoder.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        yield calls
+    finally:
+        hook.remove()
+
+
+def test_the_predictor_reuses_the_sam_stages_pass(shared_sam, monkeypatch):
+    """Trident with `sam` and `samrefine` on shared weights: SAM's image encoder runs once (the `sam` stage's;
+    the predictor's own never), and the refined labels equal those of two passes (the predictor's set_image,
+    `kept_encoding` off) but where the two embeddings' float rounding (< 1e-5) moves a mask logit across 0 or
+    a score across another: at most 0.01 % of the pixels (none on this machine)."""
+    clip, _, predictor = shared_sam
+    monkeypatch.setattr(sr, "load_sam_predictor", lambda weights, device: predictor)
+    seg, img = trident_segmenter(clip, "sam:1.2"), scene(0, (150, 200))
+    with encoder_calls(predictor) as calls:
+        once = seg.predict(img)
+        assert calls == []
+        monkeypatch.setattr(sr, "kept_encoding", lambda run, predictor: None)
+        twice = seg.predict_labels(img)
+        assert calls == [1]
+    probs = torch.from_numpy(once.probs)  # before the refinement
+    assert (twice != torch.where(probs.max(0).values < 0.2, 0, probs.argmax(0)).numpy()).sum() > 500  # it changed labels
+    assert (once.labels != twice).sum() <= twice.size // 10_000
+
+
+def test_the_predictor_encodes_after_sam_on_halves(shared_sam, monkeypatch):
+    """With `halves` (Cityscapes) the `sam` stage sees other pixels than SamPredictor: it keeps no pass, and the
+    predictor encodes the image itself."""
+    clip, _, predictor = shared_sam
+    monkeypatch.setattr(sr, "load_sam_predictor", lambda weights, device: predictor)
+    with encoder_calls(predictor) as calls:
+        trident_segmenter(clip, "sam:1.2:halves").predict_labels(scene(0, (150, 200)))
+    assert calls == [1]
