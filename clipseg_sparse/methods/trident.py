@@ -20,7 +20,8 @@ transcription of them against this module. Steps and where they live:
 6. the optional SAM prompt refinement (`--sam_refine`; off in the published config, on in the
    published README's evaluation command): the refine stage `samrefine[:COARSE[:IOU]]`
    (`methods/trident_refine.py`, segment_anything's prompt encoder and mask decoder; `--protocol
-   trident-samrefine` adds it with the per-dataset coarse_thresh).
+   trident-samrefine` adds it with the per-dataset coarse_thresh). Step 4's pass over the whole image is kept
+   for it (`SamEncoding` in `ImageRun.kept`), so SAM's encoder runs once where both read the same weights.
 Quirks copied and fixed: `TRIDENT_NOTES` (docs/datasets.md, Presets). Protocols `trident-metaclip` (MetaCLIP fullcc B/16)
 and `trident-laion-h14` (OpenCLIP ViT-H/14) name the other CLIPs of the published tables. Grid:
 `sweeps/grids/trident.toml`.
