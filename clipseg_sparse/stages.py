@@ -33,6 +33,8 @@ PAMR (Araslanov & Roth, CVPR 2020, `visinf/1-stage-wseg`) is the first post stag
 
 from __future__ import annotations
 
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 
 from .errors import UserValueError
 from .registry import ENTRY_POINT_GROUP, Registry, caller_module
+from .runtime import native
 
 KINDS = ("token", "text", "match", "windows", "global", "retrieval", "input", "post", "labels", "refine")
 
@@ -361,6 +364,9 @@ def pamr(
     weights = pamr_affinity(guide.to(cosine.device), dilations)
     N, H, W = cosine.shape
     offsets = [(dy * d, dx * d) for d in dilations for dy, dx in _RING]
+    library = native.kernel("pamr") if cosine.device.type == "cpu" else None
+    if library is not None:
+        return _pamr_native(library, cosine, weights, offsets, iterations, band)
     shifts = [(w, _clamped_spans(H, oy), _clamped_spans(W, ox)) for w, (oy, ox) in zip(weights, offsets)]
     out = torch.empty(N, H, W, dtype=torch.float32, device=cosine.device)
     buffers = [torch.empty(min(band, N), H, W, dtype=torch.float32, device=cosine.device) for _ in range(2)]
@@ -376,6 +382,33 @@ def pamr(
                         else:  # 0 + 1 * s * w, exactly
                             torch.mul(src[:, sy, sx], w[ty, tx], out=dst[:, ty, tx])
             src = dst
+    return out
+
+
+def _pamr_native(
+    library, cosine: torch.Tensor, weights: torch.Tensor, offsets: Sequence[tuple[int, int]], iterations: int, band: int
+) -> torch.Tensor:
+    """`pamr`'s loop in C (`runtime/native/pamr.c`: each image row's neighbours summed in cache, in the torch
+    path's order), bands of classes spread over torch's threads (ctypes releases the GIL)."""
+    N, H, W = cosine.shape
+    pad = max(max(abs(oy), abs(ox)) for oy, ox in offsets)
+    weights = weights.float().contiguous()
+    out = torch.empty(N, H, W, dtype=torch.float32)
+    oy, ox = ((ctypes.c_int * len(offsets))(*(o[i] for o in offsets)) for i in (0, 1))
+    starts = list(range(0, N, band))
+    workers = max(1, min(torch.get_num_threads(), len(starts)))
+
+    def work(mine: list[int]) -> None:
+        a, b = (torch.empty(min(band, N), H + 2 * pad, W + 2 * pad) for _ in range(2))
+        for start in mine:
+            n = min(band, N - start)
+            a[:n, pad : pad + H, pad : pad + W] = cosine[start : start + n]
+            library.pamr_band(
+                *(native.float_pointer(t) for t in (a, b, weights, out[start : start + n])), n, H, W, pad, len(offsets), oy, ox, iterations
+            )
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(work, [starts[i::workers] for i in range(workers)]))
     return out
 
 

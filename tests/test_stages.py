@@ -62,16 +62,55 @@ def todays_pamr(cosine: torch.Tensor, guide: torch.Tensor, iterations: int, dila
     return mask
 
 
+@pytest.fixture(params=["torch", "C"])
+def pamr_path(request, monkeypatch):
+    """PAMR's torch loop, or its C kernel (`runtime/native/pamr.c`, built with the machine's compiler)."""
+    from clipseg_sparse.runtime import native
+
+    monkeypatch.setenv(native.ENV_SWITCH, "1" if request.param == "C" else "0")
+    if request.param == "C" and native.kernel("pamr") is None:
+        pytest.skip("no C compiler here: PAMR runs its torch loop")
+    return request.param
+
+
 @pytest.mark.parametrize("iterations,dilations,size,band", [(10, (8, 16), (37, 45), 3), (3, (1, 2), (11, 9), 8), (2, (20,), (9, 30), 2), (1, (1,), (5, 6), 1)])
-def test_pamr_in_class_bands_is_bit_identical_to_the_padded_map(iterations, dilations, size, band):
+def test_pamr_in_class_bands_is_bit_identical_to_the_padded_map(iterations, dilations, size, band, pamr_path):
     """Shifted slices of class bands with clamped ends (issue 33) give exactly today's sums, bands that split
-    the classes and shifts wider than the image included."""
+    the classes and shifts wider than the image included. The C kernel sums in the same order with FMA, as
+    ATen's addcmul on AVX2 / AVX-512 builds: the same bits there (measured), within 1e-6 on any CPU."""
     g = torch.Generator().manual_seed(sum(size))
     guide, cosine = torch.randn(3, *size, generator=g), torch.randn(5, *size, generator=g)
     today = todays_pamr(cosine, guide, iterations, dilations)
-    assert torch.equal(pamr(cosine, guide, iterations, dilations, band), today)
     strided = cosine.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # H x W x N memory, as the windows forward's map
-    assert torch.equal(pamr(strided, guide, iterations, dilations, band), today)
+    for got in (pamr(cosine, guide, iterations, dilations, band), pamr(strided, guide, iterations, dilations, band)):
+        if pamr_path == "torch":
+            assert torch.equal(got, today)
+        else:
+            torch.testing.assert_close(got, today, atol=1e-6, rtol=0)
+
+
+def test_pamr_kernel_spreads_class_bands_over_threads(monkeypatch):
+    """Bands of classes run on torch's threads (the weights given: torch's own reductions in the affinity
+    may round by thread count)."""
+    from clipseg_sparse.runtime import native
+    from clipseg_sparse.stages import _RING, _pamr_native, pamr_affinity
+
+    monkeypatch.setenv(native.ENV_SWITCH, "1")
+    if native.kernel("pamr") is None:
+        pytest.skip("no C compiler here: PAMR runs its torch loop")
+
+    g = torch.Generator().manual_seed(5)
+    guide, cosine = torch.randn(3, 23, 31, generator=g), torch.randn(13, 23, 31, generator=g)
+    weights, offsets = pamr_affinity(guide, (2, 5)), [(dy * d, dx * d) for d in (2, 5) for dy, dx in _RING]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _pamr_native(native.kernel("pamr"), cosine, weights, offsets, 4, 2)
+        torch.set_num_threads(3)
+        assert torch.equal(_pamr_native(native.kernel("pamr"), cosine, weights, offsets, 4, 2), one)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, todays_pamr(cosine, guide, 4, (2, 5)), atol=1e-6, rtol=0)
 
 
 def test_pamr_by_hand_on_one_pixel():
