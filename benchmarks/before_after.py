@@ -14,7 +14,15 @@ library's current code on the same random inputs of one image:
 - `pamr`: 10 iterations, dilations 8 and 16, 150 classes at 375 x 500 (`propagation.py`'s image). Before: each
   iteration adds the 16 shifted views of the whole replicate-padded map. After: class bands of 8, two band
   buffers, shifted slices with clamped ends (`stages.pamr`). The second row gives both the map as the windows
-  forward makes it (H x W x N memory seen as N x H x W, what `segment` hands PAMR).
+  forward makes it (H x W x N memory seen as N x H x W, what `segment` hands PAMR). The row `pamr, C kernel`
+  compares today's torch loop (`CLIPSEG_SPARSE_NATIVE=0`) with the C kernel (`runtime/native/pamr.c`).
+- `resize`: the N x H x W map after an input-size stage (retrieval, lp:pixel) at the original size, 150 classes
+  from 448 x 597 to 480 x 640, read in the label map's bands. Before: the dense resize factors (a CosineMap of
+  the whole input-size grid). After: `ResizedMap`, two gathered taps per axis.
+- `window features`: CorrCLIPv2's `ext:c_radio_v3_l.image` for the 8 windows (336 px, stride 112) of a 448 x 597
+  input, from C-RADIOv3-L's raw 1024 x 28 x 37 map, at 42 x 42. Before: the map resized to the input and
+  L2-normalised, each window's crop resized to 42 x 42 and L2-normalised. After: `WholeImageFeatures`, only the
+  input-size pixels the grid reads.
 - `lp:pixel`: LPOSS+'s pixel propagation, 150 classes on a 336 x 448 network input (13 x 13 square, tau 0.01,
   alpha 0.95). Before: the 25M-edge COO graph, coalesced, `normalized_laplacian`, every class in one CG. After:
   `pixel_laplacian` written out from the stencil (int32 CSR) and the CG in bands of 32 classes. The row
@@ -30,7 +38,7 @@ after alternately (interleaved on a shared machine), best of the rounds. Memory:
 fresh process, freed heap returned (`malloc_trim`), the kernel's peak resident set reset
 (`/proc/self/clear_refs`), `peak MiB` = VmHWM - VmRSS over the call (what the call allocates).
 
-    python benchmarks/before_after.py [--cases retrieval pamr lp:pixel "bank build"] [--rounds 3] [--threads 1] [--cpu-time]
+    python benchmarks/before_after.py [--cases retrieval pamr lp:pixel "bank build" resize "window features"] [--rounds 3] [--threads 1] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -79,6 +88,12 @@ def old_pamr(cosine: torch.Tensor, guide: torch.Tensor, iterations: int = 10, di
             out.addcmul_(neighbour, w)
         mask = out
     return mask
+
+
+def old_window_features(raw: torch.Tensor, size: tuple[int, int], boxes, grid: tuple[int, int]) -> torch.Tensor:
+    full = F.normalize(F.interpolate(raw, size=size, mode="bilinear", align_corners=False), dim=1)
+    crops = torch.cat([full[..., y1:y2, x1:x2] for y1, y2, x1, x2 in boxes])
+    return F.normalize(F.interpolate(crops, size=grid, mode="bilinear", align_corners=False).flatten(2).transpose(1, 2), dim=-1)[:, None]
 
 
 def old_pixel_graph(rgb: torch.Tensor, tau: float = 0.01, radius: int = 6) -> torch.Tensor:
@@ -178,6 +193,51 @@ def pamr_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch
     return {
         "pamr": {"before": lambda: old_pamr(cosine, guide), "after": lambda: pamr(cosine, guide)},
         "pamr, H x W x N map": {"before": lambda: old_pamr(strided, guide), "after": lambda: pamr(strided, guide)},
+        "pamr, C kernel": {"before": lambda: switched("0", pamr, strided, guide), "after": lambda: switched("1", pamr, strided, guide)},
+    }
+
+
+def switched(native: str, call: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """call(*args) with the C kernels on ("1") or off ("0")."""
+    from clipseg_sparse.runtime.native import ENV_SWITCH
+
+    os.environ[ENV_SWITCH] = native
+    try:
+        return call(*args)
+    finally:
+        os.environ.pop(ENV_SWITCH)
+
+
+def resize_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
+    from clipseg_sparse.segment.maps import BAND_ELEMENTS, factored, resize_matrix, resized_cosine, row_bands
+
+    g = torch.Generator().manual_seed(0)
+    (h, w), (H, W) = (448, 597), (480, 640)
+    cosine = torch.randn(classes, h, w, generator=g)
+    bands = row_bands(H, classes * W, BAND_ELEMENTS)
+
+    def read(resized) -> torch.Tensor:
+        return torch.cat([resized.rows(y0, y1) for y0, y1 in bands], 1)
+
+    return {
+        "resize after an input stage": {
+            "before": lambda: read(factored(cosine.permute(1, 2, 0).contiguous(), resize_matrix(h, H), resize_matrix(w, W))),
+            "after": lambda: read(resized_cosine(cosine, (H, W))),
+        }
+    }
+
+
+def window_features_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
+    from clipseg_sparse.models.proxies import WholeImageFeatures
+    from clipseg_sparse.segment.windows import window_boxes
+
+    raw = torch.randn(1, 1024, 28, 37, generator=torch.Generator().manual_seed(0))
+    size, boxes = (448, 597), window_boxes(448, 597, 336, 112)
+    return {
+        "CorrCLIPv2 window features": {
+            "before": lambda: old_window_features(raw, size, boxes, (42, 42)),
+            "after": lambda: WholeImageFeatures(raw, size).windows(boxes, (0, 0, 0, 0)).at((42, 42)),
+        }
     }
 
 
@@ -217,7 +277,10 @@ def bank_build_case(classes: int, tmp: Path) -> dict[str, dict[str, Callable[[],
     }
 
 
-CASES = {"retrieval": retrieval_case, "pamr": pamr_case, "lp:pixel": lp_pixel_case, "bank build": bank_build_case}
+CASES = {
+    "retrieval": retrieval_case, "pamr": pamr_case, "lp:pixel": lp_pixel_case, "bank build": bank_build_case, "resize": resize_case,
+    "window features": window_features_case,
+}
 
 
 def status_mib(key: str) -> float:
