@@ -291,6 +291,46 @@ def test_lp_pixel_in_class_bands_equals_todays_solve():
     assert (ours - cosine).abs().max() > 1e-2  # it propagates
 
 
+@pytest.fixture
+def stencil_kernel(monkeypatch):
+    from clipseg_sparse.runtime import native
+
+    monkeypatch.setenv(native.ENV_SWITCH, "1")
+    library = native.kernel("stencil")
+    if library is None:
+        pytest.skip("no C compiler here: lp:pixel multiplies by torch's CSR product")
+    return library
+
+
+@pytest.mark.parametrize("size,radius,columns", [((24, 30), 3, 8), ((9, 11), 2, 40), ((5, 20), 6, 16), ((31, 14), 6, 32)])
+def test_stencil_product_is_the_csr_product(stencil_kernel, size, radius, columns):
+    """The C product reads the values and row starts alone (the columns follow from the square in raster order):
+    the CSR product to float rounding, at borders, for squares taller than the image, on 1 and 3 threads."""
+    g = torch.Generator().manual_seed(sum(size))
+    laplacian = lposs.pixel_laplacian(torch.rand(3, *size, generator=g), 0.05, radius, 0.9)
+    block = torch.randn(size[0] * size[1], columns, generator=g)
+    matrix = lposs.StencilLaplacian(stencil_kernel, laplacian, size, radius)
+    expected = laplacian @ block
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            torch.testing.assert_close(matrix @ block, expected, atol=2e-6, rtol=1e-6)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_lp_pixel_with_the_c_product_equals_the_csr_solve(stencil_kernel, monkeypatch):
+    """Bands of 3 classes padded to 8 columns: the same solution as torch's CSR product (each class its own CG)."""
+    from clipseg_sparse.runtime import native
+
+    g = torch.Generator().manual_seed(2)
+    rgb, cosine = torch.rand(3, 24, 30, generator=g), torch.randn(7, 24, 30, generator=g) * 0.05 + 0.2
+    ours = lposs.lp_pixel(cosine, rgb, 0.05, 3, 0.9, band=3)
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    torch.testing.assert_close(ours, lposs.lp_pixel(cosine, rgb, 0.05, 3, 0.9, band=3), atol=1e-5, rtol=0)
+
+
 # -- the stages end to end --------------------------------------------------------------------------------------
 def test_lposs_matches_the_published_pipeline(tiny_clip, dino):
     img = image()
