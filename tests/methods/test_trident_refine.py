@@ -275,16 +275,6 @@ def test_same_encoder_needs_the_very_weights(shared_sam):
     assert not sr.same_encoder(copy.deepcopy(predictor), type(sam_bb)(sam_bb.info, copy.deepcopy(sam_bb.model).bfloat16()))
 
 
-def scene(seed: int, size: tuple[int, int]) -> np.ndarray:
-    """Four flat colour blocks with noise: large same-class regions, so the refinement has components."""
-    rng = np.random.default_rng(seed)
-    h, w = size
-    img = np.zeros((h, w, 3), dtype=np.int64)
-    img[: h // 2, : w // 2], img[: h // 2, w // 2 :] = (200, 40, 40), (40, 200, 60)
-    img[h // 2 :, : w // 3], img[h // 2 :, w // 3 :] = (30, 60, 210), (220, 220, 90)
-    return np.clip(img + rng.integers(-25, 26, img.shape), 0, 255).astype(np.uint8)
-
-
 def trident_segmenter(clip, sam_stage: str) -> Segmenter:
     """VOC21's trident protocol scaled to the tiny models (150 x 200 -> 128 x 160, 112-px windows at stride 48),
     with the `sam` stage given and the refinement at IoU 0.45 (some of the random SAM's masks pass)."""
@@ -310,6 +300,8 @@ def test_the_predictor_reuses_the_sam_stages_pass(shared_sam, monkeypatch):
     the predictor's own never), and the refined labels equal those of two passes (the predictor's set_image,
     `kept_encoding` off) but where the two embeddings' float rounding (< 1e-5) moves a mask logit across 0 or
     a score across another: at most 0.01 % of the pixels (none on this machine)."""
+    from test_trident_published import scene
+
     clip, _, predictor = shared_sam
     monkeypatch.setattr(sr, "load_sam_predictor", lambda weights, device: predictor)
     seg, img = trident_segmenter(clip, "sam:1.2"), scene(0, (150, 200))
@@ -327,6 +319,8 @@ def test_the_predictor_reuses_the_sam_stages_pass(shared_sam, monkeypatch):
 def test_the_predictor_encodes_after_sam_on_halves(shared_sam, monkeypatch):
     """With `halves` (Cityscapes) the `sam` stage sees other pixels than SamPredictor: it keeps no pass, and the
     predictor encodes the image itself."""
+    from test_trident_published import scene
+
     clip, _, predictor = shared_sam
     monkeypatch.setattr(sr, "load_sam_predictor", lambda weights, device: predictor)
     with encoder_calls(predictor) as calls:
