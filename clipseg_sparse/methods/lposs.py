@@ -114,26 +114,31 @@ def normalized_laplacian(w: torch.Tensor, alpha: float = LP_ALPHA) -> torch.Tens
 def conjugate_gradient(a: torch.Tensor, b: torch.Tensor, tol: float = CG_TOL, maxiter: int = CG_MAXITER) -> torch.Tensor:
     """Solve A X = B (A: N x N symmetric positive definite, sparse, dense or any `A @ X`; B: N x M) column by column as
     cupyx.scipy.sparse.linalg.cg(A, b, tol=tol, maxiter=maxiter) does, all columns in one product per step:
-    from x = 0, stop a column after the step its residual norm is <= tol |b| (a zero column stays zero)."""
+    from x = 0, stop a column after the step its residual norm is <= tol |b| (a zero column stays zero).
+
+    The vectors are updated in place through one work buffer (the same products and sums per entry): fresh
+    N x M temporaries cost more than the arithmetic (a 267,000 x 32 product into a new tensor 30 ms, into the
+    buffer 4 ms). The residual norm is the square root of the next step's r.r (cupy's nrm2 and dot, one pass)."""
     b = b.float()
     x = torch.zeros_like(b)
     r = b.clone()
+    work = torch.empty_like(b)
     atol = tol * b.norm(dim=0)
     active = atol > 0
     p = torch.zeros_like(b)
     rho_old = torch.ones(b.shape[1], dtype=b.dtype, device=b.device)
+    rho = torch.mul(r, r, out=work).sum(0)
     for step in range(maxiter):
         if not bool(active.any()):
             break
-        rho = (r * r).sum(0)
         beta = torch.zeros_like(rho) if step == 0 else rho / torch.where(active, rho_old, torch.ones_like(rho_old))
-        p = r + beta * p
+        p.mul_(beta).add_(r)  # r + beta p
         q = a @ p
-        alpha = torch.where(active, rho / torch.where(active, (p * q).sum(0), torch.ones_like(rho)), torch.zeros_like(rho))
-        x += alpha * p
-        r -= alpha * q
-        rho_old = rho
-        active &= ~(r.norm(dim=0) <= atol)
+        alpha = torch.where(active, rho / torch.where(active, torch.mul(p, q, out=work).sum(0), torch.ones_like(rho)), torch.zeros_like(rho))
+        x.add_(torch.mul(p, alpha, out=work))
+        r.sub_(torch.mul(q, alpha, out=work))
+        rho_old, rho = rho, torch.mul(r, r, out=work).sum(0)
+        active &= ~(rho.sqrt() <= atol)
     return x
 
 
