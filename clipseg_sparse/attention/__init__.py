@@ -80,8 +80,9 @@ def attention_maps(clip, pixels, spec, regions=None, pos_interp: str = "size", c
     with `neg:W`); for source `id` the identity. regions: B x H x W region ids of the pixels, for specs
     with the `region:EPS` support (CorrCLIP). pos_interp: the positional-embedding rule ("size", or the
     published repositories' "scale"), as the protocol `eval` runs under gives it. context: as `encode_dense`'s
-    (`image_features`: backbone name -> the whole-image features of the pixels' windows, for CorrCLIPv2's
-    `ext:NAME.image` taps: `models.proxies.WholeImageFeatures(raw_map, size).windows(boxes, pad)`).
+    (`image_features`: backbone name -> B x C x H x W whole-image features of the pixels, or the windows' crops
+    of a raw map as `Segmenter` gives them, `models.proxies.WholeImageFeatures(raw_map, size).windows(boxes, pad)`,
+    for CorrCLIPv2's `ext:NAME.image` taps).
     """
     return clip.attention_maps(pixels, spec, regions, pos_interp, context)
 

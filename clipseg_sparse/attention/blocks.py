@@ -224,7 +224,7 @@ def encode_tokens(
     edited block's main path). context: what a `feedback` term's first pass reads (`text`, `logit_scale`;
     see feedback.py): the edited blocks run once without it, their labels make the map the final run reads;
     and `image_features` (backbone name -> the windows' crops of whole-image features, `ext:NAME.image`:
-    `models.proxies.WindowFeatures`).
+    `models.proxies.WindowFeatures`, or a B x C x H x W tensor of them).
     regions: B x H x W region ids of the input's pixels (-1 unsegmented), for specs that read regions
     (`scope.py`). branches: with `mct:BETA`, a list that receives the (weight, B x M x C tokens) of the
     extra inputs and the semantic branch instead of adding them to the main output (`encode_normed`)."""

@@ -228,6 +228,13 @@ class WindowFeatures:
         return torch.stack(out)[:, None]
 
 
+def window_image_features(crops: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """B x 1 x M x C: crops of whole-image features given as a tensor (B x C x h x w, e.g. to `attention_maps`'s
+    context) resized bilinearly (align_corners False) to `grid` and L2-normalised (CorrCLIPv2's forward_feature)."""
+    f = F.interpolate(crops.float(), size=tuple(grid), mode="bilinear", align_corners=False)
+    return F.normalize(f.flatten(2).transpose(1, 2), dim=-1)[:, None]
+
+
 def _window_taps(start: int, stop: int, before: int, after: int, cells: int, full: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Along one axis of a window [start, stop) of an input of length `full`, padded by `before` / `after`
     (replicate; negative: cut): (the input indices the crop's resize to `cells` reads, cells x len(indices)
@@ -250,7 +257,9 @@ def _ext_tap(ctx, arg: str) -> tuple[torch.Tensor, torch.Tensor]:
             if ("image", name) not in ctx.extra:
                 raise ValueError(f"ext:{arg} reads whole-image features: run it through Segmenter (it computes them once per image)")
             grid = proxy_grid(arg, tuple(ctx.pixels.shape[-2:]), ctx.grid)
-            ctx.extra[key] = ctx.extra[("image", name)].at(grid).to(ctx.pixels.dtype)
+            feats = ctx.extra[("image", name)]
+            feats = feats.at(grid) if isinstance(feats, WindowFeatures) else window_image_features(feats, grid)
+            ctx.extra[key] = feats.to(ctx.pixels.dtype)
         else:
             if "backbones" not in ctx.extra:
                 raise ValueError(f"ext:{arg} runs a backbone: give the block context the run's backbones (context={{'backbones': ...}}; DenseCLIP passes its own)")

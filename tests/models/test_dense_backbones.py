@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from conftest import window_run
 from clipseg_sparse.models.backbones import BACKBONES, Backbone, load_backbone
-from clipseg_sparse.models.proxies import split_ext
+from clipseg_sparse.models.proxies import split_ext, window_image_features
 from clipseg_sparse.segment.windows import iter_window_features
 
 def tiny_radio() -> Backbone:
@@ -134,6 +134,10 @@ def test_window_features_read_only_the_pixels_their_grid_needs(size, box, pad, g
     got = WholeImageFeatures(raw, size).windows([box], pad).at(grid)
     assert got.shape == (1, 1, grid[0] * grid[1], 16)
     torch.testing.assert_close(got[0, 0], published_window_features(raw, size, box, pad, grid), atol=2e-6, rtol=0)
+    if pad == (0, 0, 0, 0):  # the crop given as a tensor (`attention_maps`' context) reads the same
+        y1, y2, x1, x2 = box
+        crop = F.normalize(F.interpolate(raw, size=size, mode="bilinear", align_corners=False), dim=1)[..., y1:y2, x1:x2]
+        torch.testing.assert_close(window_image_features(crop, grid), got, atol=2e-6, rtol=0)
 
 
 def test_windows_forward_hands_each_batch_its_crops(tiny_clip, monkeypatch):
