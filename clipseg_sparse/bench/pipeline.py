@@ -13,6 +13,15 @@ Random weights (`pretrained=None`, backbones' `none`) on the real architectures;
 masks gets a fixed blocky map of 30 regions (no mask generator runs), one that reads an image bank a synthetic
 bank of 1000 regions (flat index). The parts are found by wrapping library callables for the duration of the
 run (`PartTimer.wrapped`), so nothing in the pipeline knows it is measured.
+
+The SAM 3 pipelines (`sam3`, `activesam`: `segment/pipelines.py`, not Segmenter presets) run as `eval` runs them:
+the pipeline its protocol names for ADE20K, built on `Pipeline.load` (random weights of the released
+configuration unless `model` gives SAM 3 weights), the first `classes` classes of the protocol's ADE20K names,
+`predict_labels` on the image file, then the label PNG `eval --save-pred` writes. Their networks are Sam3Model's
+vision and text encoders, the detector (`run_prompts`: geometry and fusion encoders, DETR decoder, scoring) and
+the mask decoder; the processor's resize, the answers' resize to the image, the fusion, the buckets, ActiveSAM's
+preview glue and the label map are other parts. With random weights few instances pass the confidence, so the
+per-instance work (masks resized to the image) is nearly absent.
 """
 
 from __future__ import annotations
@@ -42,7 +51,11 @@ FAMILIES = {
     "lposs": ("lposs", "lposs"),
     "lposs+": ("lposs+", "lposs+"),
     "pearl": ("pearl", "pearl"),
+    "sam3": ("sam3", "sam3"),  # SAM 3 pipelines (module docstring)
+    "activesam": ("activesam", "activesam"),
 }
+#: the part a SAM 3 pipeline's run ends with: what `eval --save-pred` writes
+LABEL_PNG = "write outputs (label PNG)"
 
 
 def _status_mib(key: str) -> float | None:
@@ -243,7 +256,33 @@ def timed_library(timer: PartTimer) -> Iterator[None]:
         enter(ClassMaps, "labels", "label map: resize, softmax, argmax, background rules", OTHER)
         enter(segmenter, "load_image", "load image", OTHER)
         enter(outputs, "write_outputs", "write outputs (label PNG, overlay, JSON)", OTHER)
+        with contextlib.suppress(ImportError):  # transformers: the SAM 3 pipelines
+            timed_sam3(enter)
         yield
+
+
+def timed_sam3(enter: Callable[..., None]) -> None:
+    """Wrap (through `enter(owner, attr, label, kind)`) what makes the parts of a SAM 3 pipeline's run."""
+    from transformers.models.sam3.modeling_sam3 import Sam3MaskDecoder, Sam3Model
+
+    from ..methods import activesam, sam3
+    from ..models.sam3 import hf
+
+    enter(Sam3Model, "get_vision_features", "SAM 3 vision encoder (get_vision_features)", NETWORK)
+    enter(Sam3Model, "get_text_features", "SAM 3 text encoder (get_text_features)", NETWORK)
+    enter(hf, "run_prompts", "SAM 3 detector (run_prompts: geometry and fusion encoders, DETR decoder, scoring)", NETWORK)
+    enter(Sam3MaskDecoder, "forward", "SAM 3 mask decoder (mask_decoder)", NETWORK)
+    enter(hf.TransformersPrompter, "set_image", "set_image: the processor's resize and normalisation", OTHER)
+    enter(hf.TransformersPrompter, "tokens", "tokens: the tokenizer", OTHER)
+    for module in (hf, activesam):  # each module calls the name it imported
+        enter(module, "answers", "answers: instance and semantic logits resized to the image, sigmoid", OTHER)
+    for module in (sam3, activesam):
+        enter(module, "fuse_prompt", "fuse_prompt: instances, semantic map, presence", OTHER)
+        enter(module, "load_image", "load image", OTHER)
+    enter(activesam.ActiveSamSegmenter, "active", "active: the presence preview's buckets and decision", OTHER)
+    for segmenter in (sam3.Sam3Segmenter, activesam.ActiveSamSegmenter):
+        enter(segmenter, "scores", "scores: prompt buckets, max over a class's names", OTHER)
+        enter(segmenter, "predict_labels", "label map: argmax, background rule", OTHER)
 
 
 #: where the measured cost of every preset is kept (`benchmarks/pipeline.py --cost-file`): what `ls presets` shows
@@ -301,44 +340,32 @@ def bench_pipeline(
     `preset_target`) with `classes` classes, by part (module docstring): run twice, the first for memory (each
     part's freed heap returned before it: its peak counts the pages it touches), the second for time (the
     allocator warm, as a run over many images); `memory=False` runs the second alone (no peaks).
-    model: None is ViT-B/16, or where the preset needs more blocks (`-l14` presets) the protocol's CLIP or ViT-L/14.
+    model: None is ViT-B/16, or where the preset needs more blocks (`-l14` presets) the protocol's CLIP or ViT-L/14;
+    for a SAM 3 pipeline its weights (`--proxy-weights sam3=W`; None: random, the released configuration).
     cpu_time: time by this process's CPU time (one thread: the work, whatever else loads the machine)."""
     from ..evaluation.protocols import PROTOCOLS
-    from ..files import outputs
-    from ..models.clip import load_clip
-    from ..models.proxies import ProxyBackbones
-    from ..segment.plan import Plan
-    from ..segment.resources import Resources
-    from ..segment.segmenter import Segmenter
+    from ..segment.pipelines import find_pipeline
     from .timing import keep_freed_memory, smooth_image
-
 
     preset, protocol_name = preset_target(family)
     protocol = PROTOCOLS.get(protocol_name)
-    settings = protocol.settings("ade20k")
-    spec = protocol.spec_for("ade20k", preset)
-    model = model or bench_model(spec, protocol)
     keep_freed_memory()
     torch.manual_seed(0)
-    clip = load_clip(model, pretrained=None, device=device)
-    plan = Plan.of(spec, settings)
-    backbones = ProxyBackbones.following(clip, "none")
     rgb = smooth_image(size)
     with tempfile.TemporaryDirectory() as tmp:
-        bank = synthetic_bank(Path(tmp) / "bank", clip, backbones, plan.needs.image_features[0]) if plan.needs.bank else None
-        regions = _GivenRegions(blocky_regions(size)) if plan.needs.regions else None
-        resources = Resources(regions=regions, bank=bank, proxy_weights="none", backbones=backbones).bind(plan, clip, [])
-        seg = Segmenter(clip, [f"class {i}" for i in range(classes)], spec=spec, settings=settings, templates="single", resources=resources)
         image = Path(tmp) / "image.png"
         from PIL import Image
 
         Image.fromarray(rgb).save(image)
-        options = outputs.OutputOptions(overwrite=True)
+        if find_pipeline(preset) is not None:
+            model, run = _sam3_run(protocol, classes, model, device, image)
+        else:
+            model, run = _segmenter_run(preset, protocol, classes, size, model, device, image, rgb)
         clock = time.process_time if cpu_time else time.perf_counter
         runs = [PartTimer(trim=True)] * memory + [PartTimer(clock=clock)]  # memory (freed heap returned at each part), then time (warm)
         for i, timer in enumerate(runs):
             with timed_library(timer), timer.part("whole run", OTHER):
-                outputs.write_outputs(Path(tmp) / f"out{i}", image, rgb, seg.predict(image), options)
+                run(timer, Path(tmp) / f"out{i}")
     timer, peaks = runs[-1], runs[0].parts if memory else {}
     whole = timer.parts.pop("whole run")
     networks = sum(p.own for p in timer.parts.values() if p.kind == NETWORK)
@@ -348,6 +375,60 @@ def bench_pipeline(
     rest = whole.seconds - sum(p.own for p in parts)
     parts += (Part("rest of predict (untimed glue)", OTHER, 1, rest, rest),)
     return PipelineReport(family, preset, protocol_name, classes, size, parts, whole.seconds, networks, model)
+
+
+#: one timed run: (the timer, the output base) -> None
+Run = Callable[[PartTimer, Path], None]
+
+
+def _segmenter_run(preset: str, protocol, classes: int, size: tuple[int, int], model: str | None, device: str, image: Path,
+                   rgb: np.ndarray) -> tuple[str, Run]:  # fmt: skip
+    """(the CLIP's name, a run of what `segment` runs) for an attention preset: its Segmenter with random
+    weights and the resources its plan needs, `predict`, then `write_outputs`."""
+    from ..files import outputs
+    from ..models.clip import load_clip
+    from ..models.proxies import ProxyBackbones
+    from ..segment.plan import Plan
+    from ..segment.resources import Resources
+    from ..segment.segmenter import Segmenter
+
+    settings = protocol.settings("ade20k")
+    spec = protocol.spec_for("ade20k", preset)
+    model = model or bench_model(spec, protocol)
+    clip = load_clip(model, pretrained=None, device=device)
+    plan = Plan.of(spec, settings)
+    backbones = ProxyBackbones.following(clip, "none")
+    bank = synthetic_bank(image.parent / "bank", clip, backbones, plan.needs.image_features[0]) if plan.needs.bank else None
+    regions = _GivenRegions(blocky_regions(size)) if plan.needs.regions else None
+    resources = Resources(regions=regions, bank=bank, proxy_weights="none", backbones=backbones).bind(plan, clip, [])
+    seg = Segmenter(clip, [f"class {i}" for i in range(classes)], spec=spec, settings=settings, templates="single", resources=resources)
+    options = outputs.OutputOptions(overwrite=True)
+    return model, lambda timer, out: outputs.write_outputs(out, image, rgb, seg.predict(image), options)
+
+
+def _sam3_run(protocol, classes: int, weights: str | None, device: str, image: Path) -> tuple[str, Run]:
+    """(the weights, a run of what `eval` runs) for a SAM 3 pipeline (module docstring): the first `classes`
+    of the protocol's ADE20K classes (real names: ActiveSAM looks up their hypernyms)."""
+    from ..datasets import class_vocabulary
+    from ..datasets.labels import write_label_png
+    from ..errors import UserValueError
+    from ..segment.pipelines import find_pipeline
+    from ..segment.vocabulary import Vocabulary
+
+    every = class_vocabulary("ade20k", protocol.class_names)[0]
+    if not 2 <= classes <= len(every):
+        raise UserValueError(f"{protocol.name}: between 2 and {len(every)} classes (ADE20K's names); got {classes}")
+    vocabulary = Vocabulary(every.names[:classes], every.labels[:classes])
+    pipeline = find_pipeline(protocol.pipeline_text("ade20k"))
+    weights = weights or "none"
+    seg = pipeline.build(pipeline.load(weights, device, "fp32"), vocabulary, protocol.settings("ade20k"))
+
+    def run(timer: PartTimer, out: Path) -> None:
+        labels = seg.predict_labels(image)
+        with timer.part(LABEL_PNG, OTHER):
+            write_label_png(out.with_suffix(".png"), labels)
+
+    return f"{pipeline.backbone}:{weights}", run
 
 
 def rich_pipeline_table(report: PipelineReport):
