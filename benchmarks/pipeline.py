@@ -8,7 +8,9 @@ and peak memory); random weights on the real architectures, one thread by defaul
 
 Prints, per run, the parts table, then one summary row per run: networks' seconds, whole seconds, their ratio,
 the largest part outside the networks, and the run's peak memory over the resident set before it. A family is
-one of FAMILIES or any preset (`all-presets`: every registered one) with its paper's protocol. `--cost-file`
+one of FAMILIES or any preset (`all-presets`: every registered one) with its paper's protocol. The SAM 3 families
+(`sam3`, `activesam`) run the full-size random Sam3Model: minutes per run on one CPU thread (half an hour for sam3
+at 150 classes). `--cost-file`
 keeps each run's whole and networks' seconds by preset in the file `ls presets` reads (its "CPU cost" column:
 the whole run over sclip's), merged into what the file holds, written after each run (an interrupted sweep keeps
 what it measured; `--skip-measured` resumes it).

@@ -19,7 +19,7 @@ def bench(
     precision: PrecisionOpt = Precision.fp32,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Benchmark only this model (name or config JSON).")] = None,
     suites: Annotated[str, typer.Option("--suites", help="Comma-separated: normalizer, forward, segment, ttfm (time to first mask), windows (the published window loop), bf16 (benchmarks/README.md); pipeline, not by default (one image's run by part).")] = "normalizer,forward,segment,ttfm,windows,bf16",
-    families: Annotated[str, typer.Option("--families", help="pipeline: comma-separated preset families (sclip, naclip+pamr, proxyclip, trident, trident+samrefine, corrclip, ovstitcher, corrclipv2+bank, lposs, lposs+, pearl) or any presets (each with its paper's protocol).")] = "sclip",
+    families: Annotated[str, typer.Option("--families", help="pipeline: comma-separated preset families (sclip, naclip+pamr, proxyclip, trident, trident+samrefine, corrclip, ovstitcher, corrclipv2+bank, lposs, lposs+, pearl), SAM 3 pipelines (sam3, activesam: --model gives their SAM 3 weights, random by default) or any presets (each with its paper's protocol).")] = "sclip",
     classes: Annotated[str, typer.Option("--classes", help="pipeline: comma-separated class counts.")] = "21,150",
     size: Annotated[str, typer.Option("--size", help="pipeline: the image's HEIGHTxWIDTH.")] = "480x640",
 ) -> None:

@@ -1,5 +1,5 @@
-"""`bench --suites pipeline` on the tiny CLIP: the parts of one image's run, nested parts subtracted, memory
-counted per part (no timing assertions beyond consistency)."""
+"""`bench --suites pipeline` on the tiny CLIP, and its SAM 3 families on a small random Sam3Model: the parts of
+one image's run, nested parts subtracted, memory counted per part (no timing assertions beyond consistency)."""
 
 import time
 from pathlib import Path
@@ -80,6 +80,36 @@ def test_presets_reading_more_blocks_are_timed_on_a_clip_that_has_them():
     assert bench_model(resolve_spec("sclip"), PROTOCOLS.get("sclip")) == "ViT-B-16"
     assert bench_model(resolve_spec("scclip-l14"), PROTOCOLS.get("scclip")) == "ViT-L-14"  # blocks 9..19: no protocol CLIP
     assert bench_model(resolve_spec("corrclip-l14"), PROTOCOLS.get("corrclip-l14-metaclip")) == "ViT-L-14-quickgelu"  # the protocol's
+
+
+@pytest.fixture(scope="module")
+def tiny_sam3(tmp_path_factory):
+    """A folder holding the tests' small random Sam3Model and its processor: the weights a SAM 3 family loads."""
+    from sam3_tiny import tiny_hf_prompter
+
+    torch.set_num_threads(1)  # the tiny model's ops are too small for two threads on a shared 2-core machine
+    prompter, folder = tiny_hf_prompter(), tmp_path_factory.mktemp("sam3-tiny")
+    prompter.model.save_pretrained(folder)
+    prompter.processor.save_pretrained(folder)
+    return str(folder)
+
+
+SAM3_NETWORKS = {"SAM 3 vision encoder (get_vision_features)", "SAM 3 text encoder (get_text_features)",
+                 "SAM 3 detector (run_prompts: geometry and fusion encoders, DETR decoder, scoring)", "SAM 3 mask decoder (mask_decoder)"}  # fmt: skip
+
+
+@pytest.mark.parametrize("family, classes, encodings", [("sam3", 3, 1), ("activesam", 41, 2)])
+def test_sam3_pipeline_parts_add_up_to_the_run(tiny_sam3, family, classes, encodings):
+    """The SAM 3 families: every network part timed and counted in the networks, the parts adding up to the run;
+    ActiveSAM over 40 names encodes the image twice (its 672-px preview, then the full input)."""
+    report = bench_pipeline(family, classes=classes, size=(48, 64), model=tiny_sam3, memory=False)
+    names = {p.name: p for p in report.parts}
+    assert (report.preset, report.protocol, report.model) == (family, family, f"sam3:{tiny_sam3}")
+    assert {p.name for p in report.parts if p.kind == NETWORK} == SAM3_NETWORKS and all(names[n].own > 0 for n in SAM3_NETWORKS)
+    assert report.networks == pytest.approx(sum(names[n].own for n in SAM3_NETWORKS))
+    assert {"load image", "label map: argmax, background rule", "write outputs (label PNG)", "fuse_prompt: instances, semantic map, presence"} <= set(names)
+    assert names["SAM 3 vision encoder (get_vision_features)"].calls == encodings
+    assert sum(p.own for p in report.parts) == pytest.approx(report.whole, rel=1e-9) and report.whole > report.networks > 0
 
 
 def test_relative_cost_is_the_whole_run_over_sclips(tmp_path, monkeypatch):
