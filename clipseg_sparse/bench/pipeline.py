@@ -54,8 +54,6 @@ FAMILIES = {
     "sam3": ("sam3", "sam3"),  # SAM 3 pipelines (module docstring)
     "activesam": ("activesam", "activesam"),
 }
-#: the part a SAM 3 pipeline's run ends with: what `eval --save-pred` writes
-LABEL_PNG = "write outputs (label PNG)"
 
 
 def _status_mib(key: str) -> float | None:
@@ -425,7 +423,7 @@ def _sam3_run(protocol, classes: int, weights: str | None, device: str, image: P
 
     def run(timer: PartTimer, out: Path) -> None:
         labels = seg.predict_labels(image)
-        with timer.part(LABEL_PNG, OTHER):
+        with timer.part("write outputs (label PNG)", OTHER):  # what `eval --save-pred` writes
             write_label_png(out.with_suffix(".png"), labels)
 
     return f"{pipeline.backbone}:{weights}", run
