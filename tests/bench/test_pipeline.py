@@ -87,11 +87,13 @@ def tiny_sam3(tmp_path_factory):
     """A folder holding the tests' small random Sam3Model and its processor: the weights a SAM 3 family loads."""
     from sam3_tiny import tiny_hf_prompter
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's ops are too small for two threads on a shared 2-core machine
     prompter, folder = tiny_hf_prompter(), tmp_path_factory.mktemp("sam3-tiny")
     prompter.model.save_pretrained(folder)
     prompter.processor.save_pretrained(folder)
-    return str(folder)
+    yield str(folder)
+    torch.set_num_threads(threads)
 
 
 SAM3_NETWORKS = {"SAM 3 vision encoder (get_vision_features)", "SAM 3 text encoder (get_text_features)",
