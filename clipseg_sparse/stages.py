@@ -34,7 +34,6 @@ PAMR (Araslanov & Roth, CVPR 2020, `visinf/1-stage-wseg`) is the first post stag
 from __future__ import annotations
 
 import ctypes
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -389,26 +388,24 @@ def _pamr_native(
     library, cosine: torch.Tensor, weights: torch.Tensor, offsets: Sequence[tuple[int, int]], iterations: int, band: int
 ) -> torch.Tensor:
     """`pamr`'s loop in C (`runtime/native/pamr.c`: each image row's neighbours summed in cache, in the torch
-    path's order), bands of classes spread over torch's threads (ctypes releases the GIL)."""
+    path's order), bands of classes spread over torch's threads (`native.over_threads`)."""
     N, H, W = cosine.shape
     pad = max(max(abs(oy), abs(ox)) for oy, ox in offsets)
     weights = weights.float().contiguous()
     out = torch.empty(N, H, W, dtype=torch.float32)
     oy, ox = ((ctypes.c_int * len(offsets))(*(o[i] for o in offsets)) for i in (0, 1))
     starts = list(range(0, N, band))
-    workers = max(1, min(torch.get_num_threads(), len(starts)))
 
-    def work(mine: list[int]) -> None:
+    def work(lo: int, hi: int) -> None:  # bands starts[lo:hi], in two band buffers of its own
         a, b = (torch.empty(min(band, N), H + 2 * pad, W + 2 * pad) for _ in range(2))
-        for start in mine:
+        for start in starts[lo:hi]:
             n = min(band, N - start)
             a[:n, pad : pad + H, pad : pad + W] = cosine[start : start + n]
             library.pamr_band(
                 *(native.float_pointer(t) for t in (a, b, weights, out[start : start + n])), n, H, W, pad, len(offsets), oy, ox, iterations
             )
 
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(work, [starts[i::workers] for i in range(workers)]))
+    native.over_threads(work, len(starts))
     return out
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -305,10 +304,7 @@ class StencilLaplacian:
         q = torch.empty_like(p)
         crow = ctypes.cast(self.crow.data_ptr(), ctypes.POINTER(ctypes.c_longlong))
         args = (native.float_pointer(self.values), crow, native.float_pointer(p), native.float_pointer(q), H, W, self.radius, p.shape[1])
-        workers = max(1, min(torch.get_num_threads(), H))
-        cuts = [H * i // workers for i in range(workers + 1)]
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda i: self.library.square_stencil_product(*args, cuts[i], cuts[i + 1]), range(workers)))
+        native.over_threads(lambda y0, y1: self.library.square_stencil_product(*args, y0, y1), H)
         return q
 
 

@@ -22,7 +22,9 @@ import os
 import shlex
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -76,3 +78,12 @@ def float_pointer(t: torch.Tensor) -> ctypes.POINTER(ctypes.c_float):
     if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"a C kernel needs contiguous CPU float32 memory, got {t.dtype} on {t.device}")
     return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_float))
+
+
+def over_threads(work: Callable[[int, int], None], count: int) -> None:
+    """work(lo, hi) on contiguous parts of range(count), one part per torch thread (at most `count`), run at once:
+    a ctypes call releases the GIL, so the kernels' parts run in parallel."""
+    workers = max(1, min(torch.get_num_threads(), count))
+    cuts = [count * i // workers for i in range(workers + 1)]
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda i: work(cuts[i], cuts[i + 1]), range(workers)))
