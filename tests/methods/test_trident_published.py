@@ -538,17 +538,13 @@ def published_trident(clip, dino, predictor, img, text, short_side, crop, stride
     return out
 
 
-@pytest.fixture(scope="module")
-def published(tiny_clip):
-    """The tiny CLIP; a tiny DINO-layout ViT as dino_vitb16; a tiny segment_anything SAM at SAM's real
-    1024-px geometry (2 blocks of width 32, the second global, random relative positions; its prompt
-    encoder and mask decoder at their real sizes) as its SamPredictor and, with the same weights through
-    timm's converter, as sam_vitb."""
+def tiny_trident_networks():
+    """(dino_vitb16, sam_vitb backbones, the segment_anything SAM): a tiny DINO-layout ViT; a tiny segment_anything
+    SAM at SAM's real 1024-px geometry (2 blocks of width 32, the second global, random relative positions; its
+    prompt encoder and mask decoder at their real sizes) and, with the same weights through timm's converter, the
+    sam_vitb backbone. Seeded: the same networks at every call."""
     import timm.models.vision_transformer as vt
-    from segment_anything import SamPredictor
     from segment_anything.build_sam import _build_sam
-
-    from conftest import installed_backbones
 
     torch.manual_seed(0)
     dino = vt.VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True).eval()
@@ -558,9 +554,21 @@ def published(tiny_clip):
             if "rel_pos" in name:
                 p.normal_()
         sam.mask_decoder.iou_prediction_head.layers[-1].bias += 0.6  # predicted IoUs near 0.48 instead of -0.12
-    dino_bb, sam_bb = Backbone(BACKBONES.get("dino_vitb16"), dino), Backbone(BACKBONES.get("sam_vitb"), timm_sam_from(sam.state_dict(), 1024, 14, 256))
+    sam_bb = Backbone(BACKBONES.get("sam_vitb"), timm_sam_from(sam.state_dict(), 1024, 14, 256))
+    return Backbone(BACKBONES.get("dino_vitb16"), dino), sam_bb, sam
+
+
+@pytest.fixture(scope="module")
+def published(tiny_clip):
+    """The tiny CLIP and `tiny_trident_networks` installed: the tiny DINO as dino_vitb16, the tiny SAM as its
+    SamPredictor and, with the same weights, as sam_vitb."""
+    from segment_anything import SamPredictor
+
+    from conftest import installed_backbones
+
+    dino_bb, sam_bb, sam = tiny_trident_networks()
     with installed_backbones(dino_bb, sam_bb, clips=[tiny_clip]):
-        yield tiny_clip, dino, SamPredictor(sam)
+        yield tiny_clip, dino_bb.model, SamPredictor(sam)
 
 
 def scene(seed: int, size: tuple[int, int]) -> np.ndarray:

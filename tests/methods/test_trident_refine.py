@@ -221,24 +221,13 @@ def shared_sam(tiny_clip):
     """A tiny DINO as dino_vitb16 and a tiny segment_anything SAM at SAM's real 1024-px geometry (2 blocks of
     width 32, the second global, random relative positions) as the predictor and, through timm's converter, as
     sam_vitb: both stages read the same weights, as with --proxy-weights sam_vitb=sam_vit_b_01ec64.pth."""
-    import timm.models.vision_transformer as vt
     from segment_anything import SamPredictor
-    from segment_anything.build_sam import _build_sam
 
     from conftest import installed_backbones
-    from test_trident_published import timm_sam_from
-    from clipseg_sparse.models.backbones import BACKBONES, Backbone
+    from test_trident_published import tiny_trident_networks
 
-    torch.manual_seed(0)
-    dino = vt.VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=2, num_heads=2, num_classes=0, qkv_bias=True).eval()
-    sam = _build_sam(encoder_embed_dim=32, encoder_depth=2, encoder_num_heads=2, encoder_global_attn_indexes=[1]).eval()
-    with torch.no_grad():
-        for name, p in sam.image_encoder.named_parameters():
-            if "rel_pos" in name:
-                p.normal_()
-        sam.mask_decoder.iou_prediction_head.layers[-1].bias += 0.6  # predicted IoUs near 0.5
-    sam_bb = Backbone(BACKBONES.get("sam_vitb"), timm_sam_from(sam.state_dict(), 1024, 14, 256))
-    with installed_backbones(Backbone(BACKBONES.get("dino_vitb16"), dino), sam_bb, clips=[tiny_clip]):
+    dino_bb, sam_bb, sam = tiny_trident_networks()
+    with installed_backbones(dino_bb, sam_bb, clips=[tiny_clip]):
         yield tiny_clip, sam_bb, SamPredictor(sam)
 
 
