@@ -81,7 +81,9 @@ def _reset_peak() -> None:
 @dataclass
 class Part:
     """One named part: its calls, seconds in them (inclusive), seconds less the parts inside them (own), and
-    the most MiB its calls allocated above the resident set at their start (None: not measurable here)."""
+    the most MiB its calls allocated above the resident set at their start, or at a nested part's start where
+    that is lower (its trim returned free heap: so a part's peak includes its nested parts'; None: not
+    measurable here)."""
 
     name: str
     kind: str
@@ -122,7 +124,11 @@ class PartTimer:
         if self.trim:
             _malloc_trim()
         self._observe()
-        entry = _Open(self.parts.setdefault(name, Part(name, kind)), self.clock(), _status_mib("VmRSS"), None)
+        rss = _status_mib("VmRSS")
+        for o in self._open:  # the trim may have returned free heap pages: the parts around count from what is left
+            if o.rss is not None and rss is not None:
+                o.rss = min(o.rss, rss)
+        entry = _Open(self.parts.setdefault(name, Part(name, kind)), self.clock(), rss, None)
         self._open.append(entry)
         try:
             yield
